@@ -1,0 +1,109 @@
+"""Engine configuration: one dataclass, validated once in ``__post_init__``.
+
+Keyword names follow nano-vllm (and vLLM where nano-vllm has none). Values derived at
+start-up (``hf_config``, ``torch_dtype``, ``device``, ``eos_token_ids``, and
+``num_kvcache_blocks`` when it was left at -1) are filled in by the engine, visibly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Config:
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    # KV-cache budget on CPU, in GiB per rank, when num_kvcache_blocks is not given.
+    cpu_kvcache_space: float = 4.0
+    # Derived at start-up.
+    hf_config: PretrainedConfig | None = field(default=None, repr=False)
+    torch_dtype: torch.dtype | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> Config:
+        """Like ``Config(model, **kwargs)`` but names every unknown keyword at once."""
+        public = {f.name for f in dataclasses.fields(cls) if f.name not in _DERIVED}
+        unknown = sorted(set(kwargs) - public)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(public - {'model'})}")
+        return cls(model, **kwargs)
+
+    def __post_init__(self):
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a path to a local checkpoint, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model directory {self.model!r} does not exist")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model directory {self.model!r} has no config.json")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
+                     "kvcache_block_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1)
+        _check_int("seed", self.seed, minimum=0)
+        if self.num_kvcache_blocks == 0:
+            raise ValueError("num_kvcache_blocks must be -1 (size automatically) or >= 1, got 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not self.cpu_kvcache_space > 0:
+            raise ValueError(f"cpu_kvcache_space must be > 0 GiB, got {self.cpu_kvcache_space!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available")
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
+                             f"{torch.cuda.device_count()} visible GPU(s)")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.torch_dtype = self._resolve_dtype()
+        self._check_tensor_parallel()
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.device == "cpu":
+            return torch.float32
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = _DTYPES.get(dtype, None)
+        return dtype if dtype in _DTYPES.values() else torch.bfloat16
+
+    def _check_tensor_parallel(self):
+        tp, cfg = self.tensor_parallel_size, self.hf_config
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        for name, value in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", num_kv_heads)):
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={value}")
+
+
+_DERIVED = {"hf_config", "torch_dtype", "eos_token_ids"}
+
+
+def _check_int(name: str, value, minimum: int):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

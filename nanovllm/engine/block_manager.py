@@ -1,0 +1,113 @@
+"""Paged KV-cache blocks: allocation, reference counts, and the xxhash prefix cache.
+
+A full block is registered in the prefix cache only once its K/V has been computed
+(``hash_blocks`` after a forward), so a hit never reads K/V that is still to be written.
+Its hash chains the previous block's hash with its token ids; a hit also compares the ids.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+        self.num_cache_hits = 0  # blocks reused from the prefix cache, over the engine's life
+
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(np.array(token_ids, dtype=np.int64).tobytes())
+        return h.intdigest()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _allocate_block(self) -> int:
+        block = self.blocks[self.free_block_ids.popleft()]
+        assert block.ref_count == 0
+        if self.hash_to_block_id.get(block.hash) == block.block_id:  # its old contents get overwritten
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids, block.ref_count = -1, [], 1
+        self.used_block_ids.add(block.block_id)
+        return block.block_id
+
+    def _reuse_block(self, block_id: int):
+        block = self.blocks[block_id]
+        if block.ref_count == 0:  # a freed block whose K/V is still intact
+            self.free_block_ids.remove(block_id)
+            self.used_block_ids.add(block_id)
+        block.ref_count += 1
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.num_free_blocks >= seq.num_blocks
+
+    def allocate(self, seq: Sequence):
+        """Give ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix.
+
+        The block holding the last token is never taken from the cache: at least one token
+        must go through the forward to produce logits."""
+        assert not seq.block_table
+        h, cache_miss = -1, False
+        for i in range(seq.num_blocks):
+            token_ids = seq.block(i)
+            cacheable = (i + 1) * self.block_size < seq.num_tokens
+            h = self.compute_hash(token_ids, h) if cacheable and not cache_miss else -1
+            block_id = self.hash_to_block_id.get(h, -1)
+            cache_miss = cache_miss or block_id == -1 or self.blocks[block_id].token_ids != token_ids
+            if cache_miss:
+                block_id = self._allocate_block()
+            else:
+                self._reuse_block(block_id)
+                seq.num_cached_tokens += self.block_size
+                self.num_cache_hits += 1
+            seq.block_table.append(block_id)
+
+    def deallocate(self, seq: Sequence):
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids.append(block_id)
+        seq.num_cached_tokens = 0
+        seq.block_table.clear()
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the token that ``seq``'s next forward computes has a slot (or one is free)."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks >= 1
+
+    def may_append(self, seq: Sequence):
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._allocate_block())
+
+    def hash_blocks(self, seq: Sequence, num_cached_before: int):
+        """Register the blocks that became full and computed in the last forward."""
+        first, last = num_cached_before // self.block_size, seq.num_cached_tokens // self.block_size
+        h = self.blocks[seq.block_table[first - 1]].hash if first > 0 else -1
+        for i in range(first, last):
+            block = self.blocks[seq.block_table[i]]
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block.hash, block.token_ids = h, token_ids
+            self.hash_to_block_id[h] = block.block_id

@@ -1,0 +1,295 @@
+"""Runs the model on one device (one rank of a tensor-parallel group).
+
+Owns device set-up, model loading, the warmup forward that sizes the KV cache, the one
+preallocated KV tensor with per-layer views, turning scheduled sequences into the flat
+tensors attention needs (``prepare_prefill`` / ``prepare_decode``), CUDA Graph decode, and
+sampling on rank 0. With tensor parallelism rank 0 drives the other ranks: ``call`` writes
+the method name and arguments into shared memory and sets each worker's event.
+"""
+from __future__ import annotations
+
+import pickle
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Event
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models import get_model_class
+from nanovllm.models.qwen3 import head_dim_of
+from nanovllm.utils.context import get_context, set_context
+from nanovllm.utils.distributed import tensor_parallel
+from nanovllm.utils.loader import load_model
+
+SHM_SIZE = 2 ** 20
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int, event: Event | list[Event], shm_name: str = "", port: int = 0):
+        self.config = config
+        hf_config = config.hf_config
+        self.block_size = config.kvcache_block_size
+        self.world_size = config.tensor_parallel_size
+        self.rank = rank
+        self.event = event
+        self.is_cuda = config.device == "cuda"
+        self.enforce_eager = config.enforce_eager or not self.is_cuda
+        if self.world_size > 1:
+            dist.init_process_group("nccl" if self.is_cuda else "gloo", f"tcp://127.0.0.1:{port}",
+                                    world_size=self.world_size, rank=rank)
+        if self.is_cuda:
+            torch.cuda.set_device(rank)
+        self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
+        self.dtype = config.torch_dtype
+        self.head_dim = head_dim_of(hf_config)
+        self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
+            // self.world_size
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self._load_and_prepare(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if self.world_size > 1:
+            if rank == 0:
+                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
+                dist.barrier()
+            else:
+                dist.barrier()
+                self.shm = SharedMemory(name=shm_name)
+                self.loop()
+
+    def _load_and_prepare(self, hf_config):
+        with tensor_parallel(self.rank, self.world_size):
+            self.model = get_model_class(hf_config)(hf_config)
+        load_model(self.model, self.config.model)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
+        self.attention_backend = select_backend(self.config.device, self.dtype, self.block_size, self.head_dim)
+        if self.is_cuda:
+            self.warmup_model()
+        self.allocate_kv_cache()
+        if not self.enforce_eager:
+            self.capture_cudagraph()
+
+    def exit(self):
+        if self.world_size > 1:
+            self.shm.close()
+            dist.barrier()
+            if self.rank == 0:
+                self.shm.unlink()
+        if not self.enforce_eager:
+            del self.graphs, self.graph_pool
+        if self.is_cuda:
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.destroy_process_group()
+
+    # ---- rank 0 drives the workers through shared memory ---------------------------------
+    def loop(self):
+        while True:
+            method_name, args = self.read_shm()
+            self.call(method_name, *args)
+            if method_name == "exit":
+                break
+
+    def read_shm(self):
+        assert self.world_size > 1 and self.rank > 0
+        self.event.wait()
+        n = int.from_bytes(self.shm.buf[0:4], "little")
+        method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
+        self.event.clear()
+        return method_name, args
+
+    def write_shm(self, method_name: str, *args):
+        assert self.world_size > 1 and self.rank == 0
+        data = pickle.dumps([method_name, *args])
+        n = len(data)
+        if n + 4 > SHM_SIZE:
+            raise RuntimeError(f"a {method_name} call of {n} bytes does not fit the {SHM_SIZE}-byte shared memory")
+        self.shm.buf[0:4] = n.to_bytes(4, "little")
+        self.shm.buf[4:n + 4] = data
+        for event in self.event:
+            event.set()
+
+    def call(self, method_name: str, *args):
+        if self.world_size > 1 and self.rank == 0:
+            self.write_shm(method_name, *args)
+        return getattr(self, method_name)(*args)
+
+    # ---- start-up ----------------------------------------------------------------------
+    def warmup_model(self):
+        """One prefill at the largest batch, so that the KV sizing sees the peak activations."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        max_num_batched_tokens, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
+        seq_len = min(max_num_batched_tokens, max_model_len)
+        num_seqs = max(1, min(max_num_batched_tokens // seq_len, self.config.max_num_seqs))
+        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq_len
+        self.run(seqs, True)
+        torch.cuda.empty_cache()
+
+    def _block_bytes(self) -> int:
+        hf_config = self.config.hf_config
+        return (2 * hf_config.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim
+                * self.dtype.itemsize)
+
+    def _num_kvcache_blocks(self) -> int:
+        config = self.config
+        if config.num_kvcache_blocks > 0:
+            return config.num_kvcache_blocks
+        block_bytes = self._block_bytes()
+        if self.is_cuda:  # the seeds' formula: what is left under the utilization cap after the warmup peak
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+            stats = torch.cuda.memory_stats()
+            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+            return int(total * config.gpu_memory_utilization - used - peak + current) // block_bytes
+        # CPU: a budget of cpu_kvcache_space GiB, but no more than max_num_seqs full-length sequences
+        budget = int(config.cpu_kvcache_space * 2 ** 30) // block_bytes
+        blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        return min(budget, config.max_num_seqs * blocks_per_seq)
+
+    def allocate_kv_cache(self):
+        hf_config = self.config.hf_config
+        num_blocks = self._num_kvcache_blocks()
+        if self.world_size > 1:  # every rank must hold the same number of blocks
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
+        if num_blocks <= 0:
+            raise ValueError(f"no memory left for the KV cache (it needs {self._block_bytes()} bytes per block "
+                             f"of {self.block_size} tokens): lower max_num_batched_tokens or raise "
+                             "gpu_memory_utilization")
+        self.num_kvcache_blocks = num_blocks
+        # zeros, not empty: masked-out positions must not hold NaN bit patterns
+        self.kv_cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, self.block_size,
+                                    self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer_id, module in enumerate(layers):
+            module.k_cache = self.kv_cache[0, layer_id]
+            module.v_cache = self.kv_cache[1, layer_id]
+            module.backend = self.attention_backend
+
+    # ---- batch preparation ---------------------------------------------------------------
+    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=self.is_cuda)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        max_len = max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + [-1] * (max_len - len(seq.block_table)) for seq in seqs]
+        return self._to_device(block_tables, torch.int32)
+
+    def prepare_prefill(self, seqs: list[Sequence]):
+        input_ids, positions, slot_mapping = [], [], []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        for seq in seqs:
+            start = seq.num_cached_tokens
+            seqlen_q = seq.num_scheduled_tokens
+            end = seqlen_k = start + seqlen_q
+            input_ids.extend(seq.scheduled_token_ids)
+            positions.extend(range(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen_q)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen_k)
+            max_seqlen_q, max_seqlen_k = max(seqlen_q, max_seqlen_q), max(seqlen_k, max_seqlen_k)
+            if not seq.block_table:  # warmup
+                continue
+            start_block, end_block = start // self.block_size, (end + self.block_size - 1) // self.block_size
+            for i in range(start_block, end_block):
+                slot_start = seq.block_table[i] * self.block_size
+                if i == start_block:
+                    slot_start += start % self.block_size
+                if i != end_block - 1:
+                    slot_end = seq.block_table[i] * self.block_size + self.block_size
+                else:
+                    slot_end = seq.block_table[i] * self.block_size + end - i * self.block_size
+                slot_mapping.extend(range(slot_start, slot_end))
+        block_tables = None
+        if cu_seqlens_k[-1] > cu_seqlens_q[-1]:  # part of the keys come from the cache
+            block_tables = self.prepare_block_tables(seqs)
+        context = dict(cu_seqlens_q=self._to_device(cu_seqlens_q, torch.int32),
+                       cu_seqlens_k=self._to_device(cu_seqlens_k, torch.int32),
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       slot_mapping=self._to_device(slot_mapping, torch.int32), block_tables=block_tables)
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
+
+    def prepare_decode(self, seqs: list[Sequence]):
+        input_ids, positions, slot_mapping, context_lens = [], [], [], []
+        for seq in seqs:
+            input_ids.append(seq.last_token)
+            positions.append(len(seq) - 1)
+            context_lens.append(len(seq))
+            slot_mapping.append(seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1)
+        context = dict(slot_mapping=self._to_device(slot_mapping, torch.int32),
+                       context_lens=self._to_device(context_lens, torch.int32),
+                       block_tables=self.prepare_block_tables(seqs))
+        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
+
+    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
+        return self._to_device([seq.temperature for seq in seqs], torch.float32)
+
+    # ---- forward -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool):
+        if is_prefill or self.enforce_eager or input_ids.size(0) > self.graph_bs[-1]:
+            return self.model.compute_logits(self.model(input_ids, positions))
+        bs = input_ids.size(0)
+        context = get_context()
+        graph = self.graphs[next(x for x in self.graph_bs if x >= bs)]
+        graph_vars = self.graph_vars
+        graph_vars["input_ids"][:bs] = input_ids
+        graph_vars["positions"][:bs] = positions
+        graph_vars["slot_mapping"].fill_(-1)
+        graph_vars["slot_mapping"][:bs] = context.slot_mapping
+        graph_vars["context_lens"].zero_()
+        graph_vars["context_lens"][:bs] = context.context_lens
+        graph_vars["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
+        graph.replay()
+        return self.model.compute_logits(graph_vars["outputs"][:bs])
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        input_ids, positions, context = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
+        with set_context(is_prefill, **context):
+            logits = self.run_model(input_ids, positions, is_prefill)
+            token_ids = self.sampler(logits, temperatures, self.generator).tolist() if self.rank == 0 else None
+        return token_ids
+
+    @torch.inference_mode()
+    def capture_cudagraph(self):
+        """Decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to min(max_num_seqs, 512),
+        largest first, sharing one memory pool."""
+        config, hf_config = self.config, self.config.hf_config
+        max_bs = min(config.max_num_seqs, 512)
+        max_num_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
+        input_ids = torch.zeros(max_bs, dtype=torch.int64)
+        positions = torch.zeros(max_bs, dtype=torch.int64)
+        slot_mapping = torch.zeros(max_bs, dtype=torch.int32)
+        context_lens = torch.zeros(max_bs, dtype=torch.int32)
+        block_tables = torch.zeros(max_bs, max_num_blocks, dtype=torch.int32)
+        outputs = torch.zeros(max_bs, hf_config.hidden_size)
+        self.graph_bs = sorted({bs for bs in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if bs < max_bs} | {max_bs})
+        self.graphs, self.graph_pool = {}, None
+        for bs in reversed(self.graph_bs):
+            graph = torch.cuda.CUDAGraph()
+            with set_context(False, slot_mapping=slot_mapping[:bs], context_lens=context_lens[:bs],
+                             block_tables=block_tables[:bs]):
+                outputs[:bs] = self.model(input_ids[:bs], positions[:bs])  # warmup
+                with torch.cuda.graph(graph, self.graph_pool):
+                    outputs[:bs] = self.model(input_ids[:bs], positions[:bs])  # capture
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+        self.graph_vars = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                               context_lens=context_lens, block_tables=block_tables, outputs=outputs)

@@ -1,0 +1,92 @@
+"""One request's state: its token ids, its block table and how many tokens are cached/scheduled."""
+from __future__ import annotations
+
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Tokens ``[0, num_cached_tokens)`` have their K/V in the cache; the next forward computes
+    ``num_scheduled_tokens`` more. ``block_table[i]`` is the physical block of logical block i."""
+
+    counter = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 256):
+        sampling_params = sampling_params or SamplingParams()
+        self.seq_id = next(Sequence.counter)
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.token_ids = copy(token_ids)
+        self.last_token = token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.block_table: list[int] = []
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+
+    def __len__(self):
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self):
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self):
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self):
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self):
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        assert 0 <= i < self.num_blocks
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    @property
+    def scheduled_token_ids(self) -> list[int]:
+        """The tokens the next forward computes: positions [num_cached_tokens, +num_scheduled_tokens)."""
+        start = self.num_cached_tokens - self.token_offset
+        return self.token_ids[start:start + self.num_scheduled_tokens]
+
+    # A worker rank receives only the tokens its forward needs (one per sequence when decoding);
+    # token_offset is the position of its token_ids[0] (always 0 on rank 0).
+    token_offset = 0
+
+    def __getstate__(self):
+        return (self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+                self.num_scheduled_tokens, self.block_table, self.scheduled_token_ids)
+
+    def __setstate__(self, state):
+        (self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
+         self.num_scheduled_tokens, self.block_table, self.token_ids) = state
+        self.token_offset = self.num_cached_tokens
+        self.last_token = self.token_ids[-1]

@@ -1,0 +1,1 @@
+"""Attention kernels behind one interface; see ``nanovllm.layers.attention`` for the choice."""

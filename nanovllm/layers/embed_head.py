@@ -1,0 +1,50 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocab."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import check_shape
+from nanovllm.utils.context import get_context
+from nanovllm.utils.distributed import all_reduce, get_tp
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp()
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = (num_embeddings + self.tp_size - 1) // self.tp_size
+        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
+        self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        check_shape(loaded, (self.num_embeddings, param.size(1)))
+        shard = loaded[self.vocab_start_idx:self.vocab_end_idx]
+        param.data[:shard.size(0)].copy_(shard)  # rows past the vocab (last rank's padding) stay zero
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
+        return all_reduce(mask.unsqueeze(1) * y, self.tp_size)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Logits [num_seqs, vocab] on rank 0 (None elsewhere); in prefill only each
+        sequence's last token is projected."""
+        context = get_context()
+        if context.is_prefill:
+            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, parts, 0)
+        return torch.cat(parts, -1)[:, :self.num_embeddings] if self.tp_rank == 0 else None

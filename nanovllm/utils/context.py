@@ -1,0 +1,42 @@
+"""The attention context: what one forward's attention layers need besides the activations.
+
+Set only through ``set_context`` (a context manager that always resets it, even when the
+forward raises), read with ``get_context()``.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    is_prefill: bool = False
+    cu_seqlens_q: torch.Tensor | None = None    # [num_seqs + 1] int32, prefill
+    cu_seqlens_k: torch.Tensor | None = None    # [num_seqs + 1] int32, prefill
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None    # [num_new_tokens] int32, -1 = do not store
+    context_lens: torch.Tensor | None = None    # [num_seqs] int32, decode
+    block_tables: torch.Tensor | None = None    # [num_seqs, max_num_blocks] int32, -1 padded
+
+
+_EMPTY = Context()
+_CONTEXT = _EMPTY
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+@contextmanager
+def set_context(is_prefill: bool, **fields):
+    global _CONTEXT
+    assert _CONTEXT is _EMPTY, "attention contexts do not nest"
+    _CONTEXT = Context(is_prefill, **fields)
+    try:
+        yield _CONTEXT
+    finally:
+        _CONTEXT = _EMPTY
