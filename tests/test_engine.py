@@ -76,7 +76,7 @@ def test_preemption(tiny, oracle):
 def test_tensor_parallel_gloo(checkpoints, oracle):
     path = checkpoints["gqa4_hd128_sharded"]
     prompts = random_prompts(16, 3, 70, seed=6)
-    outputs, _ = run(path, prompts, tensor_parallel_size=2)
+    outputs, _ = run(path, prompts, tensor_parallel_size=2, device="cpu")
     assert_matches_oracle(oracle, path, prompts, outputs, N)
 
 
@@ -90,7 +90,7 @@ def test_two_engines_in_one_process(checkpoints, oracle):
     a, b = checkpoints["gqa2"], checkpoints["gqa1_tied"]
     prompts = random_prompts(4, 3, 30, seed=8)
     llm_a = LLM(a, **ENGINE)
-    llm_b = LLM(b, **ENGINE, tensor_parallel_size=2)  # side by side with a TP engine
+    llm_b = LLM(b, **ENGINE, tensor_parallel_size=2, device="cpu")  # side by side with a TP engine
     try:
         out_a = llm_a.generate(prompts, GREEDY, use_tqdm=False)
         out_b = llm_b.generate(prompts, GREEDY, use_tqdm=False)
@@ -99,5 +99,5 @@ def test_two_engines_in_one_process(checkpoints, oracle):
         llm_a.exit()
     assert_matches_oracle(oracle, a, prompts, out_a, N)
     assert_matches_oracle(oracle, b, prompts, out_b, N)
-    out_again, _ = run(b, prompts, tensor_parallel_size=2)  # one after another
+    out_again, _ = run(b, prompts, tensor_parallel_size=2, device="cpu")  # one after another
     assert [o["token_ids"] for o in out_again] == [o["token_ids"] for o in out_b]
