@@ -10,7 +10,9 @@ from conftest import assert_no_leaks, random_prompts
 
 from nanovllm import LLM, SamplingParams
 
-ENGINE = dict(kvcache_block_size=16, max_model_len=512)
+# An explicit cache size (honoured on every device): on a GPU, engines that live side by side
+# in the test process must not each claim gpu_memory_utilization of it.
+ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def test_stops_on_every_eos_id(tiny, oracle, tmp_path):
 
 
 def test_stops_at_max_model_len(tiny):
-    engine = LLM(tiny, kvcache_block_size=16, max_model_len=40)
+    engine = LLM(tiny, kvcache_block_size=16, max_model_len=40, num_kvcache_blocks=64)
     try:
         out = engine.generate([list(range(30))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                               use_tqdm=False)[0]

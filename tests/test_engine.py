@@ -8,7 +8,9 @@ from nanovllm import LLM, SamplingParams
 
 N = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-ENGINE = dict(kvcache_block_size=16, max_model_len=512)
+# An explicit cache size (honoured on every device): on a GPU, engines that live side by side
+# in the test process must not each claim gpu_memory_utilization of it.
+ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512)
 
 
 def run(path, prompts, **kw):
@@ -54,7 +56,7 @@ def test_chunked_prefill(tiny, oracle, budget):
 
 def test_preemption(tiny, oracle):
     prompts = random_prompts(16, 20, 60, seed=5)
-    llm = LLM(tiny, **ENGINE, num_kvcache_blocks=12)  # 192 slots for 16 sequences of up to 92 tokens
+    llm = LLM(tiny, **{**ENGINE, "num_kvcache_blocks": 12})  # 192 slots for 16 sequences of up to 92 tokens
     preempted = []
     original_preempt = llm.scheduler.preempt
 

@@ -11,9 +11,9 @@ from nanovllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 N = 32
-# bf16 carries ~3 significant digits; after a few layers logits of these tiny models (|logit| ~ 5)
-# move by up to ~0.05 between two correct bf16 implementations. At the first differing token the
-# transformers bf16 top-2 gap must be below this; such divergences are counted and printed.
+# bf16 carries ~3 significant digits; in these tiny random models (|logit| ~ 5) two correct bf16
+# implementations differ by up to a few hundredths of a logit. Every token nanovllm picks must
+# be within this of transformers' best logit at that position (teacher-forced on nanovllm's output).
 BF16_TIE = 0.1
 
 
@@ -61,9 +61,20 @@ def test_bfloat16_close_to_transformers(checkpoints, oracle, name, enforce_eager
     path = checkpoints[name]
     prompts = random_prompts(16, 3, 90, seed=23)
     outputs, _ = _generate(path, prompts, [N] * 16, dtype="bfloat16", enforce_eager=enforce_eager)
-    ties = assert_matches_oracle(oracle, path, prompts, outputs, N, max_near_ties=8, tie=BF16_TIE,
-                                 device="cuda", dtype=torch.bfloat16)
-    print(f"bf16 {name} eager={enforce_eager}: {16 - ties}/16 sequences identical to transformers bf16")
+    model = oracle.model(path, "cuda", torch.bfloat16)
+    worst, argmax_differs = 0.0, 0
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([prompt + out["token_ids"]], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1:-1].float()  # [N, vocab]: what predicted each token
+        chosen = logits.gather(1, torch.tensor(out["token_ids"], device="cuda").unsqueeze(1)).squeeze(1)
+        shortfall = logits.max(1).values - chosen
+        worst = max(worst, float(shortfall.max()))
+        argmax_differs += int((shortfall > 0).sum())
+    rate = argmax_differs / (16 * N)
+    print(f"bf16 {name} eager={enforce_eager}: token differs from transformers' bf16 argmax at {rate:.1%} of "
+          f"{16 * N} positions; worst logit shortfall {worst:.4f} (tolerance {BF16_TIE})")
+    assert worst < BF16_TIE and rate < 0.1
 
 
 @pytest.mark.parametrize("feature", [dict(max_num_batched_tokens=7), dict(num_kvcache_blocks=12)])

@@ -11,6 +11,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pytest tests/test_gpu.py -q -s -rA "$@" 2>&1 | tee "$OUT/test_gpu.log" | grep -E "bf16|passed|failed|Error" 
 python3 -m pytest tests -q -m "not gpu" "$@" 2>&1 | tee "$OUT/test_suite_cuda.log" | tail -5
 
+[ "${BENCH:-1}" = 0 ] && exit 0
 python3 - <<'PY' 2>&1 | tail -1
 import torch
 from nanovllm.utils.tiny_model import build_tiny_qwen3
