@@ -84,16 +84,21 @@ def test_features_on_cuda(tiny, oracle, feature):
     assert_matches_oracle(oracle, tiny, prompts, outputs, N)
 
 
-def test_kv_cache_sizing_respects_utilization(tiny):
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_kv_cache_sizing_respects_utilization(tiny, enforce_eager):
+    """The seeds' formula fills memory up to gpu_memory_utilization (less the warmup's activation
+    headroom). CUDA graphs are captured after the sizing, as in the seeds, so their pool comes on top:
+    it is reported, and held under 2% of the card."""
     torch.cuda.empty_cache()
-    llm = LLM(tiny, kvcache_block_size=256, device="cuda", gpu_memory_utilization=0.3)
+    llm = LLM(tiny, kvcache_block_size=256, device="cuda", gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
     try:
         free, total = torch.cuda.mem_get_info()
-        used = total - free
         runner = llm.model_runner
-        assert runner.num_kvcache_blocks > 0
-        assert runner.kv_cache.numel() * runner.kv_cache.element_size() == runner.num_kvcache_blocks * \
-            runner._block_bytes()
-        assert used <= 0.3 * total * 1.02, (used / total)
+        assert runner.num_kvcache_blocks > 0 and llm.config.num_kvcache_blocks == runner.num_kvcache_blocks
+        assert runner.kv_cache.numel() * runner.kv_cache.element_size() == \
+            runner.num_kvcache_blocks * runner._block_bytes()
+        used = (total - free) / total
+        print(f"enforce_eager={enforce_eager}: {used:.4f} of the card in use after start-up (cap 0.3)")
+        assert used <= 0.3 + (0.002 if enforce_eager else 0.02)
     finally:
         llm.exit()
