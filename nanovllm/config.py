@@ -77,6 +77,8 @@ class Config:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible GPU(s)")
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        from nanovllm.models import get_model_class
+        get_model_class(self.hf_config)  # an unsupported architecture fails here, before any process starts
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.torch_dtype = self._resolve_dtype()
         self._check_tensor_parallel()

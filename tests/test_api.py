@@ -161,3 +161,36 @@ def test_prompt_larger_than_the_kv_cache(tiny):
     finally:
         engine.exit()
     assert len(out["token_ids"]) == 12  # stops when the sequence fills the whole cache
+
+
+def test_unsupported_architecture(tiny, tmp_path):
+    ckpt = tmp_path / "arch"
+    shutil.copytree(tiny, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: \['Qwen3ForCausalLM'\]"):
+        LLM(str(ckpt))
+
+
+def test_running_sequences_capped_by_max_num_seqs(tiny):
+    engine = LLM(tiny, **{**ENGINE, "max_num_seqs": 3})
+    try:
+        for prompt in random_prompts(7, 3, 20, seed=13):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        while not engine.is_finished():
+            engine.step()
+            assert len(engine.scheduler.running) <= 3
+        assert_no_leaks(engine)
+    finally:
+        engine.exit()
+
+
+def test_weights_not_matching_config_name_the_tensor(tiny, tmp_path):
+    ckpt = tmp_path / "shapes"
+    shutil.copytree(tiny, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d\.mlp\.(gate|up|down)_proj\.weight'"):
+        LLM(str(ckpt), device="cpu")

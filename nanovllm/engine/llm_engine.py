@@ -61,7 +61,12 @@ class LLMEngine:
             process.start()
             self.ps.append(process)
             self.events.append(event)
-        self.model_runner = ModelRunner(config, 0, self.events, shm_name, port)
+        try:
+            self.model_runner = ModelRunner(config, 0, self.events, shm_name, port)
+        except BaseException:
+            for p in self.ps:  # the workers would wait for rank 0 forever
+                p.kill()
+            raise
         config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config)
         self._closed = False
