@@ -118,12 +118,14 @@ class LLMEngine:
                 throughput.prefill = num_tokens / elapsed
             else:
                 throughput.decode = -num_tokens / elapsed
-            pbar.set_postfix(prefill=f"{throughput.prefill:.0f}tok/s", decode=f"{throughput.decode:.0f}tok/s")
+            pbar.set_postfix(prefill=f"{throughput.prefill:.0f}tok/s", decode=f"{throughput.decode:.0f}tok/s",
+                             refresh=False)
             for seq_id, token_ids in finished:
                 outputs[seq_id] = token_ids
                 pbar.update(1)
         pbar.close()
-        return [{"text": self.tokenizer.decode(outputs[i]), "token_ids": outputs[i]} for i in seq_ids]
+        return [{"text": self.tokenizer.decode(outputs[i], skip_special_tokens=True), "token_ids": outputs[i]}
+                for i in seq_ids]
 
     def _validate(self, prompts, sampling_params):
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
