@@ -39,9 +39,6 @@ class Sequence:
     def __len__(self):
         return self.num_tokens
 
-    def __getitem__(self, key):
-        return self.token_ids[key]
-
     @property
     def is_finished(self):
         return self.status == SequenceStatus.FINISHED

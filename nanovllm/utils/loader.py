@@ -1,6 +1,6 @@
 """Loads a Hugging Face safetensors checkpoint (one file or shards) into a model, each
 parameter through its ``weight_loader`` (which takes this rank's shard and packs q/k/v and
-gate/up); ``dummy`` fills the parameters with random values instead, for benchmarks."""
+gate/up)."""
 from __future__ import annotations
 
 import glob
@@ -10,10 +10,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.layers.linear import check_shape
+
 
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
-    if param.shape != loaded.shape:
-        raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(param.shape)}")
+    check_shape(loaded, param.shape)
     param.data.copy_(loaded)
 
 
