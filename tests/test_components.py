@@ -95,3 +95,15 @@ def test_sampler_distribution_matches_softmax():
         p = torch.softmax(logits.double() / temperature, -1)
         stderr = (p * (1 - p) / n).sqrt()
         assert ((freq - p).abs() <= 5 * stderr + 1e-12).all() and (freq - p).abs().max() < 0.01, (freq, p)
+
+
+def test_context_is_reset_even_when_the_forward_raises():
+    from nanovllm.utils.context import get_context, set_context
+    empty = get_context()
+    try:
+        with set_context(True, max_seqlen_q=3):
+            assert get_context().is_prefill and get_context().max_seqlen_q == 3
+            raise RuntimeError("forward failed")
+    except RuntimeError:
+        pass
+    assert get_context() is empty
