@@ -1,5 +1,14 @@
 """nanovllm: a small, readable offline LLM inference engine in the architecture of nano-vllm."""
+import logging
+
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
+
+_logger = logging.getLogger("nanovllm")
+if not _logger.handlers:  # like vLLM: INFO lines (e.g. the attention backend) show by default
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(levelname)s nanovllm: %(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(logging.INFO)

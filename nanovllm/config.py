@@ -30,6 +30,7 @@ class Config:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    attention_backend: str = "auto"   # "auto", "flash-attn", "triton" or "torch"
     # KV-cache budget on CPU, in GiB per rank, when num_kvcache_blocks is not given.
     cpu_kvcache_space: float = 4.0
     # Derived at start-up.
@@ -69,6 +70,9 @@ class Config:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        if self.attention_backend not in ("auto", "flash-attn", "triton", "torch"):
+            raise ValueError("attention_backend must be 'auto', 'flash-attn', 'triton' or 'torch', "
+                             f"got {self.attention_backend!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -82,6 +86,11 @@ class Config:
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.torch_dtype = self._resolve_dtype()
         self._check_tensor_parallel()
+        from nanovllm.layers.attention import select_backend
+        from nanovllm.models.qwen3 import head_dim_of
+        # an unusable attention_backend fails here, naming what it does not support
+        select_backend(self.attention_backend, self.device, self.torch_dtype, self.kvcache_block_size,
+                       head_dim_of(self.hf_config), log=False)
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

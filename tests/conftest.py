@@ -1,10 +1,16 @@
 """Shared fixtures: tiny random Qwen3 checkpoints (built offline) and transformers as the oracle."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter; the variable is read when a
+# kernel module is imported, so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm.utils.tiny_model import build_tiny_qwen3
 

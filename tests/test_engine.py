@@ -103,3 +103,22 @@ def test_two_engines_in_one_process(checkpoints, oracle):
     assert_matches_oracle(oracle, b, prompts, out_b, N)
     out_again, _ = run(b, prompts, tensor_parallel_size=2, device="cpu")  # one after another
     assert [o["token_ids"] for o in out_again] == [o["token_ids"] for o in out_b]
+
+
+def test_triton_backend(checkpoints, oracle):
+    """The whole engine through the Triton kernels (interpreted on CPU), prefix cache and chunks included."""
+    path = checkpoints["gqa4_hd128_sharded"]
+    shared = random_prompts(1, 40, 40, seed=9)[0]
+    prompts = random_prompts(4, 3, 40, seed=10) + [shared + [1], shared + [2, 3]]
+    llm = LLM(path, **{**ENGINE, "attention_backend": "triton", "max_num_batched_tokens": 64})
+    try:
+        assert llm.model_runner.attention_backend.name == "triton"
+        outputs = llm.generate(prompts[:5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)
+        outputs += llm.generate(prompts[5:], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                use_tqdm=False)
+        assert llm.scheduler.block_manager.num_cache_hits >= 2
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, 12)

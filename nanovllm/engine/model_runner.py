@@ -70,7 +70,8 @@ class ModelRunner:
         load_model(self.model, self.config.model)
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
-        self.attention_backend = select_backend(self.config.device, self.dtype, self.block_size, self.head_dim)
+        self.attention_backend = select_backend(self.config.attention_backend, self.config.device, self.dtype,
+                                                self.block_size, self.head_dim, log=self.rank == 0)
         if self.is_cuda:
             self.warmup_model()
         self.allocate_kv_cache()

@@ -44,9 +44,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                      block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+                      max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Causal attention for packed variable-length queries q [N, H, D] (k, v: the same N new
-    tokens). With ``block_tables`` the keys are read from the cache (cached prefix + new)."""
+    tokens). With ``block_tables`` the keys are read from the cache (cached prefix + new).
+    (``max_seqlen_q`` is unused here: the reference loops over the sequences on the host.)"""
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):

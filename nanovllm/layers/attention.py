@@ -1,9 +1,15 @@
-"""The attention layer: stores new K/V into the paged cache at ``slot_mapping``, then runs the
-prefill or decode kernel of the backend the model runner chose at start-up."""
+"""The attention layer and its backends.
+
+The layer stores new K/V into the paged cache at ``slot_mapping``, then runs the prefill or
+decode kernel of the backend chosen once at start-up: flash-attn when installed, our Triton
+kernels on CUDA, or the PyTorch reference (any device, the test oracle). ``select_backend``
+picks the first that supports the device, dtype, block size and head_dim, and says why.
+"""
 from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import torch
 from torch import nn
@@ -11,30 +17,92 @@ from torch import nn
 from nanovllm.kernels import reference
 from nanovllm.utils.context import Context, get_context
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("nanovllm")
 
 
 class TorchBackend:
     """Plain PyTorch paged attention: any device, dtype, block size and head_dim."""
 
     name = "torch"
-    store_kvcache = staticmethod(reference.store_kvcache)
+
+    @staticmethod
+    def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
+        return []
+
+    @staticmethod
+    def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
+        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     @staticmethod
     def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
         return reference.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                           ctx.block_tables, scale)
+                                           ctx.max_seqlen_q, ctx.block_tables, scale)
 
     @staticmethod
     def decode(q, k_cache, v_cache, ctx: Context, scale: float):
         return reference.decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
 
 
+class TritonBackend:
+    """Our Triton kernels (``nanovllm/kernels/triton_attention.py``); on CPU only under
+    TRITON_INTERPRET=1, which the tests use."""
+
+    name = "triton"
+    HEAD_DIMS = (32, 64, 128)
+
+    @staticmethod
+    def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("triton") is None:
+            reasons.append("triton is not installed")
+        if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            reasons.append(f"device is {device} (Triton runs on CUDA, or anywhere with TRITON_INTERPRET=1)")
+        if block_size & (block_size - 1) or not 16 <= block_size <= 256:
+            reasons.append(f"kvcache_block_size {block_size} (Triton: powers of two, 16-256)")
+        if head_dim not in TritonBackend.HEAD_DIMS:
+            reasons.append(f"head_dim {head_dim} (Triton: {', '.join(map(str, TritonBackend.HEAD_DIMS))})")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            reasons.append(f"dtype {dtype}")
+        return reasons
+
+    @staticmethod
+    def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
+        from nanovllm.kernels import triton_attention
+        triton_attention.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    @staticmethod
+    def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
+        from nanovllm.kernels import triton_attention
+        return triton_attention.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                                  ctx.max_seqlen_q, ctx.block_tables, scale)
+
+    @staticmethod
+    def decode(q, k_cache, v_cache, ctx: Context, scale: float):
+        from nanovllm.kernels import triton_attention
+        return triton_attention.decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
+
+
 class FlashAttnBackend:
     """flash-attn 2: varlen prefill (paged when part of the keys are cached) and paged decode."""
 
     name = "flash-attn"
-    store_kvcache = staticmethod(reference.store_kvcache)
+
+    @staticmethod
+    def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("flash_attn") is None:
+            reasons.append("flash_attn is not installed")
+        if device != "cuda":
+            reasons.append(f"device is {device}")
+        if dtype not in (torch.bfloat16, torch.float16):
+            reasons.append(f"dtype {dtype} (flash-attn: bf16, fp16)")
+        if block_size % 256:
+            reasons.append(f"kvcache_block_size {block_size} (flash-attn paged KV: multiples of 256)")
+        if head_dim % 8 or head_dim > 256:
+            reasons.append(f"head_dim {head_dim}")
+        return reasons
+
+    store_kvcache = TritonBackend.store_kvcache
 
     @staticmethod
     def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
@@ -53,22 +121,24 @@ class FlashAttnBackend:
         return out.squeeze(1)
 
 
-def select_backend(device: str, dtype: torch.dtype, block_size: int, head_dim: int):
-    """flash-attn where it is installed and supports the shapes, else the PyTorch reference."""
-    reasons = []
-    if device != "cuda":
-        reasons.append(f"device is {device}")
-    if importlib.util.find_spec("flash_attn") is None:
-        reasons.append("flash_attn is not installed")
-    if dtype not in (torch.bfloat16, torch.float16):
-        reasons.append(f"dtype {dtype} (flash-attn: bf16, fp16)")
-    if block_size % 256:
-        reasons.append(f"kvcache_block_size {block_size} (flash-attn paged KV: multiples of 256)")
-    if head_dim % 8 or head_dim > 256:
-        reasons.append(f"head_dim {head_dim}")
-    backend = TorchBackend if reasons else FlashAttnBackend
-    logger.info("attention backend: %s (%s)", backend.name, "; ".join(reasons) or "supported")
-    return backend
+BACKENDS = {b.name: b for b in (FlashAttnBackend, TritonBackend, TorchBackend)}  # "auto" tries them in order
+
+
+def select_backend(name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                   log: bool = True):
+    """The backend called ``name``, or with "auto" the first in BACKENDS that supports the shapes;
+    the choice and why the others were passed over are logged (by rank 0)."""
+    candidates = list(BACKENDS.values()) if name == "auto" else [BACKENDS[name]]
+    skipped = []
+    for backend in candidates:
+        reasons = backend.unsupported(device, dtype, block_size, head_dim)
+        if not reasons:
+            why = "; ".join(f"{b} skipped: {r}" for b, r in skipped) or f"attention_backend={name!r}"
+            if log:
+                logger.info("attention backend: %s (%s)", backend.name, why)
+            return backend
+        skipped.append((backend.name, ", ".join(reasons)))
+    raise ValueError(f"attention_backend={name!r} does not support this configuration: {skipped[-1][1]}")
 
 
 class Attention(nn.Module):

@@ -1,0 +1,249 @@
+"""Paged attention in Triton: the KV store, varlen causal prefill and split-KV decode.
+
+Same functions and layouts as ``reference.py`` (the oracle): caches are one layer's views
+``[num_blocks, block_size, num_kv_heads, head_dim]`` and a token at logical position p lives at
+slot ``block_table[p // block_size] * block_size + p % block_size``. Key tiles gather their
+slots token by token, so any power-of-two block size works with any tile size. Decode packs the
+query heads of one KV head into the rows of a single ``tl.dot``, so every K/V tile is read once
+for its whole group, and splits long contexts over several programs (merged by log-sum-exp)
+when batch x kv_heads is too small to fill the GPU. Nothing here reads device values on the
+host during decode, so the decode path can be captured in a CUDA Graph.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise go through tf32 (10-bit mantissa); keep fp32 exact.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- KV store ---------------------------------------------------------------------------------
+@triton.jit
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
+                          D: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    tl.store(k_cache_ptr + slot * D + offs, tl.load(k_ptr + i * stride_k + offs, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * D + offs, tl.load(v_ptr + i * stride_v + offs, mask=mask), mask=mask)
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped."""
+    n, num_kv_heads, head_dim = k.shape
+    d = num_kv_heads * head_dim
+    assert k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == head_dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == n
+    if n:
+        _store_kvcache_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                    D=d, BLOCK=triton.next_power_of_2(d))
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
+                    qk_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
+                    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)           # query index within the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_pos = k_len - q_len + offs_m                                # its position among the keys
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=(offs_m < q_len)[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    first_q_pos = k_len - q_len + m_block * BLOCK_M
+    unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N               # every key before it is visible to all rows
+    end = tl.minimum(k_len, first_q_pos + BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if PAGED:
+            page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=offs_n < k_len, other=0).to(tl.int64)
+            kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+            k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=(offs_n < k_len)[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=(offs_n < k_len)[:, None], other=0.0)
+        else:  # the keys are the new tokens themselves
+            rows = (q_start + offs_n)[:, None].to(tl.int64)
+            k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :],
+                        mask=(offs_n < k_len)[:, None], other=0.0)
+            v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :],
+                        mask=(offs_n < k_len)[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if start >= unmasked_end:  # the causal diagonal or the end of the keys
+            visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < k_len)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if head_dim >= 128 else 4, num_stages=3)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float,
+                      config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention for packed variable-length queries q [N, H, D]; k, v [N, KVH, D] are the
+    same N new tokens. With ``block_tables`` every key (cached prefix and new) is read from the cache."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.size(1)
+    num_seqs = cu_seqlens_q.numel() - 1
+    cfg = config or _prefill_config(head_dim, q.dtype)
+    out = torch.empty_like(q) if out is None else out
+    if num_tokens == 0:
+        return out
+    paged = block_tables is not None
+    bt = block_tables if paged else cu_seqlens_q  # any int32 tensor: not read when not paged
+    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, bt, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1), bt.stride(0),
+        GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# ---- decode -------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+                   qk_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g                               # the query heads of this KV head
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < GROUP)[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        offs_n = n + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
+        kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                 # an empty range (context 0) gives 0
+    store_mask = (offs_g < GROUP)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # partials [B, H, NUM_SPLITS, HEAD_DIM] and their log2-sum-exp [B, H, NUM_SPLITS], fp32
+        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
+        tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=offs_g < GROUP)
+
+
+@triton.jit
+def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
+    parts = tl.load(part_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
+    """Enough programs for about two waves over the SMs; depends on the batch only, so a CUDA
+    Graph captured for a batch bucket keeps a fixed grid."""
+    if device.type != "cuda":
+        return 1 if batch * num_kv_heads >= 8 else 2   # the interpreter: still exercise the merge
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    work = batch * num_kv_heads
+    return max(1, min(max_splits, triton.cdiv(2 * _NUM_SMS[index], work)))
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
+                     block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
+                     config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence, q [B, H, D], over its first context_lens[b] cached tokens."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, page = k_cache.size(2), k_cache.size(1)
+    group = num_heads // num_kv_heads
+    cfg = config or _decode_config(head_dim, q.dtype)
+    splits = num_splits or num_decode_splits(batch, num_kv_heads, q.device)
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    if splits > 1:
+        part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # not written
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits, PRECISION=_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if splits > 1:
+        _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
+                                          NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+                                          BLOCK_S=triton.next_power_of_2(splits))
+    return out

@@ -1,0 +1,177 @@
+"""Attention kernels against the PyTorch reference (computed in float64) on fresh random inputs.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (set in conftest) at small shapes, in
+fp32 and fp16 (the interpreter's bf16 matmul is wrong, so bf16 is checked on the GPU); with a
+GPU the same tests run compiled, plus bf16 and flash-attn. Outputs are poisoned with NaN first,
+so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from nanovllm.kernels import reference
+
+triton_attention = pytest.importorskip("nanovllm.kernels.triton_attention")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) or NaN output"
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def paged_cache(num_seqs_tokens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype,
+                seed: int):
+    """Random K/V for sequences of the given lengths scattered over shuffled blocks of a cache.
+    Returns the caches, the block tables ([-1]-padded) and each sequence's K/V."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in num_seqs_tokens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    tables, used = [], 0
+    for nb in blocks_per_seq:
+        tables.append(order[used:used + nb])
+        used += nb
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), block_tables.to(DEVICE)
+
+
+def test_store_kvcache():
+    for dtype in DTYPES:
+        n, kvh, d = 7, 2, 64
+        qkv = torch.randn(n, (4 + 2 * kvh) * d, device=DEVICE).to(dtype)
+        k = qkv[:, 4 * d:(4 + kvh) * d].view(n, kvh, d)          # strided views, as the model makes them
+        v = qkv[:, (4 + kvh) * d:].view(n, kvh, d)
+        k_cache = torch.full((4, 4, kvh, d), 123.0, device=DEVICE, dtype=dtype)
+        v_cache = torch.full((4, 4, kvh, d), 123.0, device=DEVICE, dtype=dtype)
+        slots = torch.tensor([3, -1, 0, 15, 8, -1, 9], dtype=torch.int32, device=DEVICE)
+        triton_attention.store_kvcache(k, v, k_cache, v_cache, slots)
+        flat_k, flat_v = k_cache.view(16, kvh, d), v_cache.view(16, kvh, d)
+        for i, s in enumerate(slots.tolist()):
+            if s >= 0:
+                assert torch.equal(flat_k[s], k[i]) and torch.equal(flat_v[s], v[i])
+        untouched = [s for s in range(16) if s not in slots.tolist()]
+        assert (flat_k[untouched] == 123).all() and (flat_v[untouched] == 123).all()
+
+
+DECODE_CASES = [  # (num_heads, num_kv_heads, head_dim, block_size, context lengths, num_splits)
+    (4, 4, 64, 16, [1, 17, 40], 1),
+    (8, 4, 128, 16, [5, 33, 1, 64], 3),
+    (8, 2, 64, 32, [70, 2], 2),
+    (16, 2, 128, 16, [31, 48, 16], 1),
+    (8, 1, 64, 16, [100, 9], 4),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"H{c[0]}-KV{c[1]}-D{c[2]}-B{c[3]}-S{c[5]}")
+def test_decode_attention(case, dtype):
+    num_heads, num_kv_heads, head_dim, block_size, lens, splits = case
+    k_cache, v_cache, block_tables = paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, seed=len(lens))
+    q = torch.randn(len(lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, block_tables, scale)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, scale, num_splits=splits, out=out)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_decode_context_zero_rows_are_finite():
+    """CUDA Graph padding rows have context 0: their output must not be NaN."""
+    k_cache, v_cache, block_tables = paged_cache([20, 20], 2, 64, 16, torch.float32, seed=3)
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    ctx = torch.tensor([20, 0], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 2):
+        out = triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, 0.125, num_splits=splits)
+        assert torch.isfinite(out).all()
+
+
+PREFILL_CASES = [  # (num_heads, num_kv_heads, head_dim, block_size, [(cached, new) per sequence])
+    (4, 4, 64, 16, [(0, 5), (0, 40), (0, 1)]),
+    (8, 4, 128, 16, [(0, 33), (0, 17)]),
+    (8, 2, 64, 32, [(32, 20), (0, 45), (64, 1)]),
+    (8, 1, 128, 16, [(16, 50), (48, 3)]),
+    (16, 2, 64, 16, [(5, 70)]),   # a chunked prefill: the cached part ends mid-block
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"H{c[0]}-KV{c[1]}-D{c[2]}-B{c[3]}-{c[4]}")
+def test_prefill_attention(case, dtype):
+    num_heads, num_kv_heads, head_dim, block_size, seqs = case
+    paged = any(cached for cached, _ in seqs)
+    lens_k = [c + n for c, n in seqs]
+    k_cache, v_cache, block_tables = paged_cache(lens_k, num_kv_heads, head_dim, block_size, dtype, seed=len(seqs))
+    num_new = sum(n for _, n in seqs)
+    q = torch.randn(num_new, num_heads, head_dim, device=DEVICE).to(dtype)
+    k = torch.randn(num_new, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v = torch.randn(num_new, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    cu_q = torch.tensor([0] + [sum(n for _, n in seqs[:i + 1]) for i in range(len(seqs))], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [sum(lens_k[:i + 1]) for i in range(len(seqs))], dtype=torch.int32)
+    cu_q, cu_k = cu_q.to(DEVICE), cu_k.to(DEVICE)
+    if paged:  # the new tokens' K/V go into the cache first, as the attention layer does
+        slots = [block_tables[i, p // block_size].item() * block_size + p % block_size
+                 for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]
+        reference.store_kvcache(k, v, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32, device=DEVICE))
+    tables = block_tables if paged else None
+    scale = head_dim ** -0.5
+    max_q = max(n for _, n in seqs)
+    ref = reference.prefill_attention(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
+                                      cu_q, cu_k, max_q, tables, scale)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables, scale, out=out)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
+@pytest.mark.parametrize("case", [(16, 8, 128, 256, [1, 300, 1000]), (32, 8, 128, 256, [2048, 17])])
+def test_flash_attn_decode_matches_reference(case):
+    from flash_attn import flash_attn_with_kvcache
+    num_heads, num_kv_heads, head_dim, block_size, lens = case
+    k_cache, v_cache, block_tables = paged_cache(lens, num_kv_heads, head_dim, block_size, torch.bfloat16, seed=9)
+    q = torch.randn(len(lens), num_heads, head_dim, device=DEVICE, dtype=torch.bfloat16)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, block_tables,
+                                     head_dim ** -0.5)
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx, block_table=block_tables,
+                                  softmax_scale=head_dim ** -0.5, causal=True).squeeze(1)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kernels_at_real_shapes(dtype):
+    """Qwen3-0.6B's attention shapes: 16 query / 8 KV heads, head_dim 128, page 256."""
+    rng = random.Random(0)
+    lens = [rng.randint(1, 3000) for _ in range(64)]
+    k_cache, v_cache, block_tables = paged_cache(lens, 8, 128, 256, dtype, seed=1)
+    q = torch.randn(len(lens), 16, 128, device=DEVICE, dtype=dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = reference.decode_attention(q.float(), k_cache.float(), v_cache.float(), ctx, block_tables, 128 ** -0.5)
+    for splits in (None, 1, 8):
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, 128 ** -0.5, splits, out=out)
+        assert rel_err(out, ref.double()) < TOL[dtype]
+    seq_lens = [1000, 2048, 1, 513]
+    n = sum(seq_lens)
+    q = torch.randn(n, 16, 128, device=DEVICE, dtype=dtype)
+    k = torch.randn(n, 8, 128, device=DEVICE, dtype=dtype)
+    v = torch.randn(n, 8, 128, device=DEVICE, dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    ref = reference.prefill_attention(q.float(), k.float(), v.float(), k_cache, v_cache, cu, cu, 2048, None,
+                                      128 ** -0.5)
+    out = triton_attention.prefill_attention(q, k, v, k_cache, v_cache, cu, cu, 2048, None, 128 ** -0.5)
+    assert rel_err(out, ref.double()) < TOL[dtype]
