@@ -51,6 +51,35 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 # ---- prefill ------------------------------------------------------------------------------------
 @triton.jit
+def _prefill_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
+                  k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) of the online softmax; MASKED on the causal diagonal."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    in_range = (offs_n < k_len)[:, None]
+    if PAGED:
+        page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=offs_n < k_len, other=0).to(tl.int64)
+        kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=in_range, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=in_range, other=0.0)
+    else:  # the keys are the new tokens themselves
+        rows = (q_start + offs_n)[:, None].to(tl.int64)
+        k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :], mask=in_range, other=0.0)
+        v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :], mask=in_range, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < k_len), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
                     qk_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -73,31 +102,16 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     first_q_pos = k_len - q_len + m_block * BLOCK_M
-    unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N               # every key before it is visible to all rows
+    unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N   # keys before it are visible to every row of the tile
     end = tl.minimum(k_len, first_q_pos + BLOCK_M)
-    for start in range(0, end, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        if PAGED:
-            page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=offs_n < k_len, other=0).to(tl.int64)
-            kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-            k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=(offs_n < k_len)[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=(offs_n < k_len)[:, None], other=0.0)
-        else:  # the keys are the new tokens themselves
-            rows = (q_start + offs_n)[:, None].to(tl.int64)
-            k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :],
-                        mask=(offs_n < k_len)[:, None], other=0.0)
-            v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :],
-                        mask=(offs_n < k_len)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if start >= unmasked_end:  # the causal diagonal or the end of the keys
-            visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < k_len)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    for start in range(0, unmasked_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
+                                      k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
+                                      stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, False, PRECISION)
+    for start in range(unmasked_end, end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
+                                      k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
+                                      stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, True, PRECISION)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])

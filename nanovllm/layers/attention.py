@@ -7,6 +7,7 @@ picks the first that supports the device, dtype, block size and head_dim, and sa
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -100,6 +101,8 @@ class FlashAttnBackend:
             reasons.append(f"kvcache_block_size {block_size} (flash-attn paged KV: multiples of 256)")
         if head_dim % 8 or head_dim > 256:
             reasons.append(f"head_dim {head_dim}")
+        if not reasons and (error := _flash_attn_probe(dtype, head_dim)):
+            reasons.append(f"this flash-attn build has no {dtype} head_dim {head_dim} kernel ({error})")
         return reasons
 
     store_kvcache = TritonBackend.store_kvcache
@@ -119,6 +122,20 @@ class FlashAttnBackend:
         out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                       block_table=ctx.block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
+
+
+@functools.cache
+def _flash_attn_probe(dtype: torch.dtype, head_dim: int) -> str:
+    """Builds may be trimmed to some dtypes and head sizes: try the decode kernel once on tiny inputs."""
+    from flash_attn import flash_attn_with_kvcache
+    q = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device="cuda")
+    cache = torch.zeros(1, 256, 1, head_dim, dtype=dtype, device="cuda")
+    try:
+        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.ones(1, dtype=torch.int32, device="cuda"),
+                                block_table=torch.zeros(1, 1, dtype=torch.int32, device="cuda"), causal=True)
+    except RuntimeError as e:
+        return str(e).splitlines()[0][:120]
+    return ""
 
 
 BACKENDS = {b.name: b for b in (FlashAttnBackend, TritonBackend, TorchBackend)}  # "auto" tries them in order

@@ -1,0 +1,209 @@
+"""Attention kernel microbenchmarks on one GPU: our Triton kernels beside flash-attn's, same shapes, same run.
+
+Decode: KV bytes read per second (every cached K and V of every sequence read once) at batch
+1/16/64/256/512 x context 512/2048/8192. Prefill: TFLOP/s (4 * heads * head_dim per visible
+query-key pair) at 1-16 sequences x 512-8192 tokens, with and without a cached prefix. Also
+the device copy bandwidth (bytes read + written). Shapes: Qwen3-0.6B's attention (16 query / 8
+KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench.
+
+    python tools/bench_kernels.py [--out DIR] [--no-flash] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+import triton
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nanovllm.kernels import triton_attention as ta  # noqa: E402
+
+H, KVH, D, PAGE, DTYPE = 16, 8, 128, 256, torch.bfloat16
+SCALE = D ** -0.5
+
+
+def bench(fn) -> float:
+    """Median seconds of one call."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / bench(lambda: y.copy_(x))
+
+
+def paged_kv(lens: list[int], page: int = PAGE):
+    """Caches holding every sequence's context in shuffled pages, and its block tables."""
+    pages = [triton.cdiv(n, page) for n in lens]
+    total = sum(pages)
+    k_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE)
+    order = torch.randperm(total, device="cuda", dtype=torch.int32)
+    width = max(pages)
+    tables = torch.full((len(lens), width), -1, dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = order[start:start + n]
+        start += n
+    return k_cache, v_cache, tables
+
+
+DECODE_CONFIGS = [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+def decode_rows(flash, sweep: bool):
+    rows = []
+    for batch in (1, 16, 64, 256, 512):
+        for ctx in (512, 2048, 8192):
+            lens = [ctx] * batch
+            k_cache, v_cache, tables = paged_kv(lens)
+            q = torch.randn(batch, H, D, device="cuda", dtype=DTYPE)
+            cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            nbytes = 2 * batch * ctx * KVH * D * DTYPE.itemsize
+            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9)
+            args = (q, k_cache, v_cache, cl, tables, SCALE)
+            t = bench(partial(ta.decode_attention, *args))
+            row.update(triton_us=t * 1e6, triton_tbs=nbytes / t / 1e12,
+                       splits=ta.num_decode_splits(batch, KVH, q.device))
+            if sweep:
+                best = (t, "default")
+                for cfg in DECODE_CONFIGS:
+                    for splits in sorted({row["splits"], min(32, 2 * row["splits"])}):
+                        try:
+                            tc = bench(partial(ta.decode_attention, *args, num_splits=splits, config=cfg))
+                        except Exception as e:  # a config that does not compile (shared memory)
+                            print("skip", cfg, splits, repr(e)[:80], file=sys.stderr)
+                            continue
+                        if tc < best[0]:
+                            best = (tc, dict(cfg, splits=splits))
+                row.update(best_tbs=nbytes / best[0] / 1e12, best_config=best[1])
+            if flash is not None:
+                tf = bench(partial(flash.flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache, cache_seqlens=cl,
+                                   block_table=tables, softmax_scale=SCALE, causal=True))
+                row.update(flash_us=tf * 1e6, flash_tbs=nbytes / tf / 1e12)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+PREFILL_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+                   for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+def prefill_rows(flash, sweep: bool):
+    rows = []
+    cases = [(1, 8192, 0), (4, 2048, 0), (16, 1024, 0), (16, 512, 0), (1, 4096, 4096), (4, 1024, 1024),
+             (16, 512, 512)]
+    for num_seqs, new, cached in cases:
+        total_k = cached + new
+        k_cache, v_cache, tables = paged_kv([total_k] * num_seqs)
+        n = num_seqs * new
+        q = torch.randn(n, H, D, device="cuda", dtype=DTYPE)
+        k = torch.randn(n, KVH, D, device="cuda", dtype=DTYPE)
+        v = torch.randn(n, KVH, D, device="cuda", dtype=DTYPE)
+        cu_q = torch.arange(0, n + 1, new, dtype=torch.int32, device="cuda")
+        cu_k = torch.arange(0, num_seqs * total_k + 1, total_k, dtype=torch.int32, device="cuda")
+        bt = tables if cached else None
+        pairs = num_seqs * (new * cached + new * (new + 1) / 2)   # visible query-key pairs
+        flops = 4 * H * D * pairs
+        row = dict(kind="prefill", seqs=num_seqs, new=new, cached=cached)
+        args = (q, k, v, k_cache, v_cache, cu_q, cu_k, new, bt, SCALE)
+        t = bench(partial(ta.prefill_attention, *args))
+        row.update(triton_ms=t * 1e3, triton_tflops=flops / t / 1e12)
+        if sweep:
+            best = (t, "default")
+            for cfg in PREFILL_CONFIGS:
+                try:
+                    tc = bench(partial(ta.prefill_attention, *args, config=cfg))
+                except Exception as e:
+                    print("skip", cfg, repr(e)[:80], file=sys.stderr)
+                    continue
+                if tc < best[0]:
+                    best = (tc, cfg)
+            row.update(best_tflops=flops / best[0] / 1e12, best_config=best[1])
+        if flash is not None:
+            if cached:
+                fn = partial(flash.flash_attn_varlen_func, q, k_cache, v_cache, cu_q, cu_k, new, total_k,
+                             softmax_scale=SCALE, causal=True, block_table=tables)
+            else:
+                fn = partial(flash.flash_attn_varlen_func, q, k, v, cu_q, cu_q, new, new, softmax_scale=SCALE,
+                             causal=True)
+            tf = bench(fn)
+            row.update(flash_ms=tf * 1e3, flash_tflops=flops / tf / 1e12)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    dec = [r for r in rows if r["kind"] == "decode"]
+    labels = [f"{r['batch']}x{r['ctx']}" for r in dec]
+    x = range(len(dec))
+    a.bar([i - 0.2 for i in x], [r["triton_tbs"] for r in dec], 0.4, label="Triton (ours)")
+    if "flash_tbs" in dec[0]:
+        a.bar([i + 0.2 for i in x], [r["flash_tbs"] for r in dec], 0.4, label="flash-attn 2.8.3")
+    a.axhline(rows[0]["copy_tbs"], color="k", ls="--", lw=1, label="device copy")
+    a.set_xticks(list(x), labels, rotation=60, fontsize=8)
+    a.set_ylabel("KV read TB/s")
+    a.set_title("decode attention (batch x context)")
+    a.legend(fontsize=8)
+    pre = [r for r in rows if r["kind"] == "prefill"]
+    labels = [f"{r['seqs']}x{r['new']}" + (f"+{r['cached']}" if r["cached"] else "") for r in pre]
+    x = range(len(pre))
+    b.bar([i - 0.2 for i in x], [r["triton_tflops"] for r in pre], 0.4, label="Triton (ours)")
+    if "flash_tflops" in pre[0]:
+        b.bar([i + 0.2 for i in x], [r["flash_tflops"] for r in pre], 0.4, label="flash-attn 2.8.3")
+    b.set_xticks(list(x), labels, rotation=30, fontsize=8)
+    b.set_ylabel("TFLOP/s")
+    b.set_title("prefill attention (seqs x new tokens + cached)")
+    b.legend(fontsize=8)
+    fig.suptitle(f"{torch.cuda.get_device_name()}, bf16, 16 q / 8 kv heads, head_dim 128, page 256, "
+                 f"{time.strftime('%Y-%m-%d')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--no-flash", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    flash = None
+    if not args.no_flash:
+        try:
+            import flash_attn as flash
+        except ImportError:
+            sys.path.insert(0, os.path.join(ROOT, "tools"))
+            from flash_attn_build import load_flash_attn
+            t = time.time()
+            flash = load_flash_attn()
+            print(f"built flash-attn in {time.time() - t:.0f} s", flush=True)
+    bw = copy_bandwidth()
+    print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
+    rows = decode_rows(flash, args.sweep) + prefill_rows(flash, args.sweep)
+    for r in rows:
+        r["copy_tbs"] = bw / 1e12
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    plot(rows, os.path.join(args.out, "kernels.png"))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()
