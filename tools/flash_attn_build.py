@@ -130,9 +130,15 @@ def apply_edits(root: Path) -> None:
 
 
 def prepare_sources(tarball: Path, build_dir: Path) -> Path:
-    """Extracts and trims the sdist; returns its root after checking that every source and include dir exists."""
-    root = extract(tarball, build_dir)
-    apply_edits(root)
+    """Extracts and trims the sdist (once: a later call, in this process or another, reuses the trimmed
+    sources untouched, so ninja does not recompile); returns its root after checking the sources exist."""
+    trimmed = [p.parent for p in build_dir.glob("*/.nanovllm-trimmed")]
+    if trimmed:
+        root = trimmed[0]
+    else:
+        root = extract(tarball, build_dir)
+        apply_edits(root)
+        (root / ".nanovllm-trimmed").touch()
     missing = [rel for rel in SOURCES + INCLUDE_DIRS if not (root / rel).exists()]
     if missing:
         raise FileNotFoundError(f"missing from the extracted sdist at {root}: {missing}")
