@@ -29,9 +29,9 @@ H, KVH, D, PAGE, DTYPE = 16, 8, 128, 256, torch.bfloat16
 SCALE = D ** -0.5
 
 
-def bench(fn) -> float:
-    """Median seconds of one call."""
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+def bench(fn, rep: int = 100) -> float:
+    """Median seconds of one call (rep: milliseconds of repetitions)."""
+    return triton.testing.do_bench(fn, warmup=min(25, rep), rep=rep, return_mode="median") / 1e3
 
 
 def copy_bandwidth() -> float:
@@ -78,7 +78,7 @@ def decode_rows(flash, sweep: bool):
                 for cfg in DECODE_CONFIGS:
                     for splits in sorted({row["splits"], min(32, 2 * row["splits"])}):
                         try:
-                            tc = bench(partial(ta.decode_attention, *args, num_splits=splits, config=cfg))
+                            tc = bench(partial(ta.decode_attention, *args, num_splits=splits, config=cfg), rep=30)
                         except Exception as e:  # a config that does not compile (shared memory)
                             print("skip", cfg, splits, repr(e)[:80], file=sys.stderr)
                             continue
@@ -122,7 +122,7 @@ def prefill_rows(flash, sweep: bool):
             best = (t, "default")
             for cfg in PREFILL_CONFIGS:
                 try:
-                    tc = bench(partial(ta.prefill_attention, *args, config=cfg))
+                    tc = bench(partial(ta.prefill_attention, *args, config=cfg), rep=30)
                 except Exception as e:
                     print("skip", cfg, repr(e)[:80], file=sys.stderr)
                     continue
