@@ -4,7 +4,8 @@ Decode: KV bytes read per second (every cached K and V of every sequence read on
 1/16/64/256/512 x context 512/2048/8192. Prefill: TFLOP/s (4 * heads * head_dim per visible
 query-key pair) at 1-16 sequences x 512-8192 tokens, with and without a cached prefix. Also
 the device copy bandwidth (bytes read + written). Shapes: Qwen3-0.6B's attention (16 query / 8
-KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench.
+KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
+calls are captured in a CUDA Graph and replayed, as the engine runs them.
 
     python tools/bench_kernels.py [--out DIR] [--no-flash] [--sweep]
 """
@@ -32,6 +33,17 @@ SCALE = D ** -0.5
 def bench(fn, rep: int = 100) -> float:
     """Median seconds of one call (rep: milliseconds of repetitions)."""
     return triton.testing.do_bench(fn, warmup=min(25, rep), rep=rep, return_mode="median") / 1e3
+
+
+def bench_graph(fn, rep: int = 100) -> float:
+    """Median seconds of one call replayed from a CUDA Graph, as the engine's decode runs: no host
+    launch overhead in the number."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay, rep)
 
 
 def copy_bandwidth() -> float:
@@ -70,7 +82,7 @@ def decode_rows(flash, sweep: bool):
             nbytes = 2 * batch * ctx * KVH * D * DTYPE.itemsize
             row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9)
             args = (q, k_cache, v_cache, cl, tables, SCALE)
-            t = bench(partial(ta.decode_attention, *args))
+            t = bench_graph(partial(ta.decode_attention, *args))
             row.update(triton_us=t * 1e6, triton_tbs=nbytes / t / 1e12,
                        splits=ta.num_decode_splits(batch, KVH, q.device))
             if sweep:
@@ -78,7 +90,7 @@ def decode_rows(flash, sweep: bool):
                 for cfg in DECODE_CONFIGS:
                     for splits in sorted({row["splits"], min(32, 2 * row["splits"])}):
                         try:
-                            tc = bench(partial(ta.decode_attention, *args, num_splits=splits, config=cfg), rep=30)
+                            tc = bench_graph(partial(ta.decode_attention, *args, num_splits=splits, config=cfg), rep=30)
                         except Exception as e:  # a config that does not compile (shared memory)
                             print("skip", cfg, splits, repr(e)[:80], file=sys.stderr)
                             continue
@@ -86,8 +98,8 @@ def decode_rows(flash, sweep: bool):
                             best = (tc, dict(cfg, splits=splits))
                 row.update(best_tbs=nbytes / best[0] / 1e12, best_config=best[1])
             if flash is not None:
-                tf = bench(partial(flash.flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache, cache_seqlens=cl,
-                                   block_table=tables, softmax_scale=SCALE, causal=True))
+                tf = bench_graph(partial(flash.flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache,
+                                         cache_seqlens=cl, block_table=tables, softmax_scale=SCALE, causal=True))
                 row.update(flash_us=tf * 1e6, flash_tbs=nbytes / tf / 1e12)
             rows.append(row)
             print(json.dumps(row), flush=True)

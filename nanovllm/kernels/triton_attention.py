@@ -117,10 +117,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype) -> dict:
+def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, paged: bool) -> dict:
+    # From tools/bench_kernels.py --sweep on an H200 (docs/PERFORMANCE.md): large tiles for long or
+    # paged prompts, smaller ones (more programs, less causal waste) for short unpaged ones.
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if head_dim >= 128 else 4, num_stages=3)
+    if paged or max_seqlen_q >= 2048:
+        return dict(BLOCK_M=128, BLOCK_N=128 if head_dim <= 128 else 64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -132,11 +136,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(1)
     num_seqs = cu_seqlens_q.numel() - 1
-    cfg = config or _prefill_config(head_dim, q.dtype)
+    paged = block_tables is not None
+    cfg = config or _prefill_config(head_dim, q.dtype, max_seqlen_q, paged)
     out = torch.empty_like(q) if out is None else out
     if num_tokens == 0:
         return out
-    paged = block_tables is not None
     bt = block_tables if paged else cu_seqlens_q  # any int32 tensor: not read when not paged
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_seqs, num_heads)
     _prefill_kernel[grid](
@@ -215,7 +219,7 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
 _NUM_SMS: dict[int, int] = {}
 
 
-def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = 16) -> int:
+def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = 32) -> int:
     """Enough programs for about two waves over the SMs; depends on the batch only, so a CUDA
     Graph captured for a batch bucket keeps a fixed grid."""
     if device.type != "cuda":
@@ -227,10 +231,11 @@ def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_s
     return max(1, min(max_splits, triton.cdiv(2 * _NUM_SMS[index], work)))
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype) -> dict:
+def _decode_config(head_dim: int, dtype: torch.dtype, batch: int) -> dict:
+    # From tools/bench_kernels.py --sweep on an H200: 4 warps, 3 stages; 128-token tiles at large batch.
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=128 if batch >= 256 else 64, num_warps=4, num_stages=3)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
@@ -240,7 +245,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
-    cfg = config or _decode_config(head_dim, q.dtype)
+    cfg = config or _decode_config(head_dim, q.dtype, batch)
     splits = num_splits or num_decode_splits(batch, num_kv_heads, q.device)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
