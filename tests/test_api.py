@@ -194,3 +194,14 @@ def test_weights_not_matching_config_name_the_tensor(tiny, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d\.mlp\.(gate|up|down)_proj\.weight'"):
         LLM(str(ckpt), device="cpu")
+
+
+def test_attention_backend_choice_is_checked_up_front(tiny):
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        LLM(tiny, attention_backend="xformers")
+    with pytest.raises(ValueError, match=r"attention_backend='flash-attn' does not support.*kvcache_block_size 16"):
+        LLM(tiny, device="cpu", kvcache_block_size=16, attention_backend="flash-attn")
+
+
+def test_auto_backend_on_cpu_is_the_reference(llm):
+    assert llm.model_runner.attention_backend.name == ("triton" if llm.config.device == "cuda" else "torch")
