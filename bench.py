@@ -1,19 +1,31 @@
-"""Throughput on nano-vllm's workload: 256 sequences, prompt and output lengths uniform in
-[100, 1024] (seed 0), temperature 0.6, ignore_eos. Prints output tokens, time and tok/s.
+"""Throughput on nano-vllm's benchmark workload, and how close it is to the physical limit.
 
-`python bench.py --model PATH`; without --model a tiny random model is built (CPU smoke run).
+Workload (nano-vllm's bench.py): seed 0, 256 sequences of random token ids, prompt and output
+lengths uniform in [100, 1024], temperature 0.6, ignore_eos (133,966 output tokens). A warmup
+request runs first. On CUDA the copy bandwidth and bf16 matmul rate are measured at start and the
+result is also printed as a fraction of the workload's roofline (as in shared/tools/roofline.py:
+weights read once per decode step, every cached K/V read once per decode step that attends to it,
+all matmul and attention FLOPs; memory and compute overlapped perfectly).
+
+    python bench.py                                   # Qwen3-0.6B shapes, random weights, on the GPU
+    python bench.py --model /path/to/checkpoint --attention-backend flash-attn --json
+    python bench.py --engine hf                       # the same workload through transformers
 """
+from __future__ import annotations
+
 import argparse
 import json
-import os
-import tempfile
 import time
+from dataclasses import asdict, dataclass
 from random import randint, seed
 
+import torch
+
 from nanovllm import LLM, SamplingParams
+from nanovllm.models.presets import PRESETS, preset_config
 
 
-def workload(num_seqs: int, max_input_len: int, max_output_len: int, min_len: int = 100):
+def workload(num_seqs: int = 256, min_len: int = 100, max_input_len: int = 1024, max_output_len: int = 1024):
     """nano-vllm's bench workload: all prompts are drawn first, then all output lengths."""
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(min_len, max_input_len))] for _ in range(num_seqs)]
@@ -22,38 +34,154 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int, min_len: in
     return prompts, params
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--json", action="store_true", help="print one JSON result line")
-    args = parser.parse_args()
+@dataclass
+class Roofline:
+    output_tokens: int
+    seconds_memory: float
+    seconds_compute: float
 
-    path = args.model
-    if path is None:
-        from nanovllm.utils.tiny_model import build_tiny_qwen3
-        path = build_tiny_qwen3(os.path.join(tempfile.gettempdir(), "nanovllm-bench-tiny"), vocab_size=10240,
-                                max_position_embeddings=4096)
-    llm = LLM(path, tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
-    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warmup
+    @property
+    def tok_per_s(self) -> float:
+        """Output tokens per second with memory and compute perfectly overlapped."""
+        return self.output_tokens / max(self.seconds_memory, self.seconds_compute)
+
+
+def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float,
+             dtype_bytes: int = 2) -> Roofline:
+    """The fewest bytes and FLOPs any engine must spend on this workload with this model."""
+    c = hf_config
+    h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    params_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * c.intermediate_size
+    params = layers * params_layer + vocab * h * (1 if c.tie_word_embeddings else 2)
+    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    prefill_tokens, total_out = sum(prompt_lens), sum(output_lens)
+    # decode step t (1 .. out-1) of a sequence attends over prompt + t tokens; the first token comes from prefill
+    kv_reads = sum(i * (o - 1) + o * (o - 1) // 2 for i, o in zip(prompt_lens, output_lens))
+    decode_steps = max(output_lens) - 1
+    flops_linear = (2 * layers * params_layer * (prefill_tokens + total_out)
+                    + 2 * vocab * h * (len(prompt_lens) + total_out))   # LM head: last prompt token + each output
+    flops_attn = 4 * layers * heads * head_dim * (sum(i * i / 2 for i in prompt_lens) + kv_reads)
+    bytes_moved = decode_steps * params * dtype_bytes + (kv_reads + prefill_tokens) * kv_per_token
+    return Roofline(total_out, bytes_moved / bandwidth, (flops_linear + flops_attn) / flops)
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(device copy bytes/s counting read + write, bf16 matmul FLOP/s), medians of timed runs."""
+    def timed(fn, reps: int = 20) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return sorted(times)[len(times) // 2]
+    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() / timed(lambda: y.copy_(x))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * 8192 ** 3 / timed(lambda: a @ b)
+    del x, y, a, b
+    torch.cuda.empty_cache()
+    return bandwidth, flops
+
+
+def model_config(model: str):
+    if model in PRESETS:
+        return preset_config(model)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model)
+
+
+def run_nanovllm(args, prompts, params) -> float:
+    dummy = args.model in PRESETS
+    llm = LLM(args.model, tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
+              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+              load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy)
+    args.attention_backend = llm.model_runner.attention_backend.name
+    llm.generate([[1] * 16], SamplingParams(), use_tqdm=False)  # warmup
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    total = sum(sp.max_tokens for sp in params)
-    result = dict(model=path, device=llm.config.device, tp=args.tp, enforce_eager=args.enforce_eager,
-                  num_seqs=args.num_seqs, output_tokens=total, seconds=round(elapsed, 3),
-                  tok_per_s=round(total / elapsed, 1), date=time.strftime("%Y-%m-%d"))
     llm.exit()
+    return elapsed
+
+
+def run_hf(args, prompts, params) -> float:
+    """The same workload through transformers' continuous batching, bf16, on the same GPU."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    if args.model in PRESETS:
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(preset_config(args.model), dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda()
+    model.eval()
+    # eos_token_id=None: transformers disables EOS (ignore_eos); do_sample at temperature 0.6, as ours
+    generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=None,
+                                         pad_token_id=0, max_new_tokens=max(sp.max_tokens for sp in params))
+    model.generate_batch([[1] * 16], generation_config=generation_config, max_new_tokens=16)  # warmup
+    manager = model.init_continuous_batching(generation_config=generation_config)
+    manager.start()
+    start = time.perf_counter()
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        manager.add_request(prompt, request_id=str(i), max_new_tokens=sp.max_tokens)
+    finished, generated = 0, 0
+    while finished < len(prompts):
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            finished += 1
+            generated += len(result.generated_tokens)
+    elapsed = time.perf_counter() - start
+    manager.stop()
+    expected = sum(sp.max_tokens for sp in params)
+    if generated != expected:
+        print(f"warning: transformers generated {generated} tokens, the workload asks for {expected}")
+    return elapsed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b",
+                        help=f"a checkpoint directory, or a preset with random weights: {sorted(PRESETS)}")
+    parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flash-attn", "torch"])
+    parser.add_argument("--json", action="store_true", help="print one JSON result line")
+    args = parser.parse_args()
+
+    prompts, params = workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len)
+    ceilings = measure_ceilings() if torch.cuda.is_available() else None
+    seconds = (run_hf if args.engine == "hf" else run_nanovllm)(args, prompts, params)
+    total = sum(sp.max_tokens for sp in params)
+    result = dict(engine=args.engine, model=args.model, attention_backend=args.attention_backend, tp=args.tp,
+                  cuda_graphs=not args.enforce_eager, num_seqs=args.num_seqs, output_tokens=total,
+                  seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
+                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if ceilings:
+        limit = roofline(model_config(args.model), [len(p) for p in prompts], [sp.max_tokens for sp in params],
+                         *ceilings)
+        result.update(copy_tb_s=round(ceilings[0] / 1e12, 3), matmul_tflop_s=round(ceilings[1] / 1e12, 1),
+                      roofline_tok_per_s=round(limit.tok_per_s),
+                      fraction_of_roofline=round(total / seconds / limit.tok_per_s, 3), roofline=asdict(limit))
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"Total: {total}tok, Time: {elapsed:.2f}s, Throughput: {total / elapsed:.2f}tok/s")
+        return
+    print(f"Total: {total}tok, Time: {seconds:.2f}s, Throughput: {total / seconds:.2f}tok/s")
+    if ceilings:
+        print(f"Roofline on this GPU (copy {result['copy_tb_s']} TB/s, matmul {result['matmul_tflop_s']} TFLOP/s): "
+              f"{result['roofline_tok_per_s']} tok/s; this run reached {result['fraction_of_roofline']:.1%} of it")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ class Config:
     device: str = "auto"
     seed: int = 0
     attention_backend: str = "auto"   # "auto", "flash-attn", "triton" or "torch"
+    load_format: str = "auto"         # "auto" (safetensors) or "dummy" (random weights, for benchmarks)
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     # KV-cache budget on CPU, in GiB per rank, when num_kvcache_blocks is not given.
     cpu_kvcache_space: float = 4.0
     # Derived at start-up.
@@ -51,10 +53,27 @@ class Config:
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path to a local checkpoint, got {self.model!r}")
         self.model = os.fspath(self.model)
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model directory {self.model!r} does not exist")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model directory {self.model!r} has no config.json")
+        self._check_values()
+        self.hf_config = self._load_hf_config()
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available")
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
+                             f"{torch.cuda.device_count()} visible GPU(s)")
+        from nanovllm.models import get_model_class
+        get_model_class(self.hf_config)  # an unsupported architecture fails here, before any process starts
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.torch_dtype = self._resolve_dtype()
+        self._check_tensor_parallel()
+        from nanovllm.layers.attention import select_backend
+        from nanovllm.models.qwen3 import head_dim_of
+        # an unusable attention_backend fails here, naming what it does not support
+        select_backend(self.attention_backend, self.device, self.torch_dtype, self.kvcache_block_size,
+                       head_dim_of(self.hf_config), log=False)
+
+    def _check_values(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
                      "kvcache_block_size"):
             _check_int(name, getattr(self, name), minimum=1)
@@ -73,24 +92,24 @@ class Config:
         if self.attention_backend not in ("auto", "flash-attn", "triton", "torch"):
             raise ValueError("attention_backend must be 'auto', 'flash-attn', 'triton' or 'torch', "
                              f"got {self.attention_backend!r}")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available")
-        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
-                             f"{torch.cuda.device_count()} visible GPU(s)")
-        self.hf_config = AutoConfig.from_pretrained(self.model)
-        from nanovllm.models import get_model_class
-        get_model_class(self.hf_config)  # an unsupported architecture fails here, before any process starts
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        self.torch_dtype = self._resolve_dtype()
-        self._check_tensor_parallel()
-        from nanovllm.layers.attention import select_backend
-        from nanovllm.models.qwen3 import head_dim_of
-        # an unusable attention_backend fails here, naming what it does not support
-        select_backend(self.attention_backend, self.device, self.torch_dtype, self.kvcache_block_size,
-                       head_dim_of(self.hf_config), log=False)
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise TypeError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
+
+    def _load_hf_config(self) -> PretrainedConfig:
+        """A checkpoint directory's config.json, or a built-in preset (random weights only)."""
+        from nanovllm.models.presets import PRESETS, preset_config
+        if self.model in PRESETS and not os.path.isdir(self.model):
+            if self.load_format != "dummy" or not self.skip_tokenizer_init:
+                raise ValueError(f"model {self.model!r} is a built-in architecture preset with no weights and no "
+                                 "tokenizer: use load_format='dummy' and skip_tokenizer_init=True")
+            return preset_config(self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model directory {self.model!r} does not exist (built-in presets: {sorted(PRESETS)})")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model directory {self.model!r} has no config.json")
+        return AutoConfig.from_pretrained(self.model)
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

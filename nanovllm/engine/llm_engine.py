@@ -26,14 +26,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _eos_token_ids(model: str, tokenizer) -> tuple[int, ...]:
-    """Every EOS id of the checkpoint: generation_config.json's (one or a list) and the tokenizer's."""
+def _eos_token_ids(config: Config, tokenizer) -> tuple[int, ...]:
+    """Every EOS id of the checkpoint: generation_config.json's (else config.json's; one or a list)
+    and the tokenizer's."""
     ids: set[int] = set()
-    path = os.path.join(model, "generation_config.json")
+    path = os.path.join(config.model, "generation_config.json")
+    eos = getattr(config.hf_config, "eos_token_id", None)
     if os.path.isfile(path):
         with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
+            eos = json.load(f).get("eos_token_id", eos)
+    ids.update([eos] if isinstance(eos, int) else eos or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
@@ -49,8 +51,8 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         config = Config.from_kwargs(model, **kwargs)
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model, use_fast=True)
-        config.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.model)
+        config.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.ps: list[mp.Process] = []
         self.events = []
         shm_name, port = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}", _free_port()
@@ -85,7 +87,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams):
         if isinstance(prompt, str):
-            prompt = self.tokenizer.encode(prompt)
+            prompt = self._encode(prompt)
         seq = Sequence(prompt, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
         return seq
@@ -124,8 +126,17 @@ class LLMEngine:
                 outputs[seq_id] = token_ids
                 pbar.update(1)
         pbar.close()
-        return [{"text": self.tokenizer.decode(outputs[i], skip_special_tokens=True), "token_ids": outputs[i]}
-                for i in seq_ids]
+        return [{"text": self._decode(outputs[i]), "token_ids": outputs[i]} for i in seq_ids]
+
+    def _encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer, but the engine has skip_tokenizer_init=True: "
+                             "pass token ids")
+        return self.tokenizer.encode(prompt)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """The text of a completion, without special tokens (vLLM's default); "" without a tokenizer."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _validate(self, prompts, sampling_params):
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -143,7 +154,7 @@ class LLMEngine:
         checked = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
-                prompt = self.tokenizer.encode(prompt)
+                prompt = self._encode(prompt)
             elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
                 raise TypeError(f"prompt {i} must be a string or a list of ints, got {prompt!r:.80}")
             if not prompt:

@@ -23,7 +23,7 @@ from nanovllm.models import get_model_class
 from nanovllm.models.qwen3 import head_dim_of
 from nanovllm.utils.context import get_context, set_context
 from nanovllm.utils.distributed import tensor_parallel
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import load_dummy_weights, load_model
 
 SHM_SIZE = 2 ** 20
 
@@ -67,7 +67,10 @@ class ModelRunner:
     def _load_and_prepare(self, hf_config):
         with tensor_parallel(self.rank, self.world_size):
             self.model = get_model_class(hf_config)(hf_config)
-        load_model(self.model, self.config.model)
+        if self.config.load_format == "dummy":
+            load_dummy_weights(self.model, self.config.seed + self.rank)
+        else:
+            load_model(self.model, self.config.model)
         self.sampler = Sampler()
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
         self.attention_backend = select_backend(self.config.attention_backend, self.config.device, self.dtype,

@@ -1,6 +1,7 @@
 """Loads a Hugging Face safetensors checkpoint (one file or shards) into a model, each
 parameter through its ``weight_loader`` (which takes this rank's shard and packs q/k/v and
-gate/up)."""
+gate/up); ``load_dummy_weights`` fills them with random values instead (vLLM's
+``load_format="dummy"``), for benchmarks without a checkpoint."""
 from __future__ import annotations
 
 import glob
@@ -54,3 +55,14 @@ def _check_all_loaded(model: nn.Module, loaded: set[str]):
     missing = [names[0] for names in names_of.values() if not loaded.intersection(names)]
     if missing:
         raise ValueError(f"checkpoint has no weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+@torch.no_grad()
+def load_dummy_weights(model: nn.Module, seed: int = 0):
+    """Random weights of a realistic scale: N(0, 0.02) matrices and biases, unit norm weights."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

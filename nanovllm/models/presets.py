@@ -1,0 +1,26 @@
+"""Architecture presets: configs of real models built into the code, so benchmarks run with
+``load_format="dummy"`` and no checkpoint (``LLM("qwen3-0.6b", load_format="dummy", ...)``)."""
+from __future__ import annotations
+
+from transformers import PretrainedConfig, Qwen3Config
+
+PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    # Qwen/Qwen3-0.6B's config.json (the shapes and rope; weights come from load_format="dummy")
+    "qwen3-0.6b": (Qwen3Config, dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=151643,
+        eos_token_id=151645, dtype="bfloat16")),
+    "qwen3-8b": (Qwen3Config, dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, bos_token_id=151643,
+        eos_token_id=151645, dtype="bfloat16")),
+}
+
+
+def preset_config(name: str) -> PretrainedConfig:
+    config_class, fields = PRESETS[name]
+    return config_class(**fields)
