@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.utils.compile import compile_on_cuda
+
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -18,6 +20,7 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos then sin, each for half of the head
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
+    @compile_on_cuda
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [N]; q [N, num_heads, head_dim]; k [N, num_kv_heads, head_dim]
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
