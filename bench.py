@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from random import randint, seed
 
@@ -67,28 +68,36 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     return Roofline(total_out, bytes_moved / bandwidth, (flops_linear + flops_attn) / flops)
 
 
-def measure_ceilings() -> tuple[float, float]:
-    """(device copy bytes/s counting read + write, bf16 matmul FLOP/s), medians of timed runs."""
-    def timed(fn, reps: int = 20) -> float:
+def _median_seconds(fn, reps: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _copy_rate() -> float:
     x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    bandwidth = 2 * x.numel() / timed(lambda: y.copy_(x))
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    flops = 2 * 8192 ** 3 / timed(lambda: a @ b)
-    del x, y, a, b
+    return 2 * x.numel() / _median_seconds(lambda: y.copy_(x))
+
+
+def _matmul_rate(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n ** 3 / _median_seconds(lambda: a @ b)
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(device copy bytes/s counting read + write, bf16 matmul FLOP/s on random data), medians."""
+    ceilings = _copy_rate(), _matmul_rate()
     torch.cuda.empty_cache()
-    return bandwidth, flops
+    return ceilings
 
 
 def model_config(model: str):
@@ -105,11 +114,30 @@ def run_nanovllm(args, prompts, params) -> float:
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy)
     args.attention_backend = llm.model_runner.attention_backend.name
     llm.generate([[1] * 16], SamplingParams(), use_tqdm=False)  # warmup
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    with gpu_busy_time(args) as busy:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    if busy:
+        args.gpu_busy_fraction = round(busy[0] / elapsed, 3)
     llm.exit()
     return elapsed
+
+
+@contextmanager
+def gpu_busy_time(args):
+    """With --profile: the summed time of every GPU kernel of the run (torch.profiler), so that
+    busy / wall says how long the GPU waited for the CPU between kernels and steps."""
+    busy: list[float] = []
+    if not args.profile:
+        yield busy
+        return
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield busy
+    events = prof.key_averages()
+    busy.append(sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                    for e in events) / 1e6)
 
 
 def run_hf(args, prompts, params) -> float:
@@ -158,6 +186,8 @@ def main():
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flash-attn", "torch"])
     parser.add_argument("--json", action="store_true", help="print one JSON result line")
+    parser.add_argument("--profile", action="store_true",
+                        help="measure the GPU's busy share of the run with torch.profiler (slows the run a little)")
     args = parser.parse_args()
 
     prompts, params = workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len)
@@ -169,6 +199,8 @@ def main():
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if getattr(args, "gpu_busy_fraction", None) is not None:
+        result["gpu_busy_fraction"] = args.gpu_busy_fraction
     if ceilings:
         limit = roofline(model_config(args.model), [len(p) for p in prompts], [sp.max_tokens for sp in params],
                          *ceilings)
