@@ -2,8 +2,9 @@
 # One device call on the GPU machine, in phases chosen by the arguments (default: all):
 #   kernels  build flash-attn from the carried sdist (.gpu/), kernel tests with it, kernel microbenchmarks
 #   tests    the GPU tests and the whole suite on CUDA
-#   bench    bench.py on a Qwen3-0.6B-shaped random checkpoint
-# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh [kernels] [tests] [bench]
+#   bench    bench.py (Qwen3-0.6B preset, random weights): Triton and flash-attn, graphs on and off, a profiled
+#            run; with "hf" also transformers' continuous batching (~4 min)
+# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh [kernels] [tests] [bench [hf]]
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -24,23 +25,19 @@ PY
 fi
 
 if [[ $phases == *tests* ]]; then
-  python3 -m pytest tests/test_gpu.py -q -s -rA 2>&1 | tee "$OUT/test_gpu.log" | grep -E "bf16|enforce_eager|passed|failed|Error"
-  python3 -m pytest tests -q -m "not gpu" 2>&1 | tee "$OUT/test_suite_cuda.log" | tail -5
+  python3 tools/with_flash_attn.py -m pytest tests/test_gpu.py -q -s -rA 2>&1 | tee "$OUT/test_gpu.log" \
+    | grep -E "^bf16|enforce_eager|passed|failed|Error" | cut -c1-200
+  python3 -m pytest tests -q -m "not gpu" 2>&1 | tee "$OUT/test_suite_cuda.log" | tail -3
 fi
 
 if [[ $phases == *bench* ]]; then
-  python3 - <<'PY' 2>&1 | tail -1
-import torch
-from nanovllm.utils.tiny_model import build_tiny_qwen3
-# Qwen3-0.6B's shapes, random weights
-build_tiny_qwen3("/tmp/qwen3-0.6b-random", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
-                 initializer_range=0.02, dtype=torch.bfloat16)
-print("built /tmp/qwen3-0.6b-random")
-PY
-  for flag in "" "--enforce-eager"; do
-    python3 bench.py --model /tmp/qwen3-0.6b-random --num-seqs ${NUM_SEQS:-256} --json $flag 2>&1 \
-      | tee -a "$OUT/bench.log" | tail -1
+  # the default model is the qwen3-0.6b preset with random weights; every line is one JSON result
+  for flags in "" "--enforce-eager"; do
+    python3 bench.py --json $flags 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
+    python3 tools/with_flash_attn.py bench.py --attention-backend flash-attn --json $flags 2>>"$OUT/bench.err" \
+      | tee -a "$OUT/bench.jsonl"
   done
+  python3 bench.py --json --profile 2>>"$OUT/bench.err" | tee "$OUT/bench_profile.jsonl"
+  [[ $phases == *hf* ]] && python3 bench.py --engine hf --json 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
+  python3 tools/plot_bench.py "$OUT/bench.jsonl" "$OUT/bench.png"
 fi
