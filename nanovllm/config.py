@@ -33,6 +33,8 @@ class Config:
     attention_backend: str = "auto"   # "auto", "flash-attn", "triton" or "torch"
     load_format: str = "auto"         # "auto" (safetensors) or "dummy" (random weights, for benchmarks)
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
+    enable_prefix_caching: bool = True
+    tokenizer: str | None = None       # a tokenizer directory other than the model's
     # KV-cache budget on CPU, in GiB per rank, when num_kvcache_blocks is not given.
     cpu_kvcache_space: float = 4.0
     # Derived at start-up.
@@ -42,7 +44,13 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> Config:
-        """Like ``Config(model, **kwargs)`` but names every unknown keyword at once."""
+        """Like ``Config(model, **kwargs)`` but names every unknown keyword at once; vLLM's names
+        for the same settings are accepted too (``block_size`` for ``kvcache_block_size``)."""
+        for alias, name in _ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"pass {name} or its alias {alias}, not both")
+                kwargs[name] = kwargs.pop(alias)
         public = {f.name for f in dataclasses.fields(cls) if f.name not in _DERIVED}
         unknown = sorted(set(kwargs) - public)
         if unknown:
@@ -94,8 +102,9 @@ class Config:
                              f"got {self.attention_backend!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
-        if not isinstance(self.skip_tokenizer_init, bool):
-            raise TypeError(f"skip_tokenizer_init must be a bool, got {self.skip_tokenizer_init!r}")
+        for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def _load_hf_config(self) -> PretrainedConfig:
         """A checkpoint directory's config.json, or a built-in preset (random weights only)."""
@@ -130,6 +139,7 @@ class Config:
 
 
 _DERIVED = {"hf_config", "torch_dtype", "eos_token_ids"}
+_ALIASES = {"block_size": "kvcache_block_size"}  # vLLM's name -> ours
 
 
 def _check_int(name: str, value, minimum: int):

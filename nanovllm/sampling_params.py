@@ -1,26 +1,95 @@
-"""Per-request sampling parameters, with vLLM's field names."""
+"""Per-request sampling parameters, with vLLM's field names and meanings.
+
+Defaults are nano-vllm's where the two differ (``temperature=1.0``, ``max_tokens=64``).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 
 @dataclass
 class SamplingParams:
-    """``temperature=0`` means greedy decoding; defaults are nano-vllm's."""
+    """``temperature=0`` is greedy. Penalties follow vLLM: ``presence_penalty`` and
+    ``frequency_penalty`` over the generated tokens (subtracted from the logits),
+    ``repetition_penalty`` over prompt and generated tokens (logits divided when positive,
+    multiplied when negative). ``logprobs=k`` returns the sampled token's logprob and the top k,
+    from the raw model distribution (before temperature and penalties). ``n`` completions of one
+    prompt share its KV blocks through the prefix cache; with a ``seed``, completion i uses seed + i."""
 
+    n: int = 1
     temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0          # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
     max_tokens: int = 64
+    min_tokens: int = 0
     ignore_eos: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"temperature must be a float, got {self.temperature!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        _number("temperature", self.temperature, lo=0.0)
+        _number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _integer("n", self.n, lo=1)
+        _integer("top_k", self.top_k, lo=-1)
+        _integer("max_tokens", self.max_tokens, lo=1)
+        _integer("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.seed is not None:
+            _integer("seed", self.seed, lo=0)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, lo=0)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop_strings = tuple(stop)
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
         self.temperature = float(self.temperature)
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_top_k_top_p(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1
+
+
+def _number(name: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or (lo is not None and (value < lo or (lo_open and value == lo))) or \
+            (hi is not None and value > hi):
+        bounds = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ValueError(f"{name} must be in {bounds}, got {value!r}")
+
+
+def _integer(name: str, value, lo: int):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")

@@ -132,7 +132,7 @@ def test_bad_sampling_params(kwargs, match):
     ([[1, 2.5]], None, "list of ints"),
     ([[7] * 600], None, "max_model_len"),
     (["a", "b"], [SamplingParams()], "2 prompts but 1"),
-    ([1.5], None, "string or a list of ints"),
+    ([1.5], None, "a string, a list of ints or a dict"),
 ])
 def test_bad_prompts_leave_engine_usable(llm, prompts, params, match):
     with pytest.raises((ValueError, TypeError), match=match):

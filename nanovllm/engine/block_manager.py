@@ -62,13 +62,13 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.num_free_blocks >= seq.num_blocks
 
-    def allocate(self, seq: Sequence):
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True):
         """Give ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix.
 
         The block holding the last token is never taken from the cache: at least one token
         must go through the forward to produce logits."""
         assert not seq.block_table
-        h, cache_miss = -1, False
+        h, cache_miss = -1, not use_prefix_cache
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             cacheable = (i + 1) * self.block_size < seq.num_tokens

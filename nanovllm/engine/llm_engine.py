@@ -1,12 +1,14 @@
-"""The engine: tokenizer, requests, the step loop, and the tensor-parallel worker processes."""
+"""The engine: tokenizer, requests, the step loop, outputs, and the tensor-parallel worker processes."""
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import socket
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from time import perf_counter
 
 import torch.multiprocessing as mp
@@ -14,6 +16,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -42,16 +45,26 @@ def _eos_token_ids(config: Config, tokenizer) -> tuple[int, ...]:
 
 
 @dataclass
-class _Throughput:
-    prefill: float = 0.0
-    decode: float = 0.0
+class Request:
+    """One prompt and its ``n`` completions (sequences); completion 0 is prefilled first and the
+    others wait for it, so that they find the prompt's blocks in the prefix cache."""
+
+    index: int
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    waiting_siblings: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return not self.waiting_siblings and all(seq.is_finished for seq in self.seqs)
 
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         config = Config.from_kwargs(model, **kwargs)
         self.config = config
-        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else \
+            AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         config.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.ps: list[mp.Process] = []
         self.events = []
@@ -71,6 +84,7 @@ class LLMEngine:
             raise
         config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config)
+        self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self._closed = False
         atexit.register(self.exit)
 
@@ -85,64 +99,124 @@ class LLMEngine:
         atexit.unregister(self.exit)
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams):
-        if isinstance(prompt, str):
-            prompt = self._encode(prompt)
-        seq = Sequence(prompt, sampling_params, self.config.kvcache_block_size)
-        self.scheduler.add(seq)
-        return seq
+    def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
+                    index: int = 0, stream: bool = False) -> Request:
+        prompt_ids = self._prompt_token_ids(index, prompt)
+        seqs = []
+        for i in range(sampling_params.n):
+            sp = sampling_params if sampling_params.seed is None or i == 0 else \
+                dataclasses.replace(sampling_params, seed=sampling_params.seed + i)
+            seq = Sequence(prompt_ids, sp, self.config.kvcache_block_size)
+            if stream or sp.stop_strings:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, sp.skip_special_tokens)
+            seqs.append(seq)
+        request = Request(index, prompt_ids, seqs, waiting_siblings=seqs[1:])
+        self.requests.update((seq.seq_id, request) for seq in seqs)
+        self.scheduler.add(seqs[0])
+        return request
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """One forward. Returns the sequences that finished, as (seq_id, completion token ids),
         and the number of tokens processed (positive: prefill tokens; negative: decoded sequences)."""
+        seqs, num_tokens, _ = self._step()
+        return [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished], num_tokens
+
+    def _step(self) -> tuple[list[Sequence], int, list[tuple[Sequence, str]]]:
+        """One forward; returns its sequences, the tokens processed, and the text each sequence
+        with a detokenizer gained."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.call("run", seqs, is_prefill)
-        self.scheduler.postprocess(seqs, token_ids)
-        outputs = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
-        return outputs, num_tokens
+        token_ids, logprobs = self.model_runner.call("run", seqs, is_prefill)
+        deltas = [(seq, self._new_text(seq)) for seq in self.scheduler.postprocess(seqs, token_ids, logprobs)
+                  if seq.detokenizer is not None]
+        for seq in seqs:  # completions 1..n-1 start once completion 0's prompt is in the cache
+            request = self.requests[seq.seq_id]
+            if request.waiting_siblings and (seq.num_cached_tokens >= seq.num_prompt_tokens or seq.is_finished):
+                for sibling in request.waiting_siblings:
+                    self.scheduler.add(sibling)
+                request.waiting_siblings = []
+        return seqs, num_tokens, deltas
+
+    def _new_text(self, seq: Sequence) -> str:
+        """Feeds the new token to the sequence's detokenizer; finishes it on a stop string."""
+        delta = seq.detokenizer.add(seq.last_token)
+        stops = seq.sampling_params.stop_strings
+        hit = seq.detokenizer.find_stop(stops, delta) if stops and not seq.is_finished else None
+        if hit:
+            at, stop = hit
+            end = at + len(stop) if seq.sampling_params.include_stop_str_in_output else at
+            delta = delta[:max(0, len(delta) - (len(seq.detokenizer.text) - end))]
+            seq.detokenizer.text = seq.detokenizer.text[:end]
+            self.scheduler.finish(seq, "stop")
+        elif seq.is_finished:
+            delta += seq.detokenizer.flush()
+        return delta
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
 
-    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+    # ---- the offline API -------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[dict]:
-        """Completions of ``prompts``, in prompt order: dicts with ``text`` and ``token_ids``."""
-        prompts, params = self._validate(prompts, sampling_params)
-        seq_ids = [self.add_request(p, sp).seq_id for p, sp in zip(prompts, params)]
-        pbar = tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        outputs, throughput = {}, _Throughput()
+        """Completions of ``prompts`` (strings, token-id lists, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": ...} dicts), in prompt order. See ``_output`` for the fields."""
+        requests = self._add_requests(prompts, sampling_params)
+        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
         while not self.is_finished():
             t = perf_counter()
-            finished, num_tokens = self.step()
-            elapsed = perf_counter() - t
+            seqs, num_tokens, _ = self._step()
             if num_tokens > 0:
-                throughput.prefill = num_tokens / elapsed
+                prefill_tps = num_tokens / (perf_counter() - t)
             else:
-                throughput.decode = -num_tokens / elapsed
-            pbar.set_postfix(prefill=f"{throughput.prefill:.0f}tok/s", decode=f"{throughput.decode:.0f}tok/s",
-                             refresh=False)
-            for seq_id, token_ids in finished:
-                outputs[seq_id] = token_ids
-                pbar.update(1)
+                decode_tps = -num_tokens / (perf_counter() - t)
+            pbar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s", refresh=False)
+            pbar.update(sum(self._pop_if_finished(seq) for seq in seqs))
         pbar.close()
-        return [{"text": self._decode(outputs[i]), "token_ids": outputs[i]} for i in seq_ids]
+        return [self._output(r) for r in requests]
 
-    def _encode(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("string prompts need a tokenizer, but the engine has skip_tokenizer_init=True: "
-                             "pass token ids")
-        return self.tokenizer.encode(prompt)
+    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+               ) -> Iterator[dict]:
+        """Yields new text as it is produced: dicts with ``index`` (the prompt's), ``output_index``
+        (which of its n completions), ``text`` (the new text; a token that ends inside a UTF-8
+        character waits for the next), ``token_ids`` (the new token), and ``finished`` /
+        ``finish_reason`` on a completion's last piece."""
+        requests = self._add_requests(prompts, sampling_params, stream=True)
+        seq_index = {seq.seq_id: (r.index, i) for r in requests for i, seq in enumerate(r.seqs)}
+        while not self.is_finished():
+            seqs, _, deltas = self._step()
+            for seq, delta in deltas:
+                index, output_index = seq_index[seq.seq_id]
+                yield {"index": index, "output_index": output_index, "text": delta, "token_ids": [seq.last_token],
+                       "finished": seq.is_finished, "finish_reason": seq.finish_reason}
+            for seq in seqs:
+                self._pop_if_finished(seq)
 
-    def _decode(self, token_ids: list[int]) -> str:
-        """The text of a completion, without special tokens (vLLM's default); "" without a tokenizer."""
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             **template_kwargs) -> list[dict]:
+        """``generate`` on one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered by the tokenizer's chat template with the generation prompt added."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self._token_list(self.tokenizer.apply_chat_template(
+            conv, tokenize=True, add_generation_prompt=True, **template_kwargs))} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _validate(self, prompts, sampling_params):
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    # ---- helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def _token_list(encoded) -> list[int]:
+        """apply_chat_template(tokenize=True) returns a list, or a BatchEncoding in newer transformers."""
+        return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    def _add_requests(self, prompts, sampling_params, stream: bool = False) -> list[Request]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
+                                                isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of strings or of token-id lists, got {type(prompts).__name__}")
+            raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
+        sampling_params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or \
@@ -150,20 +224,30 @@ class LLMEngine:
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if stream or any(sp.stop_strings for sp in sampling_params):
+            self._encode("")  # stop strings and streaming need the tokenizer: fail before any work
+        checked = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]  # all, before adding any
+        return [self.add_request(ids, sp, i, stream) for i, (ids, sp) in enumerate(zip(checked, sampling_params))]
+
+    def _prompt_token_ids(self, i: int, prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids': {sorted(prompt)}")
+        if isinstance(prompt, str):
+            prompt = self._encode(prompt)
+        elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
+            raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, got {prompt!r:.80}")
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty")
         vocab_size = self.config.hf_config.vocab_size
-        checked = []
-        for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                prompt = self._encode(prompt)
-            elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
-                raise TypeError(f"prompt {i} must be a string or a list of ints, got {prompt!r:.80}")
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if bad := [t for t in prompt if not 0 <= t < vocab_size]:
-                raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-            self._check_fits(i, len(prompt))
-            checked.append(list(prompt))
-        return checked, sampling_params
+        if bad := [t for t in prompt if not 0 <= t < vocab_size]:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        self._check_fits(i, len(prompt))
+        return list(prompt)
 
     def _check_fits(self, i: int, num_tokens: int):
         config = self.config
@@ -174,3 +258,43 @@ class LLMEngine:
         if num_tokens + 1 > capacity:
             raise ValueError(f"prompt {i} has {num_tokens} tokens but the whole KV cache holds {capacity} "
                              f"({config.num_kvcache_blocks} blocks of {config.kvcache_block_size})")
+
+    def _pop_if_finished(self, seq: Sequence) -> bool:
+        """Forgets the request of ``seq`` once all its completions are done; True if it did."""
+        request = self.requests.get(seq.seq_id)
+        if request is None or not request.finished:
+            return False
+        for s in request.seqs:
+            del self.requests[s.seq_id]
+        return True
+
+    def _encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("string prompts, stop strings and streaming need a tokenizer, but the engine has "
+                             "skip_tokenizer_init=True: pass token ids")
+        return self.tokenizer.encode(prompt)
+
+    def _completion(self, seq: Sequence) -> dict:
+        sp = seq.sampling_params
+        if self.tokenizer is None:
+            text = ""
+        elif seq.detokenizer is not None and seq.finish_reason == "stop" and sp.stop_strings:
+            text = seq.detokenizer.text  # cut at the stop string
+        else:
+            text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        out = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+        if sp.logprobs is not None:
+            out["logprobs"] = seq.logprobs
+        return out
+
+    def _output(self, request: Request) -> dict:
+        """The nano-vllm fields (``text``, ``token_ids``: completion 0) and vLLM's: ``finish_reason``,
+        ``prompt_token_ids``, ``num_cached_tokens``, ``logprobs`` (when asked), ``metrics`` and
+        ``outputs`` (all n completions)."""
+        completions = [self._completion(seq) for seq in request.seqs]
+        first = request.seqs[0]
+        metrics = {"time_to_first_token": min(s.first_token_time for s in request.seqs) - first.arrival_time,
+                   "total_time": max(s.finish_time for s in request.seqs) - first.arrival_time}
+        return {**completions[0], "prompt_token_ids": request.prompt_token_ids,
+                "num_cached_tokens": first.num_prefix_cached_tokens or 0, "metrics": metrics,
+                "outputs": completions}

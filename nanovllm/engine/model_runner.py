@@ -18,7 +18,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import get_model_class
 from nanovllm.models.qwen3 import head_dim_of
 from nanovllm.utils.context import get_context, set_context
@@ -238,8 +238,47 @@ class ModelRunner:
                        block_tables=self.prepare_block_tables(seqs))
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
 
-    def prepare_sample(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._to_device([seq.temperature for seq in seqs], torch.float32)
+    def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The batch's sampling parameters; each optional stage only when some request uses it."""
+        params = [seq.sampling_params for seq in seqs]
+        batch = SamplingBatch(self._to_device([sp.temperature for sp in params], torch.float32))
+        vocab_size = self.config.hf_config.vocab_size
+        if any(sp.needs_top_k_top_p for sp in params):
+            batch.top_k = self._to_device([sp.top_k if sp.top_k > 0 else vocab_size for sp in params], torch.int64)
+            batch.top_p = self._to_device([sp.top_p for sp in params], torch.float32)
+        if any(sp.min_p > 0 for sp in params):
+            batch.min_p = self._to_device([sp.min_p for sp in params], torch.float32)
+        if any(sp.needs_penalties for sp in params):
+            batch.presence_penalty = self._to_device([sp.presence_penalty for sp in params], torch.float32)
+            batch.frequency_penalty = self._to_device([sp.frequency_penalty for sp in params], torch.float32)
+            batch.repetition_penalty = self._to_device([sp.repetition_penalty for sp in params], torch.float32)
+            batch.output_ids = self._padded([seq.completion_token_ids for seq in seqs], vocab_size)
+            batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1
+                                             else [] for seq, sp in zip(seqs, params)], vocab_size)
+        # only rows whose sampled token is kept (not a prefill chunk) use min_tokens and seeds
+        final = [seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens for seq in seqs]
+        banned = [set(self.config.eos_token_ids) | set(sp.stop_token_ids)
+                  if f and seq.num_completion_tokens < sp.min_tokens else set()
+                  for seq, sp, f in zip(seqs, params, final)]
+        if any(banned):
+            ids = sorted(set().union(*banned))
+            batch.banned_ids = self._to_device(ids, torch.int64)
+            batch.banned_rows = self._to_device([[i in row for i in ids] for row in banned], torch.bool)
+        if any(sp.seed is not None for sp in params):
+            batch.generators = [self._generator(seq) if f and seq.sampling_params.seed is not None else None
+                                for seq, f in zip(seqs, final)]
+        logprobs = [sp.logprobs for sp in params if sp.logprobs is not None]
+        batch.num_logprobs = max(logprobs) if logprobs else -1
+        return batch
+
+    def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
+        width = max(1, max(len(r) for r in rows))
+        return self._to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64)
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        if seq.generator is None:
+            seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
+        return seq.generator
 
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -261,13 +300,28 @@ class ModelRunner:
         return self.model.compute_logits(graph_vars["outputs"][:bs])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def run(self, seqs: list[Sequence], is_prefill: bool):
+        """On rank 0: (the sampled token ids, per sequence its logprobs dict or None); None elsewhere."""
         input_ids, positions, context = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        temperatures = self.prepare_sample(seqs) if self.rank == 0 else None
+        sampling = self.prepare_sample(seqs) if self.rank == 0 else None
         with set_context(is_prefill, **context):
             logits = self.run_model(input_ids, positions, is_prefill)
-            token_ids = self.sampler(logits, temperatures, self.generator).tolist() if self.rank == 0 else None
-        return token_ids
+            if self.rank != 0:
+                return None
+            token_ids, logprobs = self.sampler(logits, sampling, self.generator)
+        return token_ids.tolist(), self._logprob_dicts(seqs, token_ids, logprobs)
+
+    @staticmethod
+    def _logprob_dicts(seqs: list[Sequence], token_ids: torch.Tensor, logprobs) -> list[dict[int, float] | None]:
+        """Per sequence that asked: {token id: logprob} for the sampled token and its top k."""
+        if logprobs is None:
+            return [None] * len(seqs)
+        sampled, top_ids, top_values = (t.tolist() for t in logprobs)
+        out = []
+        for i, (seq, token) in enumerate(zip(seqs, token_ids.tolist())):
+            k = seq.sampling_params.logprobs
+            out.append(None if k is None else {**dict(zip(top_ids[i][:k], top_values[i][:k])), token: sampled[i]})
+        return out
 
     @torch.inference_mode()
     def capture_cudagraph(self):

@@ -2,6 +2,7 @@
 otherwise decode every running sequence; when blocks run out, preempt the newest one."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from nanovllm.config import Config
@@ -15,6 +16,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = frozenset(config.eos_token_ids)
         # a sequence stops at max_model_len, and never outgrows the whole cache (it could not be scheduled)
+        self.enable_prefix_caching = config.enable_prefix_caching
         self.max_model_len = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size)
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
@@ -44,7 +46,9 @@ class Scheduler:
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     break
-                self.block_manager.allocate(seq)
+                self.block_manager.allocate(seq, self.enable_prefix_caching)
+                if seq.num_prefix_cached_tokens is None:  # first admission (not a recomputation)
+                    seq.num_prefix_cached_tokens = seq.num_cached_tokens
             num_tokens = seq.num_tokens - seq.num_cached_tokens
             if num_tokens > budget and scheduled:
                 break  # only the first sequence of a batch is chunked
@@ -81,8 +85,10 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        for seq, token_id in zip(seqs, token_ids):
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[dict | None]) -> list[Sequence]:
+        """Appends each sampled token and finishes sequences; returns those that got a token."""
+        advanced = []
+        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
             num_cached_before = seq.num_cached_tokens
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
@@ -90,8 +96,26 @@ class Scheduler:
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # a prefill chunk: its sampled token is not the next one
             seq.append_token(token_id)
-            if ((not seq.ignore_eos and token_id in self.eos_token_ids) or seq.num_completion_tokens == seq.max_tokens
-                    or seq.num_tokens == self.max_model_len):
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+            if token_logprobs is not None:
+                seq.logprobs.append(token_logprobs)
+            advanced.append(seq)
+            reason = self._finish_reason(seq, token_id)
+            if reason:
+                self.finish(seq, reason)
+        return advanced
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        sp = seq.sampling_params
+        if seq.num_completion_tokens >= sp.min_tokens and (
+                (not sp.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
+            return "stop"
+        if seq.num_completion_tokens == sp.max_tokens or seq.num_tokens == self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str):
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)

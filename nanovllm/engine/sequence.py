@@ -1,6 +1,7 @@
 """One request's state: its token ids, its block table and how many tokens are cached/scheduled."""
 from __future__ import annotations
 
+import time
 from copy import copy
 from enum import Enum, auto
 from itertools import count
@@ -31,10 +32,19 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_prefix_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
         self.block_table: list[int] = []
+        self.sampling_params = sampling_params
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        self.generator = None              # set on rank 0 for a seeded request, on first use
+        self.finish_reason: str | None = None   # "stop" or "length"
+        self.logprobs: list[dict[int, float]] = []
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.detokenizer = None            # an IncrementalDetokenizer when text is needed as it grows
 
     def __len__(self):
         return self.num_tokens
@@ -67,6 +77,8 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
 
     @property
     def scheduled_token_ids(self) -> list[int]:

@@ -1,5 +1,14 @@
-"""Sampling on rank 0: greedy where temperature is 0, otherwise a draw from softmax(logits / T)."""
+"""Sampling on rank 0, vectorized over a batch in which every request has its own parameters.
+
+Order (vLLM's): raw logprobs are taken first; then penalties, the min_tokens ban, greedy argmax,
+temperature, top-k / top-p / min-p, and a Gumbel-max draw (argmax p / E with E ~ Exp(1)). Each
+optional stage runs only when a request in the batch asks for it, so a plain batch pays for none.
+Seeded requests draw their noise from their own generator: the same seed gives the same tokens
+whatever else is in the batch.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -7,22 +16,103 @@ from torch import nn
 from nanovllm.utils.compile import compile_on_cuda
 
 
+@dataclass
+class SamplingBatch:
+    """One batch's sampling parameters on the device; ``None`` where no request uses a stage."""
+
+    temperatures: torch.Tensor                       # [B] float32, 0 = greedy
+    top_k: torch.Tensor | None = None                # [B] int64, vocab size = off
+    top_p: torch.Tensor | None = None                # [B] float32
+    min_p: torch.Tensor | None = None                # [B] float32
+    presence_penalty: torch.Tensor | None = None     # [B] float32
+    frequency_penalty: torch.Tensor | None = None    # [B] float32
+    repetition_penalty: torch.Tensor | None = None   # [B] float32
+    output_ids: torch.Tensor | None = None           # [B, T] int64 generated tokens, padded with vocab size
+    prompt_ids: torch.Tensor | None = None           # [B, P] int64 prompt tokens, padded with vocab size
+    banned_ids: torch.Tensor | None = None           # [E] int64 EOS/stop ids some row must not emit yet
+    banned_rows: torch.Tensor | None = None          # [B, E] bool: row b is under min_tokens and bans id e
+    generators: list[torch.Generator | None] | None = None  # per row; None = the engine's generator
+    num_logprobs: int = -1                           # max top-k logprobs asked for in the batch; -1 = none
+
+    @property
+    def is_plain(self) -> bool:
+        return all(getattr(self, f) is None for f in ("top_k", "top_p", "min_p", "presence_penalty",
+                                                      "repetition_penalty", "banned_ids", "generators")) \
+            and self.num_logprobs < 0
+
+
 @compile_on_cuda
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    # logits [num_seqs, vocab]; temperatures [num_seqs]; noise [num_seqs, vocab] ~ Exp(1)
-    logits = logits.float()
+    # logits [B, V] float32; temperatures [B]; noise [B, V] ~ Exp(1)
     greedy = logits.argmax(dim=-1)
     safe_t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     probs = torch.softmax(logits / safe_t.unsqueeze(1), dim=-1)
-    # Gumbel-max in its exponential form: argmax p_i / E_i with E_i ~ Exp(1) samples i with probability p_i.
     sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
     return torch.where(temperatures > 0, sampled, greedy)
 
 
+def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, T] ids padded with vocab_size -> [B, V] occurrence counts."""
+    counts = torch.zeros(ids.size(0), vocab_size + 1, dtype=torch.float32, device=ids.device)
+    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    vocab_size = logits.size(1)
+    counts = token_counts(b.output_ids, vocab_size)
+    logits = logits - b.frequency_penalty[:, None] * counts - b.presence_penalty[:, None] * (counts > 0)
+    seen = (counts > 0) | (token_counts(b.prompt_ids, vocab_size) > 0)
+    rep = b.repetition_penalty[:, None]
+    return torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keeps each row's k most likely tokens and its smallest set with probability >= p (at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        ranks = torch.arange(logits.size(1), device=logits.device)
+        keep &= ranks[None, :] < top_k[:, None]
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """Token ids [num_seqs]; the noise is drawn eagerly from ``generator`` (reproducible)."""
-        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-        noise.exponential_(1, generator=generator)
-        return sample(logits, temperatures, noise)
+    def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
+        """Returns (token ids [B], logprobs): logprobs is None unless asked for, else (the sampled
+        tokens' logprobs [B], top ids [B, K], top logprobs [B, K]) from the raw distribution."""
+        logits = logits.float()
+        noise = torch.empty_like(logits).exponential_(1, generator=generator)
+        if b.is_plain:
+            return sample(logits, b.temperatures, noise), None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs >= 0 else None
+        if b.presence_penalty is not None:
+            logits = apply_penalties(logits, b)
+        if b.banned_ids is not None:
+            banned = logits[:, b.banned_ids]
+            logits[:, b.banned_ids] = torch.where(b.banned_rows, float("-inf"), banned)
+        safe_t = torch.where(b.temperatures > 0, b.temperatures, 1.0)[:, None]
+        scaled = logits / safe_t
+        if b.top_k is not None or b.top_p is not None:
+            scaled = apply_top_k_top_p(scaled, b.top_k, b.top_p)
+        if b.min_p is not None:
+            scaled = apply_min_p(scaled, b.min_p)
+        if b.generators is not None:
+            for row, g in enumerate(b.generators):
+                if g is not None:
+                    noise[row].exponential_(1, generator=g)
+        sampled = (torch.softmax(scaled, dim=-1) / noise.clamp_min(1e-20)).argmax(dim=-1)
+        token_ids = torch.where(b.temperatures > 0, sampled, logits.argmax(dim=-1))
+        if raw_logprobs is None:
+            return token_ids, None
+        top = raw_logprobs.topk(max(b.num_logprobs, 1), dim=-1)
+        return token_ids, (raw_logprobs.gather(1, token_ids[:, None]).squeeze(1), top.indices, top.values)

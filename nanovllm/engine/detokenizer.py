@@ -1,0 +1,45 @@
+"""Incremental detokenization: the text of a growing completion, a few tokens at a time, holding
+back bytes that end inside a UTF-8 character; used for stop strings and streaming."""
+from __future__ import annotations
+
+CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the completion, so that the first word's spacing is right
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset, self.read_offset = 0, len(self.tokens)
+        self.text = ""
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Appends one completion token; returns the text it completes ("" while a character is open)."""
+        self.tokens.append(token_id)
+        before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        after = self._decode(self.tokens[self.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an unfinished character decodes as U+FFFD)."""
+        rest = self._decode(self.tokens[self.prefix_offset:])[len(self._decode(
+            self.tokens[self.prefix_offset:self.read_offset])):]
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        self.text += rest
+        return rest
+
+    def find_stop(self, stops: tuple[str, ...], delta: str) -> tuple[int, str] | None:
+        """(where in ``text`` it begins, which) of the earliest stop string that ``delta`` completed."""
+        if not delta:
+            return None
+        start = max(0, len(self.text) - len(delta) - max(len(s) for s in stops) + 1)
+        hits = [(i, s) for s in stops if (i := self.text.find(s, start)) != -1]
+        return min(hits) if hits else None
