@@ -7,7 +7,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import reference
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingBatch
 
 
 def _runner(block_size: int) -> ModelRunner:
@@ -79,7 +79,7 @@ def test_store_kvcache_skips_padding():
 def test_sampler_greedy_rows():
     logits = torch.randn(4, 50)
     temps = torch.tensor([0.0, 1.0, 0.0, 0.7])
-    out = Sampler()(logits, temps, torch.Generator().manual_seed(0))
+    out, _ = Sampler()(logits, SamplingBatch(temps), torch.Generator().manual_seed(0))
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
@@ -90,7 +90,8 @@ def test_sampler_distribution_matches_softmax():
     logits = torch.randn(8) * 2
     for temperature in (0.5, 1.0, 1.7):
         n = 200_000
-        draws = Sampler()(logits.expand(n, 8), torch.full((n,), temperature), torch.Generator().manual_seed(1))
+        draws, _ = Sampler()(logits.expand(n, 8), SamplingBatch(torch.full((n,), temperature)),
+                             torch.Generator().manual_seed(1))
         freq = torch.bincount(draws, minlength=8).double() / n
         p = torch.softmax(logits.double() / temperature, -1)
         stderr = (p * (1 - p) / n).sqrt()
