@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import glob
 import json
+import multiprocessing.connection
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from time import perf_counter
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -44,6 +49,15 @@ def _eos_token_ids(config: Config, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _remove_stale_segments():
+    """Shared-memory segments of engines whose process is gone (killed before it could unlink them)."""
+    for path in glob.glob("/dev/shm/nanovllm-*"):
+        pid = os.path.basename(path).split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 @dataclass
 class Request:
     """One prompt and its ``n`` completions (sequences); completion 0 is prefilled first and the
@@ -68,6 +82,7 @@ class LLMEngine:
         config.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.ps: list[mp.Process] = []
         self.events = []
+        _remove_stale_segments()
         shm_name, port = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}", _free_port()
         ctx = mp.get_context("spawn")
         for rank in range(1, config.tensor_parallel_size):
@@ -86,17 +101,60 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self._closed = False
+        self._healthy = True   # False once a forward failed part-way: the ranks may disagree on where they are
         atexit.register(self.exit)
+        if self.ps:
+            threading.Thread(target=self._watch_workers, daemon=True).start()
 
     def exit(self):
+        """Shuts the engine down and frees its processes and shared memory; safe to call twice, and
+        after a failure (then without any collective: dead or stuck workers are killed)."""
         if self._closed:
             return
         self._closed = True
-        self.model_runner.call("exit")
-        del self.model_runner
-        for p in self.ps:
-            p.join()
         atexit.unregister(self.exit)
+        runner = self.model_runner
+        try:
+            if self._healthy and all(p.is_alive() for p in self.ps):
+                runner.call("exit")
+            else:
+                runner.abandon()
+        except Exception:
+            runner.abandon()
+        finally:
+            for p in self.ps:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            del self.model_runner
+
+    def _dead_workers(self) -> list[tuple[int, int | None]]:
+        return [(rank, p.exitcode) for rank, p in enumerate(self.ps, 1) if not p.is_alive()]
+
+    def _watch_workers(self):
+        """When a worker dies, rank 0 may be waiting for it in a collective, which NCCL would do forever:
+        abort the process group so that the collective raises (gloo raises by itself)."""
+        multiprocessing.connection.wait([p.sentinel for p in self.ps])
+        if not self._closed and self.config.device == "cuda":
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                abort()
+
+    def _run(self, seqs: list[Sequence], is_prefill: bool):
+        """``run`` on every rank; a failure part-way (a dead worker, Ctrl-C) shuts the engine down,
+        and a dead worker is named."""
+        try:
+            return self.model_runner.call("run", seqs, is_prefill)
+        except BaseException as e:
+            self._healthy = False
+            dead = self._dead_workers()
+            self.exit()
+            if dead:
+                rank, code = dead[0]
+                raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine "
+                                   "has been shut down") from e
+            raise
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
@@ -126,7 +184,9 @@ class LLMEngine:
         with a detokenizer gained."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids, logprobs = self.model_runner.call("run", seqs, is_prefill)
+        if self._closed:
+            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+        token_ids, logprobs = self._run(seqs, is_prefill)
         deltas = [(seq, self._new_text(seq)) for seq in self.scheduler.postprocess(seqs, token_ids, logprobs)
                   if seq.detokenizer is not None]
         for seq in seqs:  # completions 1..n-1 start once completion 0's prompt is in the cache
@@ -136,6 +196,14 @@ class LLMEngine:
                     self.scheduler.add(sibling)
                 request.waiting_siblings = []
         return seqs, num_tokens, deltas
+
+    def _interruptible_step(self):
+        """``_step``; Ctrl-C shuts the engine down (processes, shared memory) before it propagates."""
+        try:
+            return self._step()
+        except KeyboardInterrupt:
+            self.exit()
+            raise
 
     def _new_text(self, seq: Sequence) -> str:
         """Feeds the new token to the sequence's detokenizer; finishes it on a stop string."""
@@ -165,7 +233,7 @@ class LLMEngine:
         prefill_tps = decode_tps = 0.0
         while not self.is_finished():
             t = perf_counter()
-            seqs, num_tokens, _ = self._step()
+            seqs, num_tokens, _ = self._interruptible_step()
             if num_tokens > 0:
                 prefill_tps = num_tokens / (perf_counter() - t)
             else:
@@ -184,7 +252,7 @@ class LLMEngine:
         requests = self._add_requests(prompts, sampling_params, stream=True)
         seq_index = {seq.seq_id: (r.index, i) for r in requests for i, seq in enumerate(r.seqs)}
         while not self.is_finished():
-            seqs, _, deltas = self._step()
+            seqs, _, deltas = self._interruptible_step()
             for seq, delta in deltas:
                 index, output_index = seq_index[seq.seq_id]
                 yield {"index": index, "output_index": output_index, "text": delta, "token_ids": [seq.last_token],

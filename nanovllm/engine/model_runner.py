@@ -8,6 +8,8 @@ the method name and arguments into shared memory and sets each worker's event.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
@@ -94,6 +96,15 @@ class ModelRunner:
         if self.world_size > 1:
             dist.destroy_process_group()
 
+    def abandon(self):
+        """Rank 0's cleanup when the workers are dead or stuck: no collective, no waiting."""
+        if self.world_size > 1:
+            self.shm.close()
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+            with contextlib.suppress(Exception):  # the group is already broken; freeing it is best effort
+                dist.destroy_process_group()
+
     # ---- rank 0 drives the workers through shared memory ---------------------------------
     def loop(self):
         while True:
@@ -104,7 +115,10 @@ class ModelRunner:
 
     def read_shm(self):
         assert self.world_size > 1 and self.rank > 0
-        self.event.wait()
+        parent = os.getppid()
+        while not self.event.wait(timeout=1.0):
+            if os.getppid() != parent:  # rank 0's process died (even by SIGKILL): do not linger as an orphan
+                os._exit(1)
         n = int.from_bytes(self.shm.buf[0:4], "little")
         method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
         self.event.clear()
