@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from conftest import assert_no_leaks, random_prompts
 
 from nanovllm import LLM, SamplingParams
@@ -66,7 +67,7 @@ def test_stops_at_max_model_len(tiny):
                               use_tqdm=False)[0]
     finally:
         engine.exit()
-    assert len(out["token_ids"]) == 10
+    assert len(out["token_ids"]) == 10 and out["finish_reason"] == "length"
 
 
 def test_seeded_sampling_is_reproducible(tiny):
@@ -205,3 +206,24 @@ def test_attention_backend_choice_is_checked_up_front(tiny):
 
 def test_auto_backend_on_cpu_is_the_reference(llm):
     assert llm.model_runner.attention_backend.name == ("triton" if llm.config.device == "cuda" else "torch")
+
+
+def test_kv_budget_too_small_for_one_block(tiny):
+    with pytest.raises(ValueError, match="no memory left for the KV cache.*cpu_kvcache_space"):
+        LLM(tiny, device="cpu", cpu_kvcache_space=1e-9)
+
+
+def test_checkpoint_tensor_with_unknown_name_is_named(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+    ckpt = tmp_path / "names"
+    shutil.copytree(tiny, ckpt)
+    weights = load_file(str(ckpt / "model.safetensors"))
+    weights["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(weights, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.extra_proj.weight'.*matches no parameter"):
+        LLM(str(ckpt), device="cpu")
+
+
+def test_wrong_sampling_params_type(llm):
+    with pytest.raises(TypeError, match="sampling_params must be"):
+        llm.generate(["a"], {"temperature": 0}, use_tqdm=False)

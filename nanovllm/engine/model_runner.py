@@ -183,9 +183,11 @@ class ModelRunner:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             num_blocks = int(t.item())
         if num_blocks <= 0:
+            remedy = "lower max_num_batched_tokens or raise gpu_memory_utilization" if self.is_cuda else \
+                "raise cpu_kvcache_space"
             raise ValueError(f"no memory left for the KV cache (it needs {self._block_bytes()} bytes per block "
-                             f"of {self.block_size} tokens): lower max_num_batched_tokens or raise "
-                             "gpu_memory_utilization")
+                             f"of {self.block_size} tokens, got {num_blocks} blocks): {remedy}, or set "
+                             "num_kvcache_blocks")
         self.num_kvcache_blocks = num_blocks
         # zeros, not empty: masked-out positions must not hold NaN bit patterns
         self.kv_cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, self.block_size,
