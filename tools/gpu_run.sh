@@ -4,11 +4,12 @@
 #   tests    the GPU tests and the whole suite on CUDA
 #   bench    bench.py (Qwen3-0.6B preset, random weights): Triton and flash-attn, graphs on and off, a profiled
 #            run; with "hf" also transformers' continuous batching (~4 min)
-# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh [kernels] [tests] [bench [hf]]
+#   profile  tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
+# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh [kernels] [tests] [bench [hf]] [profile]
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-phases=${*:-kernels tests bench}
+phases=${*:-kernels tests bench profile}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u;
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"; } | tee "$OUT/env.txt"
 
@@ -40,4 +41,8 @@ if [[ $phases == *bench* ]]; then
   python3 bench.py --json --profile 2>>"$OUT/bench.err" | tee "$OUT/bench_profile.jsonl"
   [[ $phases == *hf* ]] && python3 bench.py --engine hf --json 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   python3 tools/plot_bench.py "$OUT/bench.jsonl" "$OUT/bench.png"
+fi
+
+if [[ $phases == *profile* ]]; then  # per decode step: CPU time of each phase, GPU time of the forward
+  python3 tools/profile_step.py 2>>"$OUT/profile.err" | tee "$OUT/profile_step.jsonl"
 fi

@@ -1,0 +1,115 @@
+"""Where one decode step's time goes: CPU time of schedule, prepare_decode (batch tensors and their
+copy to the device), the forward's launch, sampling, postprocess; and the GPU time of the forward.
+
+Fills the engine with ``batch`` sequences of about ``context`` tokens, then times ``steps`` decode
+steps by wrapping the engine's methods from outside (nothing in the engine is instrumented).
+
+    python tools/profile_step.py [--model qwen3-0.6b] [--batch 1 64 256 512] [--context 1024] [--steps 50]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from functools import wraps
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.models.presets import PRESETS  # noqa: E402
+
+
+class StepTimer:
+    """Wall-clock time per named phase (CPU side; device work is asynchronous), plus CUDA-event
+    time of the forward on the GPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.cpu = defaultdict(list)
+        self.gpu: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.enabled = False
+
+    def wrap(self, obj, name: str, gpu: bool = False):
+        fn = getattr(obj, name)
+
+        @wraps(fn)
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return fn(*args, **kwargs)
+            if gpu and self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t = time.perf_counter()
+            result = fn(*args, **kwargs)
+            self.cpu[name].append(time.perf_counter() - t)
+            if gpu and self.cuda:
+                end.record()
+                self.gpu.append((start, end))
+            return result
+
+        setattr(obj, name, timed)
+
+    def summary(self) -> dict:
+        out = {name: round(1e3 * sum(v) / len(v), 3) for name, v in self.cpu.items()}
+        if self.gpu:
+            torch.cuda.synchronize()
+            out["forward_gpu_ms"] = round(sum(s.elapsed_time(e) for s, e in self.gpu) / len(self.gpu), 3)
+        return out
+
+
+def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
+    runner, scheduler = llm.model_runner, llm.scheduler
+    timer = StepTimer(llm.config.device == "cuda")
+    timer.wrap(scheduler, "schedule")
+    timer.wrap(runner, "prepare_decode")
+    timer.wrap(runner, "prepare_sample")
+    timer.wrap(runner, "run_model", gpu=True)
+    timer.wrap(runner.sampler, "forward")
+    timer.wrap(scheduler, "postprocess")
+    timer.wrap(llm, "_step")
+    sp = SamplingParams(temperature=0.6, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        llm.add_request([(i * 7 + j) % 250 for j in range(context)], sp)
+    while any(seq.num_cached_tokens < seq.num_prompt_tokens for seq in scheduler.waiting) or scheduler.waiting:
+        llm._step()  # prefill everything first
+    llm._step()
+    timer.enabled = True
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm._step()
+    if timer.cuda:
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    timer.enabled = False
+    while not llm.is_finished():
+        llm._step()
+    llm.requests.clear()
+    result = dict(batch=batch, context=context, step_ms=round(1e3 * wall, 3), **timer.summary())
+    result["sampler_ms"] = result.pop("forward", None)
+    result["step_cpu_ms"] = result.pop("_step", None)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256, 512])
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args()
+    dummy = args.model in PRESETS
+    llm = LLM(args.model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
+              enforce_eager=args.enforce_eager, max_model_len=args.context + args.steps + 16)
+    for batch in args.batch:
+        print(json.dumps(profile(llm, batch, args.context, args.steps)), flush=True)
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()
