@@ -177,19 +177,22 @@ class LLMEngine:
         """One forward. Returns the sequences that finished, as (seq_id, completion token ids),
         and the number of tokens processed (positive: prefill tokens; negative: decoded sequences)."""
         seqs, num_tokens, _ = self._step()
-        return [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished], num_tokens
+        finished = [seq for seq in seqs if seq.is_finished]
+        for seq in finished:
+            self._pop_if_finished(seq)
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
 
     def _step(self) -> tuple[list[Sequence], int, list[tuple[Sequence, str]]]:
         """One forward; returns its sequences, the tokens processed, and the text each sequence
         with a detokenizer gained."""
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         if self._closed:
             raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         token_ids, logprobs = self._run(seqs, is_prefill)
         deltas = [(seq, self._new_text(seq)) for seq in self.scheduler.postprocess(seqs, token_ids, logprobs)
                   if seq.detokenizer is not None]
-        for seq in seqs:  # completions 1..n-1 start once completion 0's prompt is in the cache
+        for seq in seqs if is_prefill else ():  # completions 1..n-1 start once completion 0's prompt is cached
             request = self.requests[seq.seq_id]
             if request.waiting_siblings and (seq.num_cached_tokens >= seq.num_prompt_tokens or seq.is_finished):
                 for sibling in request.waiting_siblings:
