@@ -71,12 +71,13 @@ class Config:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible GPU(s)")
         from nanovllm.models import get_model_class
-        get_model_class(self.hf_config)  # an unsupported architecture fails here, before any process starts
+        model_class = get_model_class(self.hf_config)  # an unsupported architecture fails here, before any process
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        model_class.check_config(self.hf_config, self.max_model_len)
         self.torch_dtype = self._resolve_dtype()
         self._check_tensor_parallel()
         from nanovllm.layers.attention import select_backend
-        from nanovllm.models.qwen3 import head_dim_of
+        from nanovllm.models.llama import head_dim_of
         # an unusable attention_backend fails here, naming what it does not support
         select_backend(self.attention_backend, self.device, self.torch_dtype, self.kvcache_block_size,
                        head_dim_of(self.hf_config), log=False)

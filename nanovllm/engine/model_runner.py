@@ -22,7 +22,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingBatch
 from nanovllm.models import get_model_class
-from nanovllm.models.qwen3 import head_dim_of
+from nanovllm.models.llama import head_dim_of
 from nanovllm.utils.context import get_context, set_context
 from nanovllm.utils.distributed import tensor_parallel
 from nanovllm.utils.loader import load_dummy_weights, load_model

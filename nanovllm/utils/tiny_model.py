@@ -1,4 +1,4 @@
-"""Builds a tiny random Qwen3 checkpoint with a byte-level tokenizer, entirely offline.
+"""Builds tiny random checkpoints (Qwen3, Qwen2, Llama, Mistral) with a byte-level tokenizer, offline.
 
 Used by ``example.py`` when no model is given and by the tests (with transformers as the oracle).
 """
@@ -45,35 +45,49 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def build_tiny_qwen3(path: str, *, seed: int = 0, vocab_size: int = 320, hidden_size: int = 64,
-                     intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
-                     num_key_value_heads: int = 2, head_dim: int = 32, tie_word_embeddings: bool = False,
-                     rope_theta: float = 10000.0, max_position_embeddings: int = 1024,
-                     initializer_range: float = 0.2, max_shard_size: str | None = None,
-                     dtype: torch.dtype = torch.float32) -> str:
+def build_tiny_qwen3(path: str, **kwargs) -> str:
     """Saves a random Qwen3ForCausalLM with a byte tokenizer in ``path`` and returns ``path``."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    return build_tiny_model(path, "qwen3", **{"head_dim": 32, **kwargs})
 
+
+ARCHITECTURES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                 "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+def build_tiny_model(path: str, arch: str = "qwen3", *, seed: int = 0, vocab_size: int = 320, hidden_size: int = 64,
+                     intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
+                     num_key_value_heads: int = 2, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
+                     max_position_embeddings: int = 1024, initializer_range: float = 0.2,
+                     max_shard_size: str | None = None, dtype: torch.dtype = torch.float32, **extra) -> str:
+    """Saves a random model of one of ARCHITECTURES with a byte tokenizer in ``path``; ``extra`` goes
+    to the transformers config (head_dim, tie_word_embeddings, attention_bias, mlp_bias, sliding_window...)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config_name, arch_name = ARCHITECTURES[arch]
     os.makedirs(path, exist_ok=True)
     tokenizer = build_byte_tokenizer(path)
     eos = tokenizer.eos_token_id
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                         num_key_value_heads=num_key_value_heads, head_dim=head_dim,
-                         tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
-                         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-                         initializer_range=initializer_range, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    config.architectures = ["Qwen3ForCausalLM"]
+    rope = {"rope_type": "default", "rope_theta": rope_theta, **(rope_scaling or {})}
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+        rope_parameters=rope, initializer_range=initializer_range, bos_token_id=eos, eos_token_id=eos,
+        pad_token_id=eos, **extra)
+    config.architectures = [arch_name]
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(dtype)
-    with torch.no_grad():  # RMSNorm weights start at 1; randomize them too so a swapped norm shows
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    with torch.no_grad():  # RMSNorm weights start at 1, biases at 0: randomize them so a mix-up shows
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, initializer_range)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     GenerationConfig(eos_token_id=[eos, tokenizer.convert_tokens_to_ids("<|im_end|>")],
                      bos_token_id=eos).save_pretrained(path)
     with open(os.path.join(path, "nanovllm_tiny.json"), "w") as f:
-        json.dump({"random_weights": True, "seed": seed}, f)
+        json.dump({"random_weights": True, "seed": seed, "architecture": arch_name}, f)
     return path

@@ -1,0 +1,69 @@
+"""Every supported family (Qwen3, Qwen2/2.5, Llama 2/3.x, Mistral) from tiny random checkpoints:
+greedy output equal to transformers' token for token on CPU, one with TP=2 on gloo."""
+from __future__ import annotations
+
+import pytest
+from conftest import assert_matches_oracle, assert_no_leaks, random_prompts
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.tiny_model import build_tiny_model
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+FAMILIES = {  # name: (architecture, build_tiny_model overrides)
+    "qwen2_biases": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama3_rope_tied": ("llama", dict(head_dim=32, tie_word_embeddings=True, rope_theta=500000.0,
+                                       rope_scaling=LLAMA3_ROPE)),
+    "llama_linear_rope_all_biases": ("llama", dict(head_dim=32, attention_bias=True, mlp_bias=True,
+                                                   num_key_value_heads=4, rope_scaling=dict(rope_type="linear",
+                                                                                            factor=2.0))),
+    "mistral": ("mistral", dict(head_dim=32, sliding_window=None, num_key_value_heads=1)),
+}
+N = 32
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_tiny_model(str(root / name), arch, **kw) for name, (arch, kw) in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_transformers(family_checkpoints, oracle, name):
+    path = family_checkpoints[name]
+    prompts = random_prompts(16, 3, 90, seed=70)  # positions past the llama3 rope's original 64
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512, device="cpu")
+    try:
+        assert type(llm.model_runner.model).__name__ == llm.config.hf_config.architectures[0]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
+
+
+def test_llama_tensor_parallel(family_checkpoints, oracle):
+    path = family_checkpoints["llama_linear_rope_all_biases"]
+    prompts = random_prompts(8, 3, 60, seed=71)
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512, device="cpu",
+              tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
+
+
+def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+    path = build_tiny_model(str(tmp_path / "mistral"), "mistral", head_dim=32, sliding_window=128)
+    with pytest.raises(ValueError, match="sliding_window=128 is shorter than max_model_len=512"):
+        LLM(path, max_model_len=512, device="cpu")
+    llm = LLM(path, max_model_len=128, num_kvcache_blocks=16, kvcache_block_size=16, device="cpu")  # fits the window
+    llm.exit()
+
+
+def test_unsupported_rope_type_is_named(tmp_path):
+    path = build_tiny_model(str(tmp_path / "yarn"), "llama", head_dim=32,
+                            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256))
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        LLM(path, device="cpu", num_kvcache_blocks=16)
