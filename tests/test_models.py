@@ -67,3 +67,19 @@ def test_unsupported_rope_type_is_named(tmp_path):
                             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256))
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         LLM(path, device="cpu", num_kvcache_blocks=16)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"])
+def test_presets_build_their_architecture(preset):
+    """Each preset's config builds (on the meta device: no memory) with the expected parameter count."""
+    import torch
+
+    from nanovllm.models import get_model_class
+    from nanovllm.models.presets import preset_config
+    from nanovllm.utils.distributed import tensor_parallel
+    config = preset_config(preset)
+    with torch.device("meta"), tensor_parallel(0, 1):
+        model = get_model_class(config)(config)
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    expected = {"qwen3-0.6b": 0.60, "qwen3-8b": 8.19, "llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03, "qwen2.5-7b": 7.62}
+    assert params == pytest.approx(expected[preset], abs=0.02), params

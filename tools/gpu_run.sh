@@ -39,6 +39,7 @@ if [[ $phases == *bench* ]]; then
       | tee -a "$OUT/bench.jsonl"
   done
   python3 bench.py --json --profile 2>>"$OUT/bench.err" | tee "$OUT/bench_profile.jsonl"
+  python3 bench.py --model llama-3.2-1b --json 2>>"$OUT/bench.err" | tee "$OUT/bench_llama.jsonl"
   [[ $phases == *hf* ]] && python3 bench.py --engine hf --json 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   python3 tools/plot_bench.py "$OUT/bench.jsonl" "$OUT/bench.png"
 fi
