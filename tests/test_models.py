@@ -30,16 +30,22 @@ def family_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_matches_transformers(family_checkpoints, oracle, name):
+    """Also with the engine's features on: prefix-cache hits (a second wave sharing the first's
+    prefixes), chunked prefill (40-token budget) and preemption (a 40-block cache)."""
     path = family_checkpoints[name]
     prompts = random_prompts(16, 3, 90, seed=70)  # positions past the llama3 rope's original 64
-    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512, device="cpu")
+    again = [p + [1, 2] for p in prompts[-3:]]  # finished last: their blocks are still cached
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=40, max_num_batched_tokens=40,
+              device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     try:
         assert type(llm.model_runner.model).__name__ == llm.config.hf_config.architectures[0]
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(again, sp, use_tqdm=False)
+        assert llm.scheduler.block_manager.num_cache_hits > 0
         assert_no_leaks(llm)
     finally:
         llm.exit()
-    assert_matches_oracle(oracle, path, prompts, outputs, N)
+    assert_matches_oracle(oracle, path, prompts + again, outputs, N)
 
 
 def test_llama_tensor_parallel(family_checkpoints, oracle):
