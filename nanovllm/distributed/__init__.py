@@ -1,0 +1,1 @@
+"""Scale-out beyond one machine, on existing distributed engines (Ray)."""

@@ -1,0 +1,95 @@
+"""Data parallelism on Ray: one engine per actor (per GPU, or per group of ``tensor_parallel_size``
+GPUs), a list of prompts spread over the actors in chunks, outputs in prompt order. A chunk whose
+actor dies is retried on another. The same code runs on a laptop (``ray.init()``) and on a
+multi-node cluster (``ray.init(address="auto")``). For Ray Data pipelines, ``LLMPredictor`` is a
+callable class for ``Dataset.map_batches``. Needs the optional extra: ``pip install -e ".[ray]"``.
+"""
+from __future__ import annotations
+
+import ray
+from ray.exceptions import RayActorError
+from tqdm.auto import tqdm
+
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+
+@ray.remote
+class EngineActor:
+    def __init__(self, model: str, engine_kwargs: dict):
+        self.llm = LLM(model, **engine_kwargs)
+
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list[dict]:
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+
+class DataParallelLLM:
+    """``num_replicas`` engines as Ray actors; ``generate`` has ``LLM.generate``'s signature."""
+
+    def __init__(self, model: str, num_replicas: int | None = None, **engine_kwargs):
+        if not ray.is_initialized():
+            ray.init()
+        tp = engine_kwargs.get("tensor_parallel_size", 1)
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        on_gpu = gpus > 0 and engine_kwargs.get("device", "auto") != "cpu"
+        if num_replicas is None:
+            num_replicas = max(1, gpus // tp) if on_gpu else 1
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        options = {"num_gpus": tp} if on_gpu else {"num_cpus": 1}
+        self.actors = [EngineActor.options(**options).remote(model, engine_kwargs) for _ in range(num_replicas)]
+        self.retries = 0  # chunks retried after their actor died, over this object's life
+
+    def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 chunk_size: int = 256, use_tqdm: bool = True) -> list[dict]:
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        chunks = [range(i, min(i + chunk_size, len(prompts))) for i in range(0, len(prompts), chunk_size)]
+        todo, idle, running = list(reversed(chunks)), list(self.actors), {}
+        outputs: list[dict | None] = [None] * len(prompts)
+        pbar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm)
+        while todo or running:
+            while todo and idle:
+                actor, chunk = idle.pop(), todo.pop()
+                ref = actor.generate.remote([prompts[i] for i in chunk], [params[i] for i in chunk])
+                running[ref] = (actor, chunk)
+            if not running:
+                raise RuntimeError("every engine actor has died; nothing left to run the remaining prompts")
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            actor, chunk = running.pop(ref)
+            try:
+                results = ray.get(ref)
+            except RayActorError:  # the actor is gone: its chunk goes back to the queue for another
+                self.actors.remove(actor)
+                todo.append(chunk)
+                self.retries += 1
+                continue
+            for i, out in zip(chunk, results):
+                outputs[i] = out
+            idle.append(actor)
+            pbar.update(len(chunk))
+        pbar.close()
+        return outputs
+
+    def shutdown(self):
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+
+
+class LLMPredictor:
+    """For ``ray.data.Dataset.map_batches(LLMPredictor, fn_constructor_kwargs={"model": ...,
+    "sampling_params": ..., **engine_kwargs}, concurrency=N, batch_size=...)``: reads the "prompt"
+    column (strings or token-id lists) and adds "generated_text" and "generated_token_ids"."""
+
+    def __init__(self, model: str, sampling_params: SamplingParams | None = None, **engine_kwargs):
+        self.llm = LLM(model, **engine_kwargs)
+        self.sampling_params = sampling_params or SamplingParams()
+
+    def __call__(self, batch: dict) -> dict:
+        prompts = [p if isinstance(p, str) else [int(t) for t in p] for p in batch["prompt"]]
+        outputs = self.llm.generate(prompts, self.sampling_params, use_tqdm=False)
+        return {**batch, "generated_text": [o["text"] for o in outputs],
+                "generated_token_ids": [o["token_ids"] for o in outputs]}
