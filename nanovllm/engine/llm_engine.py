@@ -296,7 +296,7 @@ class LLMEngine:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         if stream or any(sp.stop_strings for sp in sampling_params):
-            self._encode("")  # stop strings and streaming need the tokenizer: fail before any work
+            self._require_tokenizer("stop strings and streaming")  # fail before any work
         checked = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]  # all, before adding any
         return [self.add_request(ids, sp, i, stream) for i, (ids, sp) in enumerate(zip(checked, sampling_params))]
 
@@ -339,10 +339,12 @@ class LLMEngine:
             del self.requests[s.seq_id]
         return True
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _require_tokenizer(self, what: str):
         if self.tokenizer is None:
-            raise ValueError("string prompts, stop strings and streaming need a tokenizer, but the engine has "
-                             "skip_tokenizer_init=True: pass token ids")
+            raise ValueError(f"{what} need a tokenizer, but the engine has skip_tokenizer_init=True")
+
+    def _encode(self, prompt: str) -> list[int]:
+        self._require_tokenizer("string prompts (pass token ids instead)")
         return self.tokenizer.encode(prompt)
 
     def _completion(self, seq: Sequence) -> dict:
