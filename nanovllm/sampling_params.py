@@ -35,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
+    is_plain: bool = field(init=False, repr=False)  # temperature only: the sampler's fast path
 
     def __post_init__(self):
         _number("temperature", self.temperature, lo=0.0)
@@ -65,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
         self.temperature = float(self.temperature)
+        self.is_plain = not (self.needs_top_k_top_p or self.min_p > 0 or self.needs_penalties or self.min_tokens
+                             or self.seed is not None or self.logprobs is not None)
 
     @property
     def is_greedy(self) -> bool:

@@ -243,21 +243,23 @@ class ModelRunner:
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
 
     def prepare_decode(self, seqs: list[Sequence]):
-        input_ids, positions, slot_mapping, context_lens = [], [], [], []
-        for seq in seqs:
-            input_ids.append(seq.last_token)
-            positions.append(len(seq) - 1)
-            context_lens.append(len(seq))
-            slot_mapping.append(seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1)
+        block_size = self.block_size
+        input_ids = [seq.last_token for seq in seqs]
+        context_lens = [seq.num_tokens for seq in seqs]
+        # the new token's slot: position len - 1 in the last block (block_table[-1] * bs + (len - 1) % bs)
+        slot_mapping = [seq.block_table[-1] * block_size + (n - 1) % block_size for seq, n in zip(seqs, context_lens)]
         context = dict(slot_mapping=self._to_device(slot_mapping, torch.int32),
                        context_lens=self._to_device(context_lens, torch.int32),
                        block_tables=self.prepare_block_tables(seqs))
+        positions = [n - 1 for n in context_lens]
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """The batch's sampling parameters; each optional stage only when some request uses it."""
         params = [seq.sampling_params for seq in seqs]
         batch = SamplingBatch(self._to_device([sp.temperature for sp in params], torch.float32))
+        if all(sp.is_plain for sp in params):
+            return batch
         vocab_size = self.config.hf_config.vocab_size
         if any(sp.needs_top_k_top_p for sp in params):
             batch.top_k = self._to_device([sp.top_k if sp.top_k > 0 else vocab_size for sp in params], torch.int64)
