@@ -15,8 +15,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = frozenset(config.eos_token_ids)
-        # a sequence stops at max_model_len, and never outgrows the whole cache (it could not be scheduled)
         self.enable_prefix_caching = config.enable_prefix_caching
+        # a sequence stops at max_model_len, and never outgrows the whole cache (it could not be scheduled)
         self.max_model_len = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size)
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
@@ -40,8 +40,9 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
-        # max_num_seqs caps the running sequences, so that one decode step always covers them all
-        while self.waiting and budget > 0 and len(self.running) + len(scheduled) < self.max_num_seqs:
+        # max_num_seqs caps the running sequences (a fully scheduled one joins them at once; a chunked one
+        # ends the batch), so that one decode step always covers them all
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
