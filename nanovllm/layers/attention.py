@@ -8,6 +8,7 @@ picks the first that supports the device, dtype, block size and head_dim, and sa
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import logging
 import os
@@ -15,13 +16,32 @@ import os
 import torch
 from torch import nn
 
-from nanovllm.kernels import reference
 from nanovllm.utils.context import Context, get_context
 
 logger = logging.getLogger("nanovllm")
 
 
-class TorchBackend:
+class KernelModuleBackend:
+    """A backend whose kernels are one of our modules with ``reference.py``'s functions and signatures."""
+
+    module = "nanovllm.kernels.reference"
+
+    @classmethod
+    def store_kvcache(cls, k, v, k_cache, v_cache, slot_mapping):
+        importlib.import_module(cls.module).store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    @classmethod
+    def prefill(cls, q, k, v, k_cache, v_cache, ctx: Context, scale: float):
+        return importlib.import_module(cls.module).prefill_attention(
+            q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.block_tables, scale)
+
+    @classmethod
+    def decode(cls, q, k_cache, v_cache, ctx: Context, scale: float):
+        return importlib.import_module(cls.module).decode_attention(q, k_cache, v_cache, ctx.context_lens,
+                                                                    ctx.block_tables, scale)
+
+
+class TorchBackend(KernelModuleBackend):
     """Plain PyTorch paged attention: any device, dtype, block size and head_dim."""
 
     name = "torch"
@@ -30,25 +50,13 @@ class TorchBackend:
     def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
         return []
 
-    @staticmethod
-    def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
-        reference.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
-    @staticmethod
-    def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
-        return reference.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                           ctx.max_seqlen_q, ctx.block_tables, scale)
-
-    @staticmethod
-    def decode(q, k_cache, v_cache, ctx: Context, scale: float):
-        return reference.decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
-
-
-class TritonBackend:
-    """Our Triton kernels (``nanovllm/kernels/triton_attention.py``); on CPU only under
+class TritonBackend(KernelModuleBackend):
+    """Our Triton kernels (imported on first use: triton ships for Linux only); on CPU only under
     TRITON_INTERPRET=1, which the tests use."""
 
     name = "triton"
+    module = "nanovllm.kernels.triton_attention"
     HEAD_DIMS = (32, 64, 128)
 
     @staticmethod
@@ -65,22 +73,6 @@ class TritonBackend:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             reasons.append(f"dtype {dtype}")
         return reasons
-
-    @staticmethod
-    def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
-        from nanovllm.kernels import triton_attention
-        triton_attention.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-
-    @staticmethod
-    def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
-        from nanovllm.kernels import triton_attention
-        return triton_attention.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                                  ctx.max_seqlen_q, ctx.block_tables, scale)
-
-    @staticmethod
-    def decode(q, k_cache, v_cache, ctx: Context, scale: float):
-        from nanovllm.kernels import triton_attention
-        return triton_attention.decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
 
 
 class FlashAttnBackend:
