@@ -152,15 +152,20 @@ def run_hf(args, prompts, params) -> float:
     # eos_token_id=None: transformers disables EOS (ignore_eos); do_sample at temperature 0.6, as ours
     generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=None,
                                          pad_token_id=0, max_new_tokens=max(sp.max_tokens for sp in params))
-    model.generate_batch([[1] * 16], generation_config=generation_config, max_new_tokens=16)  # warmup
     manager = model.init_continuous_batching(generation_config=generation_config)
     manager.start()
+    manager.add_request([1] * 16, request_id="warmup", max_new_tokens=16)  # warmup, through the same manager
+    while (result := manager.get_result(timeout=1)) is None or not result.is_finished():
+        pass
     start = time.perf_counter()
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
         manager.add_request(prompt, request_id=str(i), max_new_tokens=sp.max_tokens)
     finished, generated = 0, 0
     while finished < len(prompts):
         result = manager.get_result(timeout=1)
+        if result is not None and getattr(result, "error", None):
+            manager.stop()
+            raise RuntimeError(f"transformers failed request {result.request_id}: {result.error}")
         if result is not None and result.is_finished():
             finished += 1
             generated += len(result.generated_tokens)
