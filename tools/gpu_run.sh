@@ -3,13 +3,14 @@
 #   kernels  build flash-attn from the carried sdist (.gpu/), kernel tests with it, kernel microbenchmarks
 #   tests    the GPU tests and the whole suite on CUDA
 #   bench    bench.py (Qwen3-0.6B preset, random weights): Triton and flash-attn, graphs on and off, a profiled
-#            run; with "hf" also transformers' continuous batching (~4 min)
+#            run, the llama-3.2-1b preset
+#   hf       bench.py --engine hf: the same workload through transformers (~4 min)
 #   profile  tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
-# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh [kernels] [tests] [bench [hf]] [profile]
+# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh [kernels] [tests] [bench] [hf] [profile]
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-phases=${*:-kernels tests bench profile}
+phases=${*:-kernels tests bench profile}  # each call must stay under 10 minutes: pick
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u;
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"; } | tee "$OUT/env.txt"
 
@@ -40,8 +41,11 @@ if [[ $phases == *bench* ]]; then
   done
   python3 bench.py --json --profile 2>>"$OUT/bench.err" | tee "$OUT/bench_profile.jsonl"
   python3 bench.py --model llama-3.2-1b --json 2>>"$OUT/bench.err" | tee "$OUT/bench_llama.jsonl"
-  [[ $phases == *hf* ]] && python3 bench.py --engine hf --json 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
   python3 tools/plot_bench.py "$OUT/bench.jsonl" "$OUT/bench.png"
+fi
+
+if [[ $phases == *hf* ]]; then  # the same workload through transformers' continuous batching (~4 min)
+  python3 bench.py --engine hf --json 2>>"$OUT/bench.err" | tee "$OUT/bench_hf.jsonl"
 fi
 
 if [[ $phases == *profile* ]]; then  # per decode step: CPU time of each phase, GPU time of the forward
