@@ -1,5 +1,11 @@
 """Build flash-attn 2.8.3 from its PyPI sdist, trimmed to the bf16 head_dim-128 forward kernels this engine calls,
-with torch.utils.cpp_extension.load for sm_90, and import it from the extracted sources without installing it."""
+with torch.utils.cpp_extension.load for sm_90, and import it from the extracted sources without installing it.
+
+The sdist is fetched on a machine with PyPI (the GPU machine has no network) into the ignored folder .gpu/,
+which the device call then carries:
+    pip install wheel && FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE pip download --no-deps --no-binary :all: \
+        --no-build-isolation -d .gpu flash-attn==2.8.3
+"""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine, in phases chosen by the arguments (default: all):
-#   kernels  build flash-attn from the carried sdist (.gpu/), kernel tests with it, kernel microbenchmarks
+#   kernels  build flash-attn from the carried sdist (.gpu/; tools/flash_attn_build.py says how to fetch it),
+#            kernel tests with it, kernel microbenchmarks
 #   tests    the GPU tests and the whole suite on CUDA
 #   bench    bench.py (Qwen3-0.6B preset, random weights): Triton and flash-attn, graphs on and off, a profiled
 #            run, the llama-3.2-1b preset
