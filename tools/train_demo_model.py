@@ -1,0 +1,130 @@
+"""Trains the demo model: a tiny Qwen3 on the Python standard library's own source (Lib/*.py of the
+running interpreter, which every machine has offline), with a byte-level BPE tokenizer trained on the
+same files. A few files are held out for evaluation and copied beside the model, since the CPU and
+GPU machines run different Python versions. Seeded; prints the train/validation loss curve.
+
+    python tools/train_demo_model.py --out nanovllm/demo/model --steps 3000      # on a GPU, a few minutes
+    python tools/train_demo_model.py --out /tmp/demo --steps 20 --batch-size 4   # a smoke run on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import shutil
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+HELD_OUT = ("textwrap.py", "colorsys.py", "bisect.py", "heapq.py")  # never trained on; evaluation files
+EOS = "<|endoftext|>"
+
+
+def corpus_files() -> list[Path]:
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in lib.glob("*.py") if p.name not in HELD_OUT and p.stat().st_size < 500_000)
+
+
+def train_tokenizer(files: list[Path], vocab_size: int, out: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    bpe = ByteLevelBPETokenizer()
+    bpe.train([str(f) for f in files], vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token=EOS)
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def encode_corpus(tokenizer, files: list[Path]) -> torch.Tensor:
+    ids: list[int] = []
+    for f in files:
+        ids.extend(tokenizer.encode(f.read_text(errors="replace")))
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
+    while True:
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=generator)
+        yield torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, seq_len: int, device: str, max_windows: int = 64) -> float:
+    model.eval()
+    losses = []
+    for start in range(0, min(len(data) - seq_len - 1, max_windows * seq_len), seq_len):
+        window = data[start:start + seq_len + 1].to(device)[None]
+        losses.append(float(model(window[:, :-1], labels=window[:, 1:].clone()).loss))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="nanovllm/demo/model")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = corpus_files()
+    tokenizer = train_tokenizer(files, args.vocab_size, out)
+    data = encode_corpus(tokenizer, files)
+    split = int(0.99 * len(data))
+    train, val = data[:split], data[split:]
+    print(f"corpus: {len(files)} files, {len(data):,} tokens (vocab {len(tokenizer)})", flush=True)
+
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    config.architectures = ["Qwen3ForCausalLM"]
+    model = Qwen3ForCausalLM(config).to(device)
+    print(f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    warmup = max(1, args.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 *
+                                                 (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+    stream = batches(train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
+    start = time.time()
+    for step in range(1, args.steps + 1):
+        batch = next(stream).to(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = model(batch[:, :-1], labels=batch[:, 1:].clone()).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % max(1, args.steps // 30) == 0 or step == args.steps:
+            line = f"step {step:5d}  train loss {loss.item():.3f}"
+            if step % max(1, args.steps // 6) == 0 or step == args.steps:
+                line += f"  val loss {evaluate(model, val, args.seq_len, device):.3f}"
+            print(f"{line}  ({time.time() - start:.0f} s)", flush=True)
+
+    model.to(torch.bfloat16).save_pretrained(out)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id).save_pretrained(out)
+    heldout = out / "heldout"
+    heldout.mkdir(exist_ok=True)
+    for name in HELD_OUT:
+        shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / name, heldout / name)
+    size = os.path.getsize(out / "model.safetensors") / 2 ** 20
+    print(f"saved {out} (model.safetensors {size:.1f} MiB), held-out files in {heldout}")
+
+
+if __name__ == "__main__":
+    main()
