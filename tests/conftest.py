@@ -47,6 +47,20 @@ def tiny(checkpoints) -> str:
     return checkpoints["gqa2"]
 
 
+# An explicit cache size (honoured on every device): on a GPU, engines that live side by side
+# in the test process must not each claim gpu_memory_utilization of it.
+ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    """One engine on the tiny checkpoint, shared by a test module."""
+    from nanovllm import LLM
+    engine = LLM(tiny, **ENGINE)
+    yield engine
+    engine.exit()
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]

@@ -7,20 +7,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_no_leaks, random_prompts
+from conftest import ENGINE, assert_no_leaks, random_prompts
 
 from nanovllm import LLM, SamplingParams
-
-# An explicit cache size (honoured on every device): on a GPU, engines that live side by side
-# in the test process must not each claim gpu_memory_utilization of it.
-ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny):
-    engine = LLM(tiny, **ENGINE)
-    yield engine
-    engine.exit()
 
 
 def test_outputs_in_prompt_order_and_text(llm, oracle, tiny):

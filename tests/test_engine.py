@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CHECKPOINTS, assert_matches_oracle, assert_no_leaks, random_prompts
+from conftest import CHECKPOINTS, ENGINE, assert_matches_oracle, assert_no_leaks, random_prompts
 
 from nanovllm import LLM, SamplingParams
 
 N = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-# An explicit cache size (honoured on every device): on a GPU, engines that live side by side
-# in the test process must not each claim gpu_memory_utilization of it.
-ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512)
 
 
 def run(path, prompts, **kw):

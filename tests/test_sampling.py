@@ -6,13 +6,11 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_no_leaks, random_prompts
+from conftest import ENGINE, assert_no_leaks, random_prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
-
-ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512)
 
 
 # ---- the sampler's stages against hand-written references --------------------------------------
@@ -111,13 +109,6 @@ def test_invalid_sampling_params_name_field_and_value():
 
 
 # ---- end to end ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llm(tiny):
-    engine = LLM(tiny, **ENGINE)
-    yield engine
-    engine.exit()
-
-
 def test_output_fields(llm, oracle, tiny):
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")  # 44 tokens
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),

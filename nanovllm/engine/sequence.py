@@ -35,9 +35,6 @@ class Sequence:
         self.num_prefix_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
-        self.temperature = sampling_params.temperature
-        self.max_tokens = sampling_params.max_tokens
-        self.ignore_eos = sampling_params.ignore_eos
         self.generator = None              # set on rank 0 for a seeded request, on first use
         self.finish_reason: str | None = None   # "stop" or "length"
         self.logprobs: list[dict[int, float]] = []
