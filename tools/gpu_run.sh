@@ -1,54 +1,62 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine, in phases chosen by the arguments (default: all):
+# One device call on the GPU machine: the phases named in the arguments, in that order. A device call may
+# last 10 minutes, so every step runs under `timeout` against a deadline (BUDGET seconds, default 560) and a
+# step that would overrun is cut, its log kept. Phases:
 #   kernels  build flash-attn from the carried sdist (.gpu/; tools/flash_attn_build.py says how to fetch it),
 #            kernel tests with it, kernel microbenchmarks
-#   tests    the GPU tests and the whole suite on CUDA
-#   bench    bench.py (Qwen3-0.6B preset, random weights): Triton and flash-attn, graphs on and off, a profiled
-#            run, the llama-3.2-1b preset
+#   gputests tests/test_gpu.py (every backend, flash-attn built from the sdist)
+#   suite    the whole CPU suite, run on CUDA
+#   bench    bench.py (Qwen3-0.6B preset, random weights), Triton with CUDA Graphs, then with --profile
+#   bench2   the rest of the bench table: flash-attn, eager, overlap off
+#   llama    bench.py --model llama-3.2-1b
 #   hf       bench.py --engine hf: the same workload through transformers (~4 min)
 #   profile  tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
-# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh [kernels] [tests] [bench] [hf] [profile]
+#   tp       (2 GPUs) the tensor-parallel GPU tests and bench.py at TP 1 and 2 for qwen3-0.6b and qwen3-8b
+# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh PHASE...
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
-phases=${*:-kernels tests bench profile}  # each call must stay under 10 minutes: pick
+DEADLINE=$((SECONDS + ${BUDGET:-560}))
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u;
   python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, triton.__version__, transformers.__version__)"; } | tee "$OUT/env.txt"
 
-if [[ $phases == *kernels* ]]; then
-  python3 - <<'PY' 2>&1 | tee "$OUT/test_kernels.log" | grep -E "built|passed|failed|Error" | tail -5
-import sys, time
-sys.path.insert(0, "tools")
-from flash_attn_build import load_flash_attn
-t = time.time(); load_flash_attn(); print(f"built flash-attn in {time.time() - t:.0f} s")
-import pytest
-sys.exit(pytest.main(["tests/test_kernels.py", "-q", "-rA"]))
-PY
-  python3 tools/bench_kernels.py --out "$OUT" ${SWEEP:+--sweep} 2>"$OUT/bench_kernels.err" | tee "$OUT/bench_kernels.log" | tail -30
-fi
+step() {  # step LOG COMMAND...: run under the time left, append stdout to $OUT/LOG, stderr to $OUT/LOG.err
+  local log=$1; shift
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 20)); then echo "SKIPPED (no time left): $*" | tee -a "$OUT/skipped.txt"; return; fi
+  echo "== $* (${left}s left)" >&2
+  timeout -k 5 "$left" "$@" >>"$OUT/$log" 2>>"$OUT/$log.err"
+  local rc=$?
+  ((rc == 124)) && echo "CUT at the deadline: $*" | tee -a "$OUT/skipped.txt"
+  tail -n 3 "$OUT/$log"
+}
+FA="python3 tools/with_flash_attn.py"
 
-if [[ $phases == *tests* ]]; then
-  python3 tools/with_flash_attn.py -m pytest tests/test_gpu.py -q -s -rA 2>&1 | tee "$OUT/test_gpu.log" \
-    | grep -E "^bf16|enforce_eager|passed|failed|Error" | cut -c1-200
-  python3 -m pytest tests -q -m "not gpu" 2>&1 | tee "$OUT/test_suite_cuda.log" | tail -3
-fi
-
-if [[ $phases == *bench* ]]; then
-  # the default model is the qwen3-0.6b preset with random weights; every line is one JSON result
-  for flags in "" "--enforce-eager"; do
-    python3 bench.py --json $flags 2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl"
-    python3 tools/with_flash_attn.py bench.py --attention-backend flash-attn --json $flags 2>>"$OUT/bench.err" \
-      | tee -a "$OUT/bench.jsonl"
-  done
-  python3 bench.py --json --profile 2>>"$OUT/bench.err" | tee "$OUT/bench_profile.jsonl"
-  python3 bench.py --model llama-3.2-1b --json 2>>"$OUT/bench.err" | tee "$OUT/bench_llama.jsonl"
-  python3 tools/plot_bench.py "$OUT/bench.jsonl" "$OUT/bench.png"
-fi
-
-if [[ $phases == *hf* ]]; then  # the same workload through transformers' continuous batching (~4 min)
-  python3 bench.py --engine hf --json 2>>"$OUT/bench.err" | tee "$OUT/bench_hf.jsonl"
-fi
-
-if [[ $phases == *profile* ]]; then  # per decode step: CPU time of each phase, GPU time of the forward
-  python3 tools/profile_step.py 2>>"$OUT/profile.err" | tee "$OUT/profile_step.jsonl"
-fi
+for phase in "$@"; do
+  case $phase in
+    kernels)
+      step test_kernels.log $FA -m pytest tests/test_kernels.py -q -rA
+      step bench_kernels.log python3 tools/bench_kernels.py --out "$OUT" ${SWEEP:+--sweep} ;;
+    gputests) step test_gpu.log $FA -m pytest tests/test_gpu.py -q -s -rA ;;
+    suite) step test_suite_cuda.log python3 -m pytest tests -q -m "not gpu" -x ;;
+    bench)
+      step bench.jsonl python3 bench.py --json
+      step bench_profile.jsonl python3 bench.py --json --profile ;;
+    bench2)
+      step bench.jsonl $FA bench.py --attention-backend flash-attn --json
+      step bench.jsonl python3 bench.py --json --no-async-scheduling
+      step bench.jsonl python3 bench.py --json --enforce-eager
+      step bench.jsonl $FA bench.py --attention-backend flash-attn --json --enforce-eager ;;
+    llama) step bench_llama.jsonl python3 bench.py --model llama-3.2-1b --json ;;
+    hf) step bench_hf.jsonl python3 bench.py --engine hf --json ;;
+    profile) step profile_step.jsonl python3 tools/profile_step.py ;;
+    tp)
+      step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k tensor_parallel
+      for model in qwen3-0.6b qwen3-8b; do
+        for tp in 1 2; do step bench_tp.jsonl python3 bench.py --model "$model" --tp $tp --json; done
+      done ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+  esac
+done
+[[ -s $OUT/bench.jsonl ]] && python3 tools/plot_bench.py "$OUT/bench.jsonl" "$OUT/bench.png" 2>/dev/null
+true
