@@ -35,6 +35,9 @@ class Config:
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     enable_prefix_caching: bool = True
     tokenizer: str | None = None       # a tokenizer directory other than the model's
+    # Schedule and launch step N+1 while the device runs step N (the sampled token reaches the next
+    # forward on the device). None: on for CUDA, off for CPU (where nothing runs asynchronously).
+    async_scheduling: bool | None = None
     # KV-cache budget on CPU, in GiB per rank, when num_kvcache_blocks is not given.
     cpu_kvcache_space: float = 4.0
     # Derived at start-up.
@@ -67,6 +70,8 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available")
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda"
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible GPU(s)")
@@ -106,6 +111,8 @@ class Config:
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
 
     def _load_hf_config(self) -> PretrainedConfig:
         """A checkpoint directory's config.json, or a built-in preset (random weights only)."""

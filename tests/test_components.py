@@ -48,7 +48,7 @@ def test_block_manager_prefix_cache_and_refcounts():
     assert a.num_cached_tokens == 0 and len(a.block_table) == 3
     a.num_scheduled_tokens = 10
     a.num_cached_tokens = 10
-    bm.hash_blocks(a, 0)  # blocks 0 and 1 are full and computed
+    bm.hash_blocks(a)  # blocks 0 and 1 are full and computed
     b = Sequence(list(range(8)) + [99, 98, 97], block_size=4)
     bm.allocate(b)
     assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 8

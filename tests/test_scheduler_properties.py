@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB, EOS = 7, 6
@@ -46,7 +46,33 @@ def check_invariants(scheduler: Scheduler, live: list[Sequence]):
     assert len(bm.hash_to_block_id) <= len(bm.blocks)
 
 
-def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefix_caching, max_len=10_000):
+def device_history(seq: Sequence) -> list[int]:
+    """The sequence as the device knows it: each placeholder holds the token the fake model sampled."""
+    history: list[int] = []
+    for token in seq.token_ids:
+        history.append(fake_next(history) if token == PLACEHOLDER else token)
+    return history
+
+
+def fake_forward(batch: list[Sequence], is_prefill: bool, inflight) -> list[int]:
+    """The fake device: checks that the forward's inputs are known where the engine needs them
+    (prefill tokens on the host; a decode input pending only from the step in flight), and samples."""
+    for seq in batch:
+        scheduled = seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens]
+        if is_prefill:
+            assert PLACEHOLDER not in scheduled
+        else:  # a sequence whose in-flight token is certainly its last is not computed further
+            assert seq.num_completion_tokens < seq.sampling_params.max_tokens
+        if not is_prefill and seq.num_pending_tokens:
+            assert seq.num_pending_tokens == 1 and scheduled == [PLACEHOLDER]
+            assert inflight is not None and inflight[0].seqs[seq.inflight_row] is seq
+    return [fake_next(device_history(seq)[:seq.num_cached_tokens + seq.num_scheduled_tokens]) for seq in batch]
+
+
+def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefix_caching, max_len=10_000,
+        async_scheduling=False):
+    """The engine's step loop (LLMEngine._step) around the scheduler, with a fake device. With
+    async_scheduling the next step is scheduled and launched before the last one's tokens are read."""
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, eos_token_ids=(EOS,),
                              max_model_len=max_len, num_kvcache_blocks=num_blocks, kvcache_block_size=block_size,
                              enable_prefix_caching=prefix_caching)
@@ -54,15 +80,26 @@ def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefi
     seqs = [Sequence(p, SamplingParams(max_tokens=m), block_size) for p, m in zip(prompts, max_tokens)]
     for seq in seqs:
         scheduler.add(seq)
+    inflight = None
     for _ in range(100_000):
-        if scheduler.is_finished():
+        if scheduler.is_finished() and inflight is None:
             break
-        batch, _ = scheduler.schedule()
-        tokens = [fake_next(seq.token_ids[:seq.num_cached_tokens + seq.num_scheduled_tokens]) for seq in batch]
-        scheduler.postprocess(batch, tokens, [None] * len(batch))
+        batch, is_prefill = scheduler.schedule()
+        assert batch or inflight is not None, "nothing scheduled and nothing in flight"
+        launched = None
+        if batch:
+            tokens = fake_forward(batch, is_prefill, inflight)
+            launched = scheduler.launched(batch, is_prefill), tokens
+        if inflight is not None:
+            scheduler.postprocess(*inflight, [None] * len(inflight[1]))
+        inflight = launched
+        if not async_scheduling:
+            scheduler.postprocess(*inflight, [None] * len(inflight[1]))
+            inflight = None
         check_invariants(scheduler, [s for s in seqs if not s.is_finished])
-    assert scheduler.is_finished(), "the scheduler made no progress"
+    assert scheduler.is_finished() and inflight is None, "the scheduler made no progress"
     assert not scheduler.block_manager.used_block_ids
+    assert all(PLACEHOLDER not in seq.token_ids for seq in seqs)
     return [seq.completion_token_ids for seq in seqs], scheduler.max_model_len
 
 
@@ -72,13 +109,14 @@ prompt_lists = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=30), mi
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=prompt_lists, data=st.data(), block_size=st.sampled_from([2, 4, 8]),
        num_blocks=st.integers(4, 40), budget=st.integers(1, 64), max_num_seqs=st.integers(1, 8),
-       prefix_caching=st.booleans())
+       prefix_caching=st.booleans(), async_scheduling=st.booleans())
 def test_random_load_keeps_accounting_and_outputs(prompts, data, block_size, num_blocks, budget, max_num_seqs,
-                                                   prefix_caching):
+                                                   prefix_caching, async_scheduling):
     capacity = num_blocks * block_size
     prompts = [p for p in prompts if len(p) + 1 <= capacity] or [[0]]
     max_tokens = data.draw(st.lists(st.integers(1, 25), min_size=len(prompts), max_size=len(prompts)))
-    outputs, max_len = run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefix_caching)
+    outputs, max_len = run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefix_caching,
+                           async_scheduling=async_scheduling)
     for prompt, m, out in zip(prompts, max_tokens, outputs):
         assert out == reference(prompt, m, max_len)
 
@@ -86,8 +124,10 @@ def test_random_load_keeps_accounting_and_outputs(prompts, data, block_size, num
 @settings(max_examples=40, deadline=None)
 @given(prompts=prompt_lists, block_size=st.sampled_from([2, 4]))
 def test_outputs_do_not_depend_on_features(prompts, block_size):
-    """Prefix caching, chunked prefill and preemption on or off: the same outputs."""
+    """Prefix caching, chunked prefill, preemption and async scheduling on or off: the same outputs."""
     max_tokens = [5 + len(p) % 7 for p in prompts]
     plain, _ = run(prompts, max_tokens, 1000, block_size, 4096, 64, False)
-    squeezed, _ = run(prompts, max_tokens, (max(map(len, prompts)) + 13) // block_size + 2, block_size, 3, 3, True)
-    assert plain == squeezed
+    small = (max(map(len, prompts)) + 13) // block_size + 2
+    squeezed, _ = run(prompts, max_tokens, small, block_size, 3, 3, True)
+    overlapped, _ = run(prompts, max_tokens, small, block_size, 3, 3, True, async_scheduling=True)
+    assert plain == squeezed == overlapped

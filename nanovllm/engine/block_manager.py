@@ -1,7 +1,8 @@
 """Paged KV-cache blocks: allocation, reference counts, and the xxhash prefix cache.
 
-A full block is registered in the prefix cache only once its K/V has been computed
-(``hash_blocks`` after a forward), so a hit never reads K/V that is still to be written.
+A full block is registered in the prefix cache only once the forward that writes its K/V has been
+launched and its token ids are known (``hash_blocks``): a hit is used by a later forward, which the
+device runs after that one, so it never reads K/V that is still to be written.
 Its hash chains the previous block's hash with its token ids; a hit also compares the ids.
 """
 from __future__ import annotations
@@ -80,6 +81,7 @@ class BlockManager:
             else:
                 self._reuse_block(block_id)
                 seq.num_cached_tokens += self.block_size
+                seq.num_hashed_blocks += 1
                 self.num_cache_hits += 1
             seq.block_table.append(block_id)
 
@@ -90,7 +92,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.used_block_ids.remove(block_id)
                 self.free_block_ids.append(block_id)
-        seq.num_cached_tokens = 0
+        seq.num_cached_tokens = seq.num_hashed_blocks = 0
         seq.block_table.clear()
 
     def can_append(self, seq: Sequence) -> bool:
@@ -101,10 +103,15 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_block())
 
-    def hash_blocks(self, seq: Sequence, num_cached_before: int):
-        """Register the blocks that became full and computed in the last forward."""
-        first, last = num_cached_before // self.block_size, seq.num_cached_tokens // self.block_size
+    def hash_blocks(self, seq: Sequence):
+        """Register the blocks that are full, computed (or being computed) and whose token ids are
+        all known (no token still pending on the device)."""
+        first = seq.num_hashed_blocks
+        last = min(seq.num_cached_tokens, seq.num_resolved_tokens) // self.block_size
+        if last <= first:
+            return
         h = self.blocks[seq.block_table[first - 1]].hash if first > 0 else -1
+        seq.num_hashed_blocks = last
         for i in range(first, last):
             block = self.blocks[seq.block_table[i]]
             token_ids = seq.block(i)

@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -100,6 +100,7 @@ class LLMEngine:
         config.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
+        self._inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
         self._closed = False
         self._healthy = True   # False once a forward failed part-way: the ranks may disagree on where they are
         atexit.register(self.exit)
@@ -141,11 +142,11 @@ class LLMEngine:
             if abort is not None:
                 abort()
 
-    def _run(self, seqs: list[Sequence], is_prefill: bool):
-        """``run`` on every rank; a failure part-way (a dead worker, Ctrl-C) shuts the engine down,
-        and a dead worker is named."""
+    def _guarded(self, fn, *args):
+        """``fn(*args)`` (a forward on every rank, or reading one's result); a failure part-way (a dead
+        worker, Ctrl-C) shuts the engine down, and a dead worker is named."""
         try:
-            return self.model_runner.call("run", seqs, is_prefill)
+            return fn(*args)
         except BaseException as e:
             self._healthy = False
             dead = self._dead_workers()
@@ -182,23 +183,55 @@ class LLMEngine:
             self._pop_if_finished(seq)
         return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
 
-    def _step(self) -> tuple[list[Sequence], int, list[tuple[Sequence, str]]]:
-        """One forward; returns its sequences, the tokens processed, and the text each sequence
-        with a detokenizer gained."""
+    def _step(self) -> tuple[list[Sequence], int, list[tuple[Sequence, int, str]]]:
+        """Schedules and launches one forward, and reads back the results of the one before it
+        (async scheduling) or of this one. Returns the sequences whose results were read, the tokens
+        launched (positive: prefill tokens; negative: decoded sequences), and (sequence, token, new
+        text) for each sequence with a detokenizer that gained a token."""
         if self._closed:
             raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
         seqs, is_prefill = self.scheduler.schedule()
+        done: list[Sequence] = []
+        deltas: list[tuple[Sequence, int, str]] = []
+        if seqs and self._inflight is not None and self._needs_history(seqs):
+            self._finish_inflight(done, deltas)  # penalties read every generated token: no overlap
+            seqs = [seq for seq in seqs if not seq.is_finished]
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids, logprobs = self._run(seqs, is_prefill)
-        deltas = [(seq, self._new_text(seq)) for seq in self.scheduler.postprocess(seqs, token_ids, logprobs)
-                  if seq.detokenizer is not None]
-        for seq in seqs if is_prefill else ():  # completions 1..n-1 start once completion 0's prompt is cached
+        launched = None
+        if seqs:
+            prev_rows = None
+            if not is_prefill and any(seq.num_pending_tokens for seq in seqs):
+                prev_rows = [seq.inflight_row if seq.num_pending_tokens else -1 for seq in seqs]
+            output = self._guarded(self.model_runner.call, "run", seqs, is_prefill, prev_rows)
+            launched = self.scheduler.launched(seqs, is_prefill), output
+        elif self._inflight is None:
+            raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
+        if self._inflight is not None:
+            self._finish_inflight(done, deltas)
+        self._inflight = launched
+        if not self.config.async_scheduling:
+            self._finish_inflight(done, deltas)
+        return done, num_tokens, deltas
+
+    @staticmethod
+    def _needs_history(seqs: list[Sequence]) -> bool:
+        return any(seq.sampling_params.needs_penalties for seq in seqs)
+
+    def _finish_inflight(self, done: list[Sequence], deltas: list[tuple[Sequence, int, str]]):
+        """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``)."""
+        step, output = self._inflight
+        self._inflight = None
+        token_ids, logprobs = self._guarded(output.result)
+        for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs):
+            if seq.detokenizer is not None:
+                deltas.append((seq, token_id, self._new_text(seq, token_id)))
+        for seq in step.seqs if step.is_prefill else ():  # completions 1..n-1 start once 0's prompt is cached
             request = self.requests[seq.seq_id]
             if request.waiting_siblings and (seq.num_cached_tokens >= seq.num_prompt_tokens or seq.is_finished):
                 for sibling in request.waiting_siblings:
                     self.scheduler.add(sibling)
                 request.waiting_siblings = []
-        return seqs, num_tokens, deltas
+        done.extend(step.seqs)
 
     def _interruptible_step(self):
         """``_step``; Ctrl-C shuts the engine down (processes, shared memory) before it propagates."""
@@ -208,9 +241,9 @@ class LLMEngine:
             self.exit()
             raise
 
-    def _new_text(self, seq: Sequence) -> str:
+    def _new_text(self, seq: Sequence, token_id: int) -> str:
         """Feeds the new token to the sequence's detokenizer; finishes it on a stop string."""
-        delta = seq.detokenizer.add(seq.last_token)
+        delta = seq.detokenizer.add(token_id)
         stops = seq.sampling_params.stop_strings
         hit = seq.detokenizer.find_stop(stops, delta) if stops and not seq.is_finished else None
         if hit:
@@ -224,7 +257,7 @@ class LLMEngine:
         return delta
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._inflight is None
 
     # ---- the offline API -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -256,9 +289,9 @@ class LLMEngine:
         seq_index = {seq.seq_id: (r.index, i) for r in requests for i, seq in enumerate(r.seqs)}
         while not self.is_finished():
             seqs, _, deltas = self._interruptible_step()
-            for seq, delta in deltas:
+            for seq, token_id, delta in deltas:
                 index, output_index = seq_index[seq.seq_id]
-                yield {"index": index, "output_index": output_index, "text": delta, "token_ids": [seq.last_token],
+                yield {"index": index, "output_index": output_index, "text": delta, "token_ids": [token_id],
                        "finished": seq.is_finished, "finish_reason": seq.finish_reason}
             for seq in seqs:
                 self._pop_if_finished(seq)

@@ -14,6 +14,7 @@ import pickle
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,6 +31,39 @@ from nanovllm.utils.loader import load_dummy_weights, load_model
 SHM_SIZE = 2 ** 20
 
 
+class SampledTokens:
+    """One forward's sampled tokens on their way to the host. The device-to-host copies start at
+    once (into pinned memory, behind the sampler on the stream); ``result`` waits for them, so the
+    CPU can schedule and launch the next forward first."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None]):
+        self.num_logprobs = num_logprobs
+        self.event = None
+        tensors = [token_ids, *(logprobs or ())]
+        if token_ids.is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            tensors = host
+        self.token_ids, self.logprobs = tensors[0], tensors[1:] or None
+
+    def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        """(the sampled token ids, per sequence its {token id: logprob} for the sampled token and
+        its top k, or None where not asked)."""
+        if self.event is not None:
+            self.event.synchronize()
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None:
+            return token_ids, [None] * len(token_ids)
+        sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
+        out = []
+        for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids)):
+            out.append(None if k is None else {**dict(zip(top_ids[i][:k], top_values[i][:k])), token: sampled[i]})
+        return token_ids, out
+
+
 class ModelRunner:
     def __init__(self, config: Config, rank: int, event: Event | list[Event], shm_name: str = "", port: int = 0):
         self.config = config
@@ -39,6 +73,8 @@ class ModelRunner:
         self.rank = rank
         self.event = event
         self.is_cuda = config.device == "cuda"
+        self.async_scheduling = config.async_scheduling
+        self.prev_sampled: torch.Tensor | None = None   # the last forward's sampled tokens, on the device
         self.enforce_eager = config.enforce_eager or not self.is_cuda
         if self.world_size > 1:
             dist.init_process_group("nccl" if self.is_cuda else "gloo", f"tcp://127.0.0.1:{port}",
@@ -152,6 +188,7 @@ class ModelRunner:
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
         self.run(seqs, True)
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
     def _block_bytes(self) -> int:
@@ -204,9 +241,14 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        max_len = max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + [-1] * (max_len - len(seq.block_table)) for seq in seqs]
-        return self._to_device(block_tables, torch.int32)
+        """[len(seqs), longest table] int32, -1 past each table's end; filled row by row into numpy
+        (one C-level copy per sequence, no padded Python lists)."""
+        width = max(len(seq.block_table) for seq in seqs)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for row, seq in zip(table, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+        t = torch.from_numpy(table)
+        return (t.pin_memory() if self.is_cuda else t).to(self.device, non_blocking=True)
 
     def prepare_prefill(self, seqs: list[Sequence]):
         input_ids, positions, slot_mapping = [], [], []
@@ -242,7 +284,9 @@ class ModelRunner:
                        slot_mapping=self._to_device(slot_mapping, torch.int32), block_tables=block_tables)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
 
-    def prepare_decode(self, seqs: list[Sequence]):
+    def prepare_decode(self, seqs: list[Sequence], prev_rows: list[int] | None = None):
+        """``prev_rows[i] >= 0``: sequence i's input token is still on the device (async scheduling),
+        at that row of the last forward's sampled tokens."""
         block_size = self.block_size
         input_ids = [seq.last_token for seq in seqs]
         context_lens = [seq.num_tokens for seq in seqs]
@@ -252,7 +296,11 @@ class ModelRunner:
                        context_lens=self._to_device(context_lens, torch.int32),
                        block_tables=self.prepare_block_tables(seqs))
         positions = [n - 1 for n in context_lens]
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
+        input_ids = self._to_device(input_ids, torch.int64)
+        if prev_rows is not None:
+            rows = self._to_device(prev_rows, torch.int64)
+            input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
+        return input_ids, self._to_device(positions, torch.int64), context
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """The batch's sampling parameters; each optional stage only when some request uses it."""
@@ -318,28 +366,27 @@ class ModelRunner:
         return self.model.compute_logits(graph_vars["outputs"][:bs])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool):
-        """On rank 0: (the sampled token ids, per sequence its logprobs dict or None); None elsewhere."""
-        input_ids, positions, context = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+    def run(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None = None):
+        """Launches one forward and its sampling. On rank 0 returns the ``SampledTokens`` (read them
+        with ``result()``); None elsewhere. With async scheduling the sampled tokens stay on every
+        rank's device as the next forward's inputs (TP: broadcast from rank 0)."""
+        if is_prefill:
+            input_ids, positions, context = self.prepare_prefill(seqs)
+        else:
+            input_ids, positions, context = self.prepare_decode(seqs, prev_rows)
         sampling = self.prepare_sample(seqs) if self.rank == 0 else None
         with set_context(is_prefill, **context):
             logits = self.run_model(input_ids, positions, is_prefill)
-            if self.rank != 0:
-                return None
-            token_ids, logprobs = self.sampler(logits, sampling, self.generator)
-        return token_ids.tolist(), self._logprob_dicts(seqs, token_ids, logprobs)
-
-    @staticmethod
-    def _logprob_dicts(seqs: list[Sequence], token_ids: torch.Tensor, logprobs) -> list[dict[int, float] | None]:
-        """Per sequence that asked: {token id: logprob} for the sampled token and its top k."""
-        if logprobs is None:
-            return [None] * len(seqs)
-        sampled, top_ids, top_values = (t.tolist() for t in logprobs)
-        out = []
-        for i, (seq, token) in enumerate(zip(seqs, token_ids.tolist())):
-            k = seq.sampling_params.logprobs
-            out.append(None if k is None else {**dict(zip(top_ids[i][:k], top_values[i][:k])), token: sampled[i]})
-        return out
+            token_ids, logprobs = self.sampler(logits, sampling, self.generator) if self.rank == 0 else (None, None)
+        if self.async_scheduling:
+            if self.world_size > 1:
+                if self.rank != 0:
+                    token_ids = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
+                dist.broadcast(token_ids, 0)
+            self.prev_sampled = token_ids
+        if self.rank != 0:
+            return None
+        return SampledTokens(token_ids, logprobs, [seq.sampling_params.logprobs for seq in seqs])
 
     @torch.inference_mode()
     def capture_cudagraph(self):

@@ -1,13 +1,30 @@
 """Scheduling policy: prefill first (only the first sequence of a batch may be chunked),
-otherwise decode every running sequence; when blocks run out, preempt the newest one."""
+otherwise decode every running sequence; when blocks run out, preempt the newest one.
+
+A step has three moments: ``schedule`` picks the sequences, ``launched`` books the forward once
+it is issued (each sequence that gets a token gains a PLACEHOLDER), and ``postprocess`` fills
+the placeholders in when the sampled tokens are read back. With async scheduling the next step
+is scheduled and launched between the last two, so the CPU works while the device runs.
+"""
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    """A launched forward: its sequences in batch order, and the rows whose sampled token is kept
+    (all of them, except a prefill chunk that does not reach the end of its prompt)."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    rows: list[int]
 
 
 class Scheduler:
@@ -29,13 +46,12 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns the sequences of the next forward and whether it is a prefill."""
+        """Returns the sequences of the next forward and whether it is a prefill. Empty only when
+        every running sequence is waiting for the result of a forward in flight."""
         scheduled = self._schedule_prefill()
         if scheduled:
             return scheduled, True
-        scheduled = self._schedule_decode()
-        assert scheduled, "no sequence could be scheduled"
-        return scheduled, False
+        return self._schedule_decode(), False
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -44,6 +60,8 @@ class Scheduler:
         # ends the batch), so that one decode step always covers them all
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                break  # preempted with a token in flight: its ids are not all known yet
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     break
@@ -64,8 +82,12 @@ class Scheduler:
 
     def _schedule_decode(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
+        visited: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
+            if self._ends_in_flight(seq):
+                visited.append(seq)  # stays running until its last token is read back
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -76,8 +98,15 @@ class Scheduler:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+                visited.append(seq)
+        self.running.extendleft(reversed(visited))
         return scheduled
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Its pending token is certain to be its last (max_tokens or the length limit): computing
+        one more would be wasted."""
+        return seq.num_pending_tokens > 0 and (seq.num_completion_tokens >= seq.sampling_params.max_tokens
+                                               or seq.num_tokens >= self.max_model_len)
 
     def preempt(self, seq: Sequence):
         """Free all of ``seq``'s blocks; it is recomputed (prompt and output so far) later."""
@@ -86,37 +115,58 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[dict | None]) -> list[Sequence]:
-        """Appends each sampled token and finishes sequences; returns those that got a token."""
-        advanced = []
-        for seq, token_id, token_logprobs in zip(seqs, token_ids, logprobs):
-            num_cached_before = seq.num_cached_tokens
+    def launched(self, seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
+        """Books the forward just issued for ``seqs``: their scheduled tokens count as cached (the
+        device writes their K/V before any later forward reads it), and each sequence whose sampled
+        token is kept gains a placeholder for it."""
+        rows = []
+        for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            self.block_manager.hash_blocks(seq, num_cached_before)
-            if seq.num_cached_tokens < seq.num_tokens:
-                continue  # a prefill chunk: its sampled token is not the next one
-            seq.append_token(token_id)
-            if token_logprobs is not None:
-                seq.logprobs.append(token_logprobs)
-            advanced.append(seq)
+            if seq.num_cached_tokens == seq.num_tokens:  # else a prefill chunk: its sample is not a next token
+                seq.append_placeholder()
+                seq.inflight_row = row
+                rows.append(row)
+        return ScheduledStep(seqs, is_prefill, rows)
+
+    def postprocess(self, step: ScheduledStep, token_ids: list[int], logprobs: list[dict | None]
+                    ) -> list[tuple[Sequence, int]]:
+        """Fills in the step's sampled tokens and finishes sequences; returns (sequence, token) for
+        each sequence that gained a token. A sequence that finished on an earlier token ignores
+        this one (it was computed before that was known) and never shows it."""
+        advanced = []
+        for row in step.rows:
+            seq = step.seqs[row]
+            if seq.is_finished:
+                continue
+            token_id = token_ids[row]
+            seq.resolve(token_id)
+            if logprobs[row] is not None:
+                seq.logprobs.append(logprobs[row])
+            advanced.append((seq, token_id))
             reason = self._finish_reason(seq, token_id)
             if reason:
                 self.finish(seq, reason)
+        for seq in step.seqs:
+            if not seq.is_finished:
+                self.block_manager.hash_blocks(seq)
         return advanced
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         sp = seq.sampling_params
-        if seq.num_completion_tokens >= sp.min_tokens and (
+        num_completion_tokens = seq.num_resolved_tokens - seq.num_prompt_tokens
+        if num_completion_tokens >= sp.min_tokens and (
                 (not sp.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
             return "stop"
-        if seq.num_completion_tokens == sp.max_tokens or seq.num_tokens == self.max_model_len:
+        if num_completion_tokens == sp.max_tokens or seq.num_resolved_tokens == self.max_model_len:
             return "length"
         return None
 
     def finish(self, seq: Sequence, reason: str):
+        """Ends ``seq`` at its last resolved token (a token still in flight is dropped)."""
+        seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.block_manager.deallocate(seq)
-        self.running.remove(seq)
+        (self.running if seq in self.running else self.waiting).remove(seq)

@@ -15,9 +15,16 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+# Stands for a sampled token still on the device (async scheduling): the forward that samples it has
+# been launched but its result not yet read. Its value reaches the next forward on the device.
+PLACEHOLDER = -1
+
+
 class Sequence:
-    """Tokens ``[0, num_cached_tokens)`` have their K/V in the cache; the next forward computes
-    ``num_scheduled_tokens`` more. ``block_table[i]`` is the physical block of logical block i."""
+    """Tokens ``[0, num_cached_tokens)`` have their K/V in the cache (or being written by a launched
+    forward); the next forward computes ``num_scheduled_tokens`` more. ``block_table[i]`` is the
+    physical block of logical block i. The last ``num_pending_tokens`` token ids are PLACEHOLDERs
+    (at most two: the in-flight step's and, briefly, the one just launched after it)."""
 
     counter = count()
 
@@ -32,6 +39,9 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_pending_tokens = 0
+        self.inflight_row = -1             # this sequence's row in the batch of its latest launched forward
+        self.num_hashed_blocks = 0         # blocks registered in the prefix cache (BlockManager.hash_blocks)
         self.num_prefix_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
@@ -52,7 +62,12 @@ class Sequence:
 
     @property
     def num_completion_tokens(self):
+        """Generated tokens, the pending ones included."""
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_resolved_tokens(self):
+        return self.num_tokens - self.num_pending_tokens
 
     @property
     def completion_token_ids(self):
@@ -76,6 +91,30 @@ class Sequence:
         self.num_tokens += 1
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
+
+    def append_placeholder(self):
+        """A launched forward will sample this sequence's next token; ``resolve`` fills it in."""
+        self.token_ids.append(PLACEHOLDER)
+        self.last_token = PLACEHOLDER
+        self.num_tokens += 1
+        self.num_pending_tokens += 1
+
+    def resolve(self, token_id: int):
+        """The oldest pending token's value, read back from the device."""
+        self.token_ids[self.num_tokens - self.num_pending_tokens] = token_id
+        self.num_pending_tokens -= 1
+        if not self.num_pending_tokens:
+            self.last_token = token_id
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+
+    def drop_pending(self):
+        """Forget tokens still on the device (the sequence finished before them)."""
+        if self.num_pending_tokens:
+            del self.token_ids[self.num_resolved_tokens:]
+            self.num_tokens -= self.num_pending_tokens
+            self.num_pending_tokens = 0
+            self.last_token = self.token_ids[-1]
 
     @property
     def scheduled_token_ids(self) -> list[int]:

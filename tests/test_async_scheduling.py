@@ -1,0 +1,143 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens are read) gives the same
+outputs as the synchronous loop: every stop condition ends a sequence on the same token, and the
+token computed in flight after it never shows. On CPU the forward is synchronous, but the engine's
+bookkeeping (placeholders, the device-side hand-over of sampled tokens, dropped in-flight tokens,
+TP broadcast) is the same code as on CUDA."""
+from __future__ import annotations
+
+from conftest import ENGINE, assert_matches_oracle, assert_no_leaks, random_prompts
+
+from nanovllm import LLM, SamplingParams
+
+# 24 blocks of 16 tokens for 14 requests of up to ~110 tokens: preemption; a 48-token budget: chunked prefill
+SQUEEZED = {**ENGINE, "num_kvcache_blocks": 24, "max_num_batched_tokens": 48}
+
+
+def _engine(path, async_scheduling, **kw):
+    llm = LLM(path, **{**SQUEEZED, **kw}, async_scheduling=async_scheduling)
+    assert llm.config.async_scheduling is async_scheduling
+    return llm
+
+
+PROMPTS = random_prompts(14, 8, 60, seed=31)
+
+
+def _stops(llm) -> tuple[list[int], list[str]]:
+    """Stop ids and stop strings that greedy decoding of their prompts meets part-way through."""
+    probe = llm.generate([PROMPTS[i] for i in (2, 3, 4, 11, 12)],
+                         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    stop_ids = [out["token_ids"][k] for out, k in zip(probe, (9, 3, 14))]
+    stop_strs = [next(chr(t) for t in out["token_ids"][k:] if chr(t).isalnum() and t < 128)
+                 for out, k in zip(probe[3:], (6, 4))]
+    return stop_ids, stop_strs
+
+
+def _workload(stop_ids: list[int], stop_strs: list[str]):
+    g = dict(temperature=0)
+    params = [
+        SamplingParams(**g, max_tokens=40, ignore_eos=True),
+        SamplingParams(**g, max_tokens=7, ignore_eos=True),
+        SamplingParams(**g, max_tokens=40, stop_token_ids=[stop_ids[0]]),        # stops mid-run
+        SamplingParams(**g, max_tokens=40, stop_token_ids=[stop_ids[1]], min_tokens=6),
+        SamplingParams(**g, max_tokens=40, stop_token_ids=[stop_ids[2]], logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=6, n=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=7, max_tokens=25, ignore_eos=True, logprobs=2),
+        SamplingParams(**g, n=2, max_tokens=40, stop_token_ids=[stop_ids[0]]),
+        SamplingParams(temperature=0.9, seed=9, max_tokens=15, ignore_eos=True),
+        SamplingParams(**g, max_tokens=1, ignore_eos=True),
+        SamplingParams(**g, max_tokens=40, stop=[stop_strs[0], "never seen"]),  # stop strings
+        SamplingParams(**g, max_tokens=40, stop=[stop_strs[1]], include_stop_str_in_output=True),
+        SamplingParams(**g, max_tokens=40, ignore_eos=True),
+    ]
+    return PROMPTS, params
+
+
+# penalties read every generated token, so a batch that has them waits for the step in flight
+PENALTIES = [SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=8, max_tokens=20,
+                            ignore_eos=True),
+             SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=9, max_tokens=15, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+
+
+def _comparable(outputs: list[dict]) -> list[dict]:
+    """Everything but the timings; logprobs rounded (a row's float sums depend on its batch)."""
+    def rounded(logprobs):
+        return [{t: round(v, 3) for t, v in d.items()} for d in logprobs]
+    out = []
+    for o in outputs:
+        o = {k: v for k, v in o.items() if k != "metrics"}
+        o["outputs"] = [{**c, "logprobs": rounded(c["logprobs"])} if "logprobs" in c else c for c in o["outputs"]]
+        if "logprobs" in o:
+            o["logprobs"] = rounded(o["logprobs"])
+        out.append(o)
+    return out
+
+
+def test_async_matches_sync_on_a_mixed_workload(tiny):
+    sync = _engine(tiny, False)
+    try:
+        prompts, params = _workload(*_stops(sync))
+        expected = _comparable(sync.generate(prompts, params, use_tqdm=False))
+        expected_penalties = _comparable(sync.generate(PROMPTS[:3], PENALTIES, use_tqdm=False))
+    finally:
+        sync.exit()
+    reasons = [out["finish_reason"] for out in expected]
+    assert reasons[2] == reasons[4] == reasons[11] == reasons[12] == "stop" and reasons[0] == "length"
+
+    llm = _engine(tiny, True)
+    preempted, steps_with_two_in_flight = [], []
+    original_preempt, original_run = llm.scheduler.preempt, llm.model_runner.run
+
+    def spy_preempt(seq):
+        preempted.append(seq.seq_id)
+        original_preempt(seq)
+
+    def spy_run(seqs, is_prefill, prev_rows=None):
+        if llm._inflight is not None:
+            steps_with_two_in_flight.append(prev_rows is not None)
+        return original_run(seqs, is_prefill, prev_rows)
+
+    llm.scheduler.preempt, llm.model_runner.run = spy_preempt, spy_run
+    try:
+        assert _workload(*_stops(llm))[1] == params  # the same probe, so the same prefix-cache state
+        got = _comparable(llm.generate(prompts, params, use_tqdm=False))
+        assert _comparable(llm.generate(PROMPTS[:3], PENALTIES, use_tqdm=False)) == expected_penalties
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert preempted, "the small cache should have forced preemption"
+    assert any(steps_with_two_in_flight), "no step was launched while the previous one was in flight"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"request {i} ({params[i]}) differs with async scheduling"
+
+
+def test_async_stream_matches_sync(tiny):
+    prompts = ["Hello there", "async", "streams the same text"]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, stop=["a"]),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True)]
+    pieces = {}
+    for mode in (False, True):
+        llm = _engine(tiny, mode)
+        try:
+            pieces[mode] = sorted((p["index"], p["text"], tuple(p["token_ids"]), p["finished"])
+                                  for p in llm.stream(prompts, params))
+            assert_no_leaks(llm)
+        finally:
+            llm.exit()
+    assert pieces[True] == pieces[False]
+
+
+def test_async_tensor_parallel_gloo(checkpoints, oracle):
+    """TP=2: the sampled tokens reach rank 1 by a broadcast from rank 0, and outputs stay exact."""
+    path = checkpoints["gqa4_hd128_sharded"]
+    prompts = random_prompts(10, 3, 70, seed=32)
+    llm = LLM(path, **ENGINE, tensor_parallel_size=2, device="cpu", async_scheduling=True)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, 12)
