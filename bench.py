@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -111,7 +112,9 @@ def run_nanovllm(args, prompts, params) -> float:
     dummy = args.model in PRESETS
     llm = LLM(args.model, tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy)
+              load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
+              async_scheduling=False if args.no_async_scheduling else None)
+    args.async_scheduling = llm.config.async_scheduling
     args.attention_backend = llm.model_runner.attention_backend.name
     llm.generate([[1] * 16], SamplingParams(), use_tqdm=False)  # warmup
     with gpu_busy_time(args) as busy:
@@ -136,6 +139,7 @@ def gpu_busy_time(args):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         yield busy
     events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), file=sys.stderr)
     busy.append(sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
                     for e in events) / 1e6)
 
@@ -189,6 +193,9 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step's tokens before scheduling the next (async scheduling is on by default "
+                             "on CUDA)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flash-attn", "torch"])
     parser.add_argument("--json", action="store_true", help="print one JSON result line")
     parser.add_argument("--profile", action="store_true",
@@ -200,7 +207,8 @@ def main():
     seconds = (run_hf if args.engine == "hf" else run_nanovllm)(args, prompts, params)
     total = sum(sp.max_tokens for sp in params)
     result = dict(engine=args.engine, model=args.model, attention_backend=args.attention_backend, tp=args.tp,
-                  cuda_graphs=not args.enforce_eager, num_seqs=args.num_seqs, output_tokens=total,
+                  cuda_graphs=not args.enforce_eager, async_scheduling=getattr(args, "async_scheduling", None),
+                  num_seqs=args.num_seqs, output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))

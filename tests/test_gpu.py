@@ -83,16 +83,30 @@ FEATURES = {  # engine arguments and prompts that force each feature on (blocks 
 }
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_backends_and_features(checkpoints, oracle, backend, feature, enforce_eager):
+# Every feature with each fast backend under CUDA Graphs and async scheduling (the defaults); eager mode,
+# synchronous scheduling and the PyTorch reference backend on the plain workload (a full cross product
+# takes longer than one device call allows).
+CASES = [(b, f, False, True) for b in BACKENDS[:2] for f in FEATURES] + \
+    [(b, "plain", True, True) for b in BACKENDS] + [(b, "plain", False, False) for b in BACKENDS[:2]] + \
+    [("torch", "plain", False, True)]
+
+
+def _case_id(backend, feature, enforce_eager, async_scheduling) -> str:
+    backend = getattr(backend, "values", [backend])[0]
+    return f"{backend}-{feature}-{'eager' if enforce_eager else 'graphs'}-{'async' if async_scheduling else 'sync'}"
+
+
+@pytest.mark.parametrize("backend, feature, enforce_eager, async_scheduling",
+                         [pytest.param(*c, id=_case_id(*c), marks=getattr(c[0], "marks", ())) for c in CASES])
+def test_bfloat16_backends_and_features(checkpoints, oracle, backend, feature, enforce_eager, async_scheduling):
+    backend = getattr(backend, "values", [backend])[0]
     path = checkpoints["gqa4_hd128_sharded"]  # head_dim 128: what the trimmed flash-attn build has
     shared = random_prompts(1, 300, 300, seed=31)[0]
     prompts = random_prompts(12, 150, 300, seed=32) if feature != "prefix_cache" else \
         [shared + tail for tail in random_prompts(6, 1, 40, seed=33)]
     llm = LLM(path, kvcache_block_size=256, max_model_len=1024, max_num_seqs=32, device="cuda", dtype="bfloat16",
-              attention_backend=backend, enforce_eager=enforce_eager, **FEATURES[feature])
+              attention_backend=backend, enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+              **FEATURES[feature])
     sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     preempted, original_preempt = [], llm.scheduler.preempt
 
@@ -112,7 +126,7 @@ def test_bfloat16_backends_and_features(checkpoints, oracle, backend, feature, e
         llm.exit()
     assert bool(preempted) == (feature == "preemption")
     worst, rate = _bf16_shortfall(oracle, path, prompts, outputs)
-    print(f"bf16 {backend} {feature} {'eager' if enforce_eager else 'graphs'}: token differs from transformers' "
+    print(f"bf16 {_case_id(backend, feature, enforce_eager, async_scheduling)}: token differs from transformers' "
           f"bf16 argmax at {rate:.1%} of positions; worst logit shortfall {worst:.4f} (tolerance {BF16_TIE})")
     assert worst < BF16_TIE and rate < 0.1
 
@@ -135,3 +149,79 @@ def test_kv_cache_sizing_respects_utilization(tiny, enforce_eager):
         assert used <= 0.3 + (0.002 if enforce_eager else 0.02)
     finally:
         llm.exit()
+
+
+def test_async_scheduling_matches_sync(tiny):
+    """float32, CUDA Graphs: async scheduling on and off give the same tokens and finish reasons,
+    greedy (with stop ids met part-way) and seeded sampling."""
+    prompts = random_prompts(24, 5, 120, seed=40)
+    outputs = {}
+    for mode in (False, True):
+        llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, device="cuda", dtype="float32",
+                  async_scheduling=mode)
+        try:
+            if not outputs:
+                probe = llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                                     use_tqdm=False)
+                stops = [out["token_ids"][5 + i] for i, out in enumerate(probe)]
+            params = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stops[i]]) for i in range(8)] + \
+                [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=10 + i, ignore_eos=True)
+                 for i in range(8)] + [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+                                       for i in range(8)]
+            outputs[mode] = [(o["token_ids"], o["finish_reason"]) for o in llm.generate(prompts, params,
+                                                                                          use_tqdm=False)]
+            assert_no_leaks(llm)
+        finally:
+            llm.exit()
+    assert [r for _, r in outputs[False][:8]].count("stop") >= 4
+    assert outputs[True] == outputs[False]
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_tensor_parallel_2_float32_matches_transformers(checkpoints, oracle, async_scheduling):
+    """NCCL, 2 GPUs, CUDA Graphs: greedy output equal to transformers' (near-tie rule: the all-reduce
+    sums in another order)."""
+    path = checkpoints["gqa4_hd128_sharded"]
+    prompts = random_prompts(21, 3, 90, seed=41)
+    outputs, _ = _generate(path, prompts, [N] * 21, dtype="float32", tensor_parallel_size=2,
+                           async_scheduling=async_scheduling)
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
+
+
+@two_gpus
+def test_tensor_parallel_2_bfloat16(checkpoints, oracle):
+    path = checkpoints["gqa4_hd128_sharded"]
+    prompts = random_prompts(12, 150, 300, seed=32)
+    llm = LLM(path, kvcache_block_size=256, max_model_len=1024, max_num_seqs=32, device="cuda", dtype="bfloat16",
+              tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    worst, rate = _bf16_shortfall(oracle, path, prompts, outputs)
+    print(f"bf16 TP=2: token differs from transformers' bf16 argmax at {rate:.1%} of positions; worst logit "
+          f"shortfall {worst:.4f} (tolerance {BF16_TIE})")
+    assert worst < BF16_TIE and rate < 0.1
+
+
+@two_gpus
+def test_tensor_parallel_2_dead_worker_raises(tiny):
+    """NCCL would wait forever for a dead rank: the watchdog aborts the group and the engine names the rank."""
+    import os
+    import signal
+    import threading
+    import time
+    llm = LLM(tiny, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512, device="cuda")
+    worker = llm.ps[0]
+    threading.Timer(3.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.time()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died"):
+        for _ in range(100):
+            llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
+    assert time.time() - start < 60
+    llm.exit()

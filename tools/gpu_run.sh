@@ -49,7 +49,10 @@ for phase in "$@"; do
       step bench.jsonl $FA bench.py --attention-backend flash-attn --json --enforce-eager ;;
     llama) step bench_llama.jsonl python3 bench.py --model llama-3.2-1b --json ;;
     hf) step bench_hf.jsonl python3 bench.py --engine hf --json ;;
-    profile) step profile_step.jsonl python3 tools/profile_step.py ;;
+    profile)
+      step profile_step.jsonl python3 tools/profile_step.py
+      step profile_step.jsonl python3 tools/profile_step.py --no-async-scheduling --batch 256 ;;
+    asynctest) step test_gpu.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "async_scheduling_matches or float32" ;;
     tp)
       step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k tensor_parallel
       for model in qwen3-0.6b qwen3-8b; do
@@ -59,4 +62,6 @@ for phase in "$@"; do
   esac
 done
 [[ -s $OUT/bench.jsonl ]] && python3 tools/plot_bench.py "$OUT/bench.jsonl" "$OUT/bench.png" 2>/dev/null
+# at most 8 files come back from a device call: the logs travel as one archive
+(cd "$OUT" && tar czf logs.tgz --remove-files -- *.log *.err skipped.txt 2>/dev/null)
 true

@@ -72,11 +72,12 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     timer.wrap(runner.sampler, "forward")
     timer.wrap(scheduler, "postprocess")
     timer.wrap(llm, "_step")
-    sp = SamplingParams(temperature=0.6, max_tokens=steps + 2, ignore_eos=True)
+    sp = SamplingParams(temperature=0.6, max_tokens=2 * steps + 4, ignore_eos=True)
     for i in range(batch):
         llm.add_request([(i * 7 + j) % 250 for j in range(context)], sp)
     while any(seq.num_cached_tokens < seq.num_prompt_tokens for seq in scheduler.waiting) or scheduler.waiting:
         llm._step()  # prefill everything first
+    llm._step()
     llm._step()
     timer.enabled = True
     start = time.perf_counter()
@@ -86,13 +87,34 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps
     timer.enabled = False
+    busy = gpu_busy_per_step(llm, steps) if timer.cuda else None
     while not llm.is_finished():
         llm._step()
     llm.requests.clear()
-    result = dict(batch=batch, context=context, step_ms=round(1e3 * wall, 3), **timer.summary())
+    result = dict(batch=batch, context=context, async_scheduling=llm.config.async_scheduling,
+                  step_ms=round(1e3 * wall, 3), **timer.summary())
+    if busy is not None:  # the GPU's idle share of a decode step: waiting for the CPU between kernels and steps
+        result["gpu_busy_ms"] = round(busy[0], 3)
+        result["gpu_idle_fraction"] = round(1 - busy[0] / busy[1], 3)
     result["sampler_ms"] = result.pop("forward", None)
     result["step_cpu_ms"] = result.pop("_step", None)
     return result
+
+
+def gpu_busy_per_step(llm: LLM, steps: int) -> tuple[float, float]:
+    """(ms of GPU kernel and copy time per decode step, ms of wall time per step) over ``steps`` more
+    steps under torch.profiler (a separate pass: the profiler slows the CPU side a little)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            llm._step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    busy_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
+                  for e in prof.key_averages())
+    return busy_us / 1e3 / steps, 1e3 * wall / steps
 
 
 def main():
@@ -102,10 +124,12 @@ def main():
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true")
     args = parser.parse_args()
     dummy = args.model in PRESETS
     llm = LLM(args.model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
-              enforce_eager=args.enforce_eager, max_model_len=args.context + args.steps + 16)
+              enforce_eager=args.enforce_eager, max_model_len=args.context + 2 * args.steps + 16,
+              async_scheduling=False if args.no_async_scheduling else None)
     for batch in args.batch:
         print(json.dumps(profile(llm, batch, args.context, args.steps)), flush=True)
     llm.exit()
