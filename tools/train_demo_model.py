@@ -1,9 +1,10 @@
-"""Trains the demo model: a tiny Qwen3 on the Python standard library's own source (Lib/*.py of the
-running interpreter, which every machine has offline), with a byte-level BPE tokenizer trained on the
-same files. A few files are held out for evaluation and copied beside the model, since the CPU and
-GPU machines run different Python versions. Seeded; prints the train/validation loss curve.
+"""Trains the demo model: a tiny Qwen3 on the Python standard library's own source (Lib/**/*.py of the
+running interpreter without its test suites, which every machine has offline), with a byte-level BPE
+tokenizer trained on the same files. A few files are held out for validation and copied beside the
+model, since the CPU and GPU machines run different Python versions. Seeded; prints the train and
+validation loss curve and keeps the weights of the best validation loss.
 
-    python tools/train_demo_model.py --out nanovllm/demo/model --steps 3000      # on a GPU, a few minutes
+    python tools/train_demo_model.py --out nanovllm/demo/model                   # on a GPU, about 2 minutes
     python tools/train_demo_model.py --out /tmp/demo --steps 20 --batch-size 4   # a smoke run on CPU
 """
 from __future__ import annotations
@@ -23,9 +24,13 @@ HELD_OUT = ("textwrap.py", "colorsys.py", "bisect.py", "heapq.py")  # never trai
 EOS = "<|endoftext|>"
 
 
+SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "lib2to3"}  # test suites, third-party code
+
+
 def corpus_files() -> list[Path]:
     lib = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in lib.glob("*.py") if p.name not in HELD_OUT and p.stat().st_size < 500_000)
+    return sorted(p for p in lib.rglob("*.py") if p.name not in HELD_OUT and p.stat().st_size < 500_000
+                  and not SKIPPED_DIRS & set(p.relative_to(lib).parts))
 
 
 def train_tokenizer(files: list[Path], vocab_size: int, out: Path):
@@ -66,7 +71,8 @@ def evaluate(model, data: torch.Tensor, seq_len: int, device: str, max_windows: 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="nanovllm/demo/model")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -83,10 +89,10 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     files = corpus_files()
     tokenizer = train_tokenizer(files, args.vocab_size, out)
-    data = encode_corpus(tokenizer, files)
-    split = int(0.99 * len(data))
-    train, val = data[:split], data[split:]
-    print(f"corpus: {len(files)} files, {len(data):,} tokens (vocab {len(tokenizer)})", flush=True)
+    train = encode_corpus(tokenizer, files)
+    val = encode_corpus(tokenizer, [Path(sysconfig.get_paths()["stdlib"]) / name for name in HELD_OUT])
+    print(f"corpus: {len(files)} files, {len(train):,} tokens (vocab {len(tokenizer)}); validation: "
+          f"{', '.join(HELD_OUT)}, {len(val):,} tokens", flush=True)
 
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
@@ -101,6 +107,7 @@ def main():
                                                  (1 + math.cos(math.pi * min(1.0, s / args.steps))))
     stream = batches(train, args.batch_size, args.seq_len, torch.Generator().manual_seed(args.seed))
     start = time.time()
+    best = (float("inf"), 0, None)  # (validation loss, step, weights)
     for step in range(1, args.steps + 1):
         batch = next(stream).to(device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
@@ -110,12 +117,15 @@ def main():
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % max(1, args.steps // 30) == 0 or step == args.steps:
-            line = f"step {step:5d}  train loss {loss.item():.3f}"
-            if step % max(1, args.steps // 6) == 0 or step == args.steps:
-                line += f"  val loss {evaluate(model, val, args.seq_len, device):.3f}"
-            print(f"{line}  ({time.time() - start:.0f} s)", flush=True)
+        if step % args.eval_every == 0 or step == args.steps:
+            val_loss = evaluate(model, val, args.seq_len, device)
+            if val_loss < best[0]:
+                best = (val_loss, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            print(f"step {step:5d}  train loss {loss.item():.3f}  val loss {val_loss:.3f}  "
+                  f"({time.time() - start:.0f} s)", flush=True)
 
+    model.load_state_dict(best[2])
+    print(f"kept step {best[1]}: validation loss {best[0]:.3f} (perplexity {math.exp(best[0]):.2f})", flush=True)
     model.to(torch.bfloat16).save_pretrained(out)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id).save_pretrained(out)
     heldout = out / "heldout"
