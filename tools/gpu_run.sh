@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One device call on the GPU machine: the phases named in the arguments, in that order. A device call may
 # last 10 minutes, so every step runs under `timeout` against a deadline (BUDGET seconds, default 560) and a
-# step that would overrun is cut, its log kept. Phases:
-#   kernels  build flash-attn from the carried sdist (.gpu/; tools/flash_attn_build.py says how to fetch it),
-#            kernel tests with it, kernel microbenchmarks
-#   gputests tests/test_gpu.py (every backend, flash-attn built from the sdist)
-#   suite    the whole CPU suite, run on CUDA
-#   bench    bench.py (Qwen3-0.6B preset, random weights), Triton with CUDA Graphs, then with --profile
-#   bench2   the rest of the bench table: flash-attn, eager, overlap off
-#   llama    bench.py --model llama-3.2-1b
-#   hf       bench.py --engine hf: the same workload through transformers (~4 min)
-#   profile  tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
-#   tp       (2 GPUs) the tensor-parallel GPU tests and bench.py at TP 1 and 2 for qwen3-0.6b and qwen3-8b
+# step that would overrun is cut, its log kept. Phases (see the case statement below for each command):
+#   kernels   build flash-attn from the carried sdist (.gpu/; tools/flash_attn_build.py says how to fetch it),
+#             kernel tests with it, kernel microbenchmarks
+#   gputests  tests/test_gpu.py on one GPU (every backend, flash-attn built from the sdist); asynctest: a subset
+#   suite     the whole CPU suite, run on CUDA
+#   bench     bench.py (Qwen3-0.6B preset, random weights) with the defaults, then with --profile;
+#   benchfa / eager / sync: the same with flash-attn / --enforce-eager / --no-async-scheduling
+#   llama     bench.py --model llama-3.2-1b;  hf: the workload through transformers (~4 min)
+#   profile   tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
+#   train     tools/train_demo_model.py into $OUT/demo
+#   tp1, tp2  bench.py for qwen3-8b at TP 1; at TP 2 (2 GPUs) for both presets, and the TP GPU tests
+# tools/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh PHASE...
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -37,27 +38,25 @@ for phase in "$@"; do
     kernels)
       step test_kernels.log $FA -m pytest tests/test_kernels.py -q -rA
       step bench_kernels.log python3 tools/bench_kernels.py --out "$OUT" ${SWEEP:+--sweep} ;;
-    gputests) step test_gpu.log $FA -m pytest tests/test_gpu.py -q -s -rA ;;
+    gputests) step test_gpu.log $FA -m pytest tests/test_gpu.py -q -s -rA -k "not tensor_parallel" ;;
+    asynctest) step test_gpu.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "async_scheduling_matches or float32" ;;
     suite) step test_suite_cuda.log python3 -m pytest tests -q -m "not gpu" -x ;;
-    bench)
+    bench)  # Triton, CUDA Graphs, async scheduling (the defaults); then again under torch.profiler
       step bench.jsonl python3 bench.py --json
       step bench_profile.jsonl python3 bench.py --json --profile ;;
-    bench2)
-      step bench.jsonl $FA bench.py --attention-backend flash-attn --json
-      step bench.jsonl python3 bench.py --json --no-async-scheduling
-      step bench.jsonl python3 bench.py --json --enforce-eager
-      step bench.jsonl $FA bench.py --attention-backend flash-attn --json --enforce-eager ;;
+    benchfa) step bench.jsonl $FA bench.py --attention-backend flash-attn --json ;;
+    eager) step bench.jsonl python3 bench.py --json --enforce-eager ;;
+    sync) step bench.jsonl python3 bench.py --json --no-async-scheduling ;;
     llama) step bench_llama.jsonl python3 bench.py --model llama-3.2-1b --json ;;
     hf) step bench_hf.jsonl python3 bench.py --engine hf --json ;;
-    profile)
-      step profile_step.jsonl python3 tools/profile_step.py
-      step profile_step.jsonl python3 tools/profile_step.py --no-async-scheduling --batch 256 ;;
-    asynctest) step test_gpu.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "async_scheduling_matches or float32" ;;
-    tp)
-      step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k tensor_parallel
-      for model in qwen3-0.6b qwen3-8b; do
-        for tp in 1 2; do step bench_tp.jsonl python3 bench.py --model "$model" --tp $tp --json; done
-      done ;;
+    profile) step profile_step.jsonl python3 tools/profile_step.py ;;
+    train) step train.log python3 tools/train_demo_model.py --out "$OUT/demo" ;;
+    tp1) step bench_tp.jsonl python3 bench.py --model qwen3-8b --json ;;
+    tp2)  # 2 GPUs
+      step bench_tp.jsonl python3 bench.py --tp 2 --json
+      step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_float32"
+      step bench_tp.jsonl python3 bench.py --model qwen3-8b --tp 2 --json
+      step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_bfloat16 or dead_worker" ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
