@@ -38,7 +38,9 @@ for phase in "$@"; do
     kernels)
       step test_kernels.log $FA -m pytest tests/test_kernels.py -q -rA
       step bench_kernels.log python3 tools/bench_kernels.py --out "$OUT" ${SWEEP:+--sweep} ;;
-    gputests) step test_gpu.log $FA -m pytest tests/test_gpu.py -q -s -rA -k "not tensor_parallel" ;;
+    gputests)  # all but the TP tests and asynctest's
+      step test_gpu.log $FA -m pytest tests/test_gpu.py -q -s -rA \
+        -k "not tensor_parallel and not async_scheduling_matches and not float32" ;;
     asynctest) step test_gpu.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "async_scheduling_matches or float32" ;;
     suite) step test_suite_cuda.log python3 -m pytest tests -q -m "not gpu" -x ;;
     bench)  # Triton, CUDA Graphs, async scheduling (the defaults); then again under torch.profiler

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # On a 2-GPU machine: two phase lists of tools/gpu_run.sh at once, one per GPU, then (optionally) phases
 # that use both GPUs. Results are archived as $OUT/results.tgz (a device call returns at most 8 files).
-#   BUDGET=450 bash tools/gpu_x2.sh "bench benchfa" "train gputests" ["tp2"]
+#   BUDGET=450 PAR=300 bash tools/gpu_x2.sh "bench benchfa" "train gputests" ["tp2"]
+# The per-GPU lists get PAR seconds (default: all of BUDGET), the 2-GPU list what is left of BUDGET.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-540}
 start=$SECONDS
-CUDA_VISIBLE_DEVICES=0 OUT=/tmp/results/gpu0 BUDGET=$BUDGET bash tools/gpu_run.sh $1 > /tmp/gpu0.out 2>&1 &
-CUDA_VISIBLE_DEVICES=1 OUT=/tmp/results/gpu1 BUDGET=$BUDGET bash tools/gpu_run.sh $2 > /tmp/gpu1.out 2>&1 &
+PAR=${PAR:-$BUDGET}
+CUDA_VISIBLE_DEVICES=0 OUT=/tmp/results/gpu0 BUDGET=$PAR bash tools/gpu_run.sh $1 > /tmp/gpu0.out 2>&1 &
+CUDA_VISIBLE_DEVICES=1 OUT=/tmp/results/gpu1 BUDGET=$PAR bash tools/gpu_run.sh $2 > /tmp/gpu1.out 2>&1 &
 wait
 echo "== GPU 0: $1"; cat /tmp/gpu0.out; echo "== GPU 1: $2"; cat /tmp/gpu1.out
 if [[ -n ${3:-} ]]; then

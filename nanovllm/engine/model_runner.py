@@ -41,7 +41,7 @@ class SampledTokens:
         self.event = None
         tensors = [token_ids, *(logprobs or ())]
         if token_ids.is_cuda:
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
             for h, t in zip(host, tensors):
                 h.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()
