@@ -8,8 +8,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
-labels = [f"{r['engine']}\\n{r['attention_backend'] if r['engine'] == 'nanovllm' else 'bf16'}\\n"
-          f"{'graphs' if r['cuda_graphs'] else 'eager'}" for r in rows]
+def label(r: dict) -> str:
+    if r["engine"] != "nanovllm":
+        return f"{r['engine']}\nbf16"
+    sched = {True: "async", False: "sync"}.get(r.get("async_scheduling"), "sync")  # older lines: sync
+    extra = [r["model"]] if r["model"] != rows[0]["model"] else []
+    extra += [f"TP={r['tp']}"] if r.get("tp", 1) > 1 else []
+    extra += ["profiled"] if "gpu_busy_fraction" in r else []
+    return "\n".join([r["attention_backend"], "graphs" if r["cuda_graphs"] else "eager", sched, *extra])
+
+
+labels = [label(r) for r in rows]
 fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4.5))
 ax.bar(range(len(rows)), [r["tok_per_s"] for r in rows], color=["C0" if r["engine"] == "nanovllm" else "C1"
                                                                    for r in rows])
