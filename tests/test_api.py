@@ -138,7 +138,8 @@ def test_example_runs_without_arguments(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(root, "example.py"), "--max-tokens", "8"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "random weights" in proc.stdout and "Completion" in proc.stdout
+    assert "nanovllm:demo" in proc.stdout and "def fibonacci(n):" in proc.stdout
+    assert "greedy (temperature 0)" in proc.stdout and "sampled (temperature 0.8" in proc.stdout
 
 
 def test_prompt_larger_than_the_kv_cache(tiny):
