@@ -22,7 +22,8 @@ PERPLEXITY_TOKENS = 512
 
 @pytest.fixture(scope="module")
 def demo():
-    engine = LLM("nanovllm:demo", num_kvcache_blocks=16)  # 16 blocks of 256 tokens: enough, and small
+    # float32 like the oracle (on a GPU "auto" would take the checkpoint's bf16); 16 blocks of 256 tokens
+    engine = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=16)
     yield engine
     engine.exit()
 

@@ -28,6 +28,19 @@ def test_top_k_top_p_masks_by_hand():
     assert torch.equal(out[kept], logits[kept])
 
 
+def test_prompt_logprobs_by_hand_and_in_slices():
+    from nanovllm.layers.sampler import prompt_logprobs
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    rows, targets = torch.tensor([0, 2, 3, 4, 6]), torch.tensor([5, 0, 10, 5, 1])
+    target, top_ids, top_values = prompt_logprobs(logits, rows, targets, 3)
+    ref = torch.log_softmax(logits.float(), dim=-1)[rows]
+    assert torch.allclose(target, ref.gather(1, targets[:, None]).squeeze(1))
+    assert torch.equal(top_ids, ref.topk(3).indices) and torch.allclose(top_values, ref.topk(3).values)
+    sliced = prompt_logprobs(logits, rows, targets, 3, slice_rows=2)  # 2 + 2 + 1 rows
+    assert all(torch.equal(a, b) for a, b in zip(sliced, (target, top_ids, top_values)))
+    assert prompt_logprobs(logits, rows, targets, 0)[1].shape == (5, 1)  # k = 0: one top entry, cut on the host
+
+
 def test_min_p_mask_by_hand():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = torch.isfinite(apply_min_p(logits, torch.tensor([0.25]))).tolist()

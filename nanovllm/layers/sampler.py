@@ -126,6 +126,6 @@ def prompt_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Ten
     parts = []
     for start in range(0, rows.numel(), slice_rows):
         logprobs = torch.log_softmax(logits[rows[start:start + slice_rows]].float(), dim=-1)
-        top = logprobs.topk(num_top, dim=-1)
+        top = logprobs.topk(max(num_top, 1), dim=-1)  # (at least 1, as in Sampler.forward; the host cuts to k)
         parts.append((logprobs.gather(1, targets[start:start + slice_rows, None]).squeeze(1), top.indices, top.values))
     return tuple(torch.cat(p) for p in zip(*parts))
