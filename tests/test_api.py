@@ -123,6 +123,8 @@ def test_bad_sampling_params(kwargs, match):
     ([[7] * 600], None, "max_model_len"),
     (["a", "b"], [SamplingParams()], "2 prompts but 1"),
     ([1.5], None, "a string, a list of ints or a dict"),
+    (["a"], SamplingParams(logprobs=321), "logprobs must be <= the vocabulary size 320, got 321"),
+    (["a"], SamplingParams(prompt_logprobs=10_000), "prompt_logprobs must be <= the vocabulary size 320"),
 ])
 def test_bad_prompts_leave_engine_usable(llm, prompts, params, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -331,6 +331,11 @@ class LLMEngine:
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        vocab_size = self.config.hf_config.vocab_size
+        for sp in sampling_params:  # a top k beyond the vocabulary would fail inside the forward
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(sp, name) or 0) > vocab_size:
+                    raise ValueError(f"{name} must be <= the vocabulary size {vocab_size}, got {getattr(sp, name)}")
         if stream or any(sp.stop_strings for sp in sampling_params):
             self._require_tokenizer("stop strings and streaming")  # fail before any work
         checked = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]  # all, before adding any
