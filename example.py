@@ -39,7 +39,9 @@ def main():
     args = parser.parse_args()
 
     start = time.perf_counter()
-    llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device, enforce_eager=args.enforce_eager)
+    # max_num_seqs: the snippets are all it runs (a small KV cache on CPU, few CUDA Graphs to capture)
+    llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device, enforce_eager=args.enforce_eager,
+              max_num_seqs=len(SNIPPETS))
     where = f" ({llm.config.model})" if llm.config.model != args.model else ""
     print(f"Loaded {args.model}{where} on {llm.config.device} in {time.perf_counter() - start:.1f} s")
     try:
