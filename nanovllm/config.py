@@ -1,5 +1,9 @@
 """Engine configuration: one dataclass, validated once in ``__post_init__``.
 
+``model`` is a checkpoint directory, a built-in architecture preset (random weights, see
+``nanovllm.models.presets``), or a model shipped with the package: ``"nanovllm:demo"`` (a tiny Qwen3
+trained on Python's standard library, ``nanovllm.demo``), resolved to its directory first.
+
 Keyword names follow nano-vllm (and vLLM where nano-vllm has none). Values derived at
 start-up (``hf_config``, ``torch_dtype``, ``device``, ``eos_token_ids``, and
 ``num_kvcache_blocks`` when it was left at -1) are filled in by the engine, visibly.
@@ -62,8 +66,9 @@ class Config:
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path to a local checkpoint, got {self.model!r}")
-        self.model = os.fspath(self.model)
+            raise TypeError(f"model must be a path to a local checkpoint or 'nanovllm:demo', got {self.model!r}")
+        from nanovllm.demo import resolve_model
+        self.model = resolve_model(os.fspath(self.model))  # "nanovllm:demo" -> its directory
         self._check_values()
         self.hf_config = self._load_hf_config()
         if self.device == "auto":
@@ -116,6 +121,7 @@ class Config:
 
     def _load_hf_config(self) -> PretrainedConfig:
         """A checkpoint directory's config.json, or a built-in preset (random weights only)."""
+        from nanovllm.demo import BUILTIN_MODELS
         from nanovllm.models.presets import PRESETS, preset_config
         if self.model in PRESETS and not os.path.isdir(self.model):
             if self.load_format != "dummy" or not self.skip_tokenizer_init:
@@ -123,7 +129,8 @@ class Config:
                                  "tokenizer: use load_format='dummy' and skip_tokenizer_init=True")
             return preset_config(self.model)
         if not os.path.isdir(self.model):
-            raise ValueError(f"model directory {self.model!r} does not exist (built-in presets: {sorted(PRESETS)})")
+            raise ValueError(f"model directory {self.model!r} does not exist (built-in models: "
+                             f"{sorted(BUILTIN_MODELS)}; architecture presets: {sorted(PRESETS)})")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model directory {self.model!r} has no config.json")
         return AutoConfig.from_pretrained(self.model)

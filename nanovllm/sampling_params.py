@@ -14,8 +14,11 @@ class SamplingParams:
     ``frequency_penalty`` over the generated tokens (subtracted from the logits),
     ``repetition_penalty`` over prompt and generated tokens (logits divided when positive,
     multiplied when negative). ``logprobs=k`` returns the sampled token's logprob and the top k,
-    from the raw model distribution (before temperature and penalties). ``n`` completions of one
-    prompt share its KV blocks through the prefix cache; with a ``seed``, completion i uses seed + i."""
+    from the raw model distribution (before temperature and penalties). ``prompt_logprobs=k`` does the
+    same for every prompt token after the first (the logprob of the actual prompt token and the top k
+    at its position); such a request computes its whole prompt, never taking it from the prefix cache.
+    ``n`` completions of one prompt share its KV blocks through the prefix cache; with a ``seed``,
+    completion i uses seed + i."""
 
     n: int = 1
     temperature: float = 1.0
@@ -33,6 +36,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
     is_plain: bool = field(init=False, repr=False)  # temperature only: the sampler's fast path
@@ -52,8 +56,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.seed is not None:
             _integer("seed", self.seed, lo=0)
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, lo=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), lo=0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -123,6 +123,8 @@ def test_bad_sampling_params(kwargs, match):
     ([[7] * 600], None, "max_model_len"),
     (["a", "b"], [SamplingParams()], "2 prompts but 1"),
     ([1.5], None, "a string, a list of ints or a dict"),
+    (["a"], SamplingParams(logprobs=321), "logprobs must be <= the vocabulary size 320, got 321"),
+    (["a"], SamplingParams(prompt_logprobs=10_000), "prompt_logprobs must be <= the vocabulary size 320"),
 ])
 def test_bad_prompts_leave_engine_usable(llm, prompts, params, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -138,7 +140,8 @@ def test_example_runs_without_arguments(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(root, "example.py"), "--max-tokens", "8"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "random weights" in proc.stdout and "Completion" in proc.stdout
+    assert "nanovllm:demo" in proc.stdout and "def fibonacci(n):" in proc.stdout
+    assert "greedy (temperature 0)" in proc.stdout and "sampled (temperature 0.8" in proc.stdout
 
 
 def test_prompt_larger_than_the_kv_cache(tiny):

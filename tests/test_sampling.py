@@ -6,11 +6,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import ENGINE, assert_no_leaks, random_prompts
+from conftest import ENGINE, assert_matches_oracle, assert_no_leaks, random_prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
+from nanovllm.utils.context import get_context
 
 
 # ---- the sampler's stages against hand-written references --------------------------------------
@@ -25,6 +26,19 @@ def test_top_k_top_p_masks_by_hand():
     assert kept.tolist() == [[True, False, True, False, False], [True, True, True, False, False],
                              [True, True, False, False, False]]
     assert torch.equal(out[kept], logits[kept])
+
+
+def test_prompt_logprobs_by_hand_and_in_slices():
+    from nanovllm.layers.sampler import prompt_logprobs
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    rows, targets = torch.tensor([0, 2, 3, 4, 6]), torch.tensor([5, 0, 10, 5, 1])
+    target, top_ids, top_values = prompt_logprobs(logits, rows, targets, 3)
+    ref = torch.log_softmax(logits.float(), dim=-1)[rows]
+    assert torch.allclose(target, ref.gather(1, targets[:, None]).squeeze(1))
+    assert torch.equal(top_ids, ref.topk(3).indices) and torch.allclose(top_values, ref.topk(3).values)
+    sliced = prompt_logprobs(logits, rows, targets, 3, slice_rows=2)  # 2 + 2 + 1 rows
+    assert all(torch.equal(a, b) for a, b in zip(sliced, (target, top_ids, top_values)))
+    assert prompt_logprobs(logits, rows, targets, 0)[1].shape == (5, 1)  # k = 0: one top entry, cut on the host
 
 
 def test_min_p_mask_by_hand():
@@ -103,7 +117,10 @@ def test_invalid_sampling_params_name_field_and_value():
                           (dict(min_p=2), "min_p"), (dict(n=0), "n must be"), (dict(seed=-1), "seed"),
                           (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition"),
                           (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(stop=[""]), "stop"),
-                          (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logprobs=-1), "logprobs")]:
+                          (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logprobs=-1), "logprobs"),
+                          (dict(prompt_logprobs=-1), "prompt_logprobs must be >= 0, got -1"),
+                          (dict(prompt_logprobs=1.5), "prompt_logprobs must be an int, got 1.5"),
+                          (dict(prompt_logprobs=True), "prompt_logprobs must be an int")]:
         with pytest.raises((ValueError, TypeError), match=match):
             SamplingParams(**kwargs)
 
@@ -249,3 +266,105 @@ def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
             engine.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
     finally:
         engine.exit()
+
+
+# ---- prompt logprobs ----------------------------------------------------------------------------
+def assert_prompt_logprobs(model, prompt: list[int], entries: list, k: int, tol: float = 1e-4):
+    """vLLM's format (None for the first token, then {token id: logprob} of the actual token and the
+    top k) with transformers' log_softmax of the full sequence's logits (float32) as the reference."""
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for pos in range(1, len(prompt)):
+        entry, expected = entries[pos], ref[pos - 1]
+        assert prompt[pos] in entry and len(entry) in (k, k + 1), (pos, entry)
+        kth = float(expected.topk(k).values[-1]) if k else float("inf")
+        for t, lp in entry.items():
+            assert lp == pytest.approx(float(expected[t]), abs=tol), (pos, t)
+            assert t == prompt[pos] or lp >= kth - tol, f"position {pos}: {t} is not in the top {k}"
+
+
+def _prompt_logprobs_workload():
+    """Asking and plain requests mixed: a prompt that is in the prefix cache (asked for and not),
+    top-k from 0 to 5, a one-token prompt, n=2, sampled-token logprobs beside prompt logprobs."""
+    shared = random_prompts(1, 50, 50, seed=51)[0]  # 3 full blocks of 16 in the cache after a first run
+    prompts = [shared, shared] + random_prompts(5, 2, 70, seed=52) + [[7]]
+    g = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(**g, prompt_logprobs=3), SamplingParams(**g), SamplingParams(**g, prompt_logprobs=0),
+              SamplingParams(**g), SamplingParams(**g, prompt_logprobs=2, n=2),
+              SamplingParams(**g, prompt_logprobs=1, logprobs=2), SamplingParams(**g, prompt_logprobs=5),
+              SamplingParams(**g, prompt_logprobs=4)]
+    return shared, prompts, params
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("engine", ["plain", "chunked", "chunked_preempted"])
+def test_prompt_logprobs_match_transformers(tiny, oracle, async_scheduling, engine):
+    kw = {"plain": {}, "chunked": dict(max_num_batched_tokens=7),  # chunks shorter than a block
+          "chunked_preempted": dict(max_num_batched_tokens=40, num_kvcache_blocks=8)}[engine]  # 128 slots
+    shared, prompts, params = _prompt_logprobs_workload()
+    llm = LLM(tiny, **{**ENGINE, **kw}, async_scheduling=async_scheduling)
+    preempted = []
+    original_preempt = llm.scheduler.preempt
+
+    def spy(seq):
+        preempted.append(seq.sampling_params.prompt_logprobs is not None)
+        original_preempt(seq)
+
+    llm.scheduler.preempt = spy
+    try:
+        llm.generate([shared], SamplingParams(max_tokens=2), use_tqdm=False)  # the prefix cache holds it now
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    if engine == "chunked_preempted":
+        assert any(preempted), "the small cache should have preempted a request with prompt logprobs"
+    assert_matches_oracle(oracle, tiny, prompts, outputs, 12)
+    assert outputs[0]["num_cached_tokens"] == 0, "prompt logprobs must not come from the prefix cache"
+    assert outputs[1]["num_cached_tokens"] == 48, "a plain request still hits the prefix cache"
+    model = oracle.model(tiny)
+    for prompt, sp, out in zip(prompts, params, outputs):
+        if sp.prompt_logprobs is None:
+            assert "prompt_logprobs" not in out
+        else:
+            assert_prompt_logprobs(model, prompt, out["prompt_logprobs"], sp.prompt_logprobs)
+    assert outputs[7]["prompt_logprobs"] == [None]  # a one-token prompt has no logprob to give
+    assert len(outputs[4]["outputs"]) == 2 and all(len(e) <= 3 for e in outputs[4]["prompt_logprobs"][1:])
+    assert len(outputs[5]["logprobs"]) == 12
+
+
+def test_prompt_logprobs_only_widen_the_batches_that_ask(llm):
+    """A prefill without prompt logprobs projects each sequence's last position only (the plain path);
+    one with them projects every position of the sequences that ask, and the last of the others."""
+    calls = []
+
+    def hook(module, args, logits):
+        context = get_context()
+        if context.is_prefill:
+            calls.append((context.logits_indices is None, logits.size(0), context.cu_seqlens_q.numel() - 1))
+
+    handle = llm.model_runner.model.lm_head.register_forward_hook(hook)
+    prompts = random_prompts(3, 20, 30, seed=53)
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert calls and all(plain and rows == num_seqs for plain, rows, num_seqs in calls)
+        calls.clear()
+        llm.generate(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=1),
+                               SamplingParams(max_tokens=2)], use_tqdm=False)
+    finally:
+        handle.remove()
+    assert calls == [(False, 1 + len(prompts[1]) + 1, 3)]
+
+
+def test_prompt_logprobs_tensor_parallel(checkpoints, oracle):
+    path = checkpoints["gqa4_hd128_sharded"]
+    prompts = random_prompts(3, 10, 60, seed=54)
+    llm = LLM(path, **ENGINE, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2),
+                               use_tqdm=False)
+    finally:
+        llm.exit()
+    for prompt, out in zip(prompts, outputs):
+        assert_prompt_logprobs(oracle.model(path), prompt, out["prompt_logprobs"], 2)

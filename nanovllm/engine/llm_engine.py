@@ -166,6 +166,9 @@ class LLMEngine:
             sp = sampling_params if sampling_params.seed is None or i == 0 else \
                 dataclasses.replace(sampling_params, seed=sampling_params.seed + i)
             seq = Sequence(prompt_ids, sp, self.config.kvcache_block_size)
+            if i == 0 and sp.prompt_logprobs is not None:  # one completion computes them for the request
+                seq.computes_prompt_logprobs = True
+                seq.prompt_logprobs = [None]  # the first prompt token has none
             if stream or sp.stop_strings:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, sp.skip_special_tokens)
             seqs.append(seq)
@@ -221,8 +224,8 @@ class LLMEngine:
         """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``)."""
         step, output = self._inflight
         self._inflight = None
-        token_ids, logprobs = self._guarded(output.result)
-        for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs):
+        token_ids, logprobs, prompt_logprobs = self._guarded(output.result)
+        for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs):
             if seq.detokenizer is not None:
                 deltas.append((seq, token_id, self._new_text(seq, token_id)))
         for seq in step.seqs if step.is_prefill else ():  # completions 1..n-1 start once 0's prompt is cached
@@ -328,6 +331,11 @@ class LLMEngine:
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+        vocab_size = self.config.hf_config.vocab_size
+        for sp in sampling_params:  # a top k beyond the vocabulary would fail inside the forward
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(sp, name) or 0) > vocab_size:
+                    raise ValueError(f"{name} must be <= the vocabulary size {vocab_size}, got {getattr(sp, name)}")
         if stream or any(sp.stop_strings for sp in sampling_params):
             self._require_tokenizer("stop strings and streaming")  # fail before any work
         checked = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]  # all, before adding any
@@ -395,12 +403,14 @@ class LLMEngine:
 
     def _output(self, request: Request) -> dict:
         """The nano-vllm fields (``text``, ``token_ids``: completion 0) and vLLM's: ``finish_reason``,
-        ``prompt_token_ids``, ``num_cached_tokens``, ``logprobs`` (when asked), ``metrics`` and
-        ``outputs`` (all n completions)."""
+        ``prompt_token_ids``, ``num_cached_tokens``, ``logprobs`` and ``prompt_logprobs`` (when
+        asked), ``metrics`` and ``outputs`` (all n completions)."""
         completions = [self._completion(seq) for seq in request.seqs]
         first = request.seqs[0]
         metrics = {"time_to_first_token": min(s.first_token_time for s in request.seqs) - first.arrival_time,
                    "total_time": max(s.finish_time for s in request.seqs) - first.arrival_time}
-        return {**completions[0], "prompt_token_ids": request.prompt_token_ids,
-                "num_cached_tokens": first.num_prefix_cached_tokens or 0, "metrics": metrics,
-                "outputs": completions}
+        out = {**completions[0], "prompt_token_ids": request.prompt_token_ids,
+               "num_cached_tokens": first.num_prefix_cached_tokens or 0, "metrics": metrics, "outputs": completions}
+        if first.prompt_logprobs is not None:
+            out["prompt_logprobs"] = first.prompt_logprobs
+        return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
-from nanovllm.layers.sampler import Sampler, SamplingBatch
+from nanovllm.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
 from nanovllm.models import get_model_class
 from nanovllm.models.llama import head_dim_of
 from nanovllm.utils.context import get_context, set_context
@@ -31,15 +32,30 @@ from nanovllm.utils.loader import load_dummy_weights, load_model
 SHM_SIZE = 2 ** 20
 
 
-class SampledTokens:
-    """One forward's sampled tokens on their way to the host. The device-to-host copies start at
-    once (into pinned memory, behind the sampler on the stream); ``result`` waits for them, so the
-    CPU can schedule and launch the next forward first."""
+@dataclass
+class PromptLogprobsBatch:
+    """Where one prefill's prompt logprobs come from, on rank 0. The LM head projects every scheduled
+    position of a sequence that computes them and the last position of the others, in batch order."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None]):
+    sample_rows: torch.Tensor     # [num_seqs] the logits row of each sequence's last scheduled position
+    rows: torch.Tensor            # [R] the logits rows whose next token is a prompt token
+    target_ids: torch.Tensor      # [R] those prompt tokens
+    targets: list[int]            # the same, on the host
+    spans: list[tuple[int, int] | None]  # per sequence: (how many of the rows are its own, its k), or None
+    num_top: int                  # the largest k
+
+
+class SampledTokens:
+    """One forward's sampled tokens (and logprobs) on their way to the host. The device-to-host
+    copies start at once (into pinned memory, behind the sampler on the stream); ``result`` waits
+    for them, so the CPU can schedule and launch the next forward first."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
+                 prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None):
         self.num_logprobs = num_logprobs
+        self.prompt = prompt
         self.event = None
-        tensors = [token_ids, *(logprobs or ())]
+        tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
         if token_ids.is_cuda:
             host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
             for h, t in zip(host, tensors):
@@ -47,21 +63,42 @@ class SampledTokens:
             self.event = torch.cuda.Event()
             self.event.record()
             tensors = host
-        self.token_ids, self.logprobs = tensors[0], tensors[1:] or None
+        n = 3 if logprobs else 0
+        self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
 
-    def result(self) -> tuple[list[int], list[dict[int, float] | None]]:
+    def result(self) -> tuple[list[int], list[dict[int, float] | None], list[list[dict[int, float]] | None]]:
         """(the sampled token ids, per sequence its {token id: logprob} for the sampled token and
-        its top k, or None where not asked)."""
+        its top k or None where not asked, per sequence the {token id: logprob} of each prompt token
+        this forward computed (the actual one and the top k) or None where not asked)."""
         if self.event is not None:
             self.event.synchronize()
         token_ids = self.token_ids.tolist()
+        return token_ids, self._logprobs(token_ids), self._prompt_logprobs(len(token_ids))
+
+    def _logprobs(self, token_ids: list[int]) -> list[dict[int, float] | None]:
         if self.logprobs is None:
-            return token_ids, [None] * len(token_ids)
+            return [None] * len(token_ids)
         sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
         out = []
         for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids)):
             out.append(None if k is None else {**dict(zip(top_ids[i][:k], top_values[i][:k])), token: sampled[i]})
-        return token_ids, out
+        return out
+
+    def _prompt_logprobs(self, num_seqs: int) -> list[list[dict[int, float]] | None]:
+        if self.prompt is None:
+            return [None] * num_seqs
+        target, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs) if self.prompt_logprobs \
+            else ([], [], [])
+        out, row = [], 0
+        for span in self.prompt.spans:
+            if span is None:
+                out.append(None)
+                continue
+            count, k = span
+            out.append([{**dict(zip(top_ids[r][:k], top_values[r][:k])), self.prompt.targets[r]: target[r]}
+                        for r in range(row, row + count)])
+            row += count
+        return out
 
 
 class ModelRunner:
@@ -252,6 +289,9 @@ class ModelRunner:
 
     def prepare_prefill(self, seqs: list[Sequence]):
         input_ids, positions, slot_mapping = [], [], []
+        # the LM head projects each sequence's last position, and every one of a sequence computing prompt
+        # logprobs (see prepare_prompt_logprobs); a batch without any keeps the plain path (cu_seqlens_q)
+        logits_indices = [] if any(seq.computes_prompt_logprobs for seq in seqs) else None
         cu_seqlens_q, cu_seqlens_k = [0], [0]
         max_seqlen_q = max_seqlen_k = 0
         for seq in seqs:
@@ -263,6 +303,9 @@ class ModelRunner:
             cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen_q)
             cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen_k)
             max_seqlen_q, max_seqlen_k = max(seqlen_q, max_seqlen_q), max(seqlen_k, max_seqlen_k)
+            if logits_indices is not None:
+                q_end = cu_seqlens_q[-1]
+                logits_indices.extend(range(q_end - seqlen_q, q_end) if seq.computes_prompt_logprobs else [q_end - 1])
             if not seq.block_table:  # warmup
                 continue
             start_block, end_block = start // self.block_size, (end + self.block_size - 1) // self.block_size
@@ -282,6 +325,8 @@ class ModelRunner:
                        cu_seqlens_k=self._to_device(cu_seqlens_k, torch.int32),
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                        slot_mapping=self._to_device(slot_mapping, torch.int32), block_tables=block_tables)
+        if logits_indices is not None:
+            context["logits_indices"] = self._to_device(logits_indices, torch.int64)
         return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
 
     def prepare_decode(self, seqs: list[Sequence], prev_rows: list[int] | None = None):
@@ -337,6 +382,30 @@ class ModelRunner:
         batch.num_logprobs = max(logprobs) if logprobs else -1
         return batch
 
+    def prepare_prompt_logprobs(self, seqs: list[Sequence]) -> PromptLogprobsBatch | None:
+        """Which logits rows of a prefill give which prompt logprobs (rank 0); None when no sequence
+        computes them. The logits at position p are the distribution of token p + 1, so a sequence's
+        scheduled positions before its last prompt token give the logprobs of its prompt tokens."""
+        if not any(seq.computes_prompt_logprobs for seq in seqs):
+            return None
+        sample_rows, rows, targets, spans = [], [], [], []
+        row = 0
+        for seq in seqs:
+            if seq.computes_prompt_logprobs:
+                start = seq.num_cached_tokens
+                count = max(0, min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1) - start)
+                rows.extend(range(row, row + count))
+                targets.extend(seq.token_ids[start + 1:start + 1 + count])
+                spans.append((count, seq.sampling_params.prompt_logprobs))
+                row += seq.num_scheduled_tokens
+            else:
+                spans.append(None)
+                row += 1
+            sample_rows.append(row - 1)
+        return PromptLogprobsBatch(self._to_device(sample_rows, torch.int64), self._to_device(rows, torch.int64),
+                                   self._to_device(targets, torch.int64), targets, spans,
+                                   max(span[1] for span in spans if span is not None))
+
     def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
         return self._to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64)
@@ -375,9 +444,15 @@ class ModelRunner:
         else:
             input_ids, positions, context = self.prepare_decode(seqs, prev_rows)
         sampling = self.prepare_sample(seqs) if self.rank == 0 else None
+        prompt = self.prepare_prompt_logprobs(seqs) if self.rank == 0 and is_prefill else None
+        token_ids = logprobs = prompt_lps = None
         with set_context(is_prefill, **context):
             logits = self.run_model(input_ids, positions, is_prefill)
-            token_ids, logprobs = self.sampler(logits, sampling, self.generator) if self.rank == 0 else (None, None)
+            if self.rank == 0:
+                if prompt is not None:  # logits of every position of some sequences: theirs, then the last ones
+                    prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
+                    logits = logits[prompt.sample_rows]
+                token_ids, logprobs = self.sampler(logits, sampling, self.generator)
         if self.async_scheduling:
             if self.world_size > 1:
                 if self.rank != 0:
@@ -386,7 +461,7 @@ class ModelRunner:
             self.prev_sampled = token_ids
         if self.rank != 0:
             return None
-        return SampledTokens(token_ids, logprobs, [seq.sampling_params.logprobs for seq in seqs])
+        return SampledTokens(token_ids, logprobs, [seq.sampling_params.logprobs for seq in seqs], prompt, prompt_lps)
 
     @torch.inference_mode()
     def capture_cudagraph(self):

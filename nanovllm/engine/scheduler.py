@@ -65,7 +65,8 @@ class Scheduler:
             if not seq.block_table:
                 if not self.block_manager.can_allocate(seq):
                     break
-                self.block_manager.allocate(seq, self.enable_prefix_caching)
+                # prompt logprobs need every prompt position computed: no prompt from the cache (as vLLM)
+                self.block_manager.allocate(seq, self.enable_prefix_caching and not seq.computes_prompt_logprobs)
                 if seq.num_prefix_cached_tokens is None:  # first admission (not a recomputation)
                     seq.num_prefix_cached_tokens = seq.num_cached_tokens
             num_tokens = seq.num_tokens - seq.num_cached_tokens
@@ -123,17 +124,23 @@ class Scheduler:
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens >= seq.num_prompt_tokens:  # every prompt logprob is on its way
+                seq.computes_prompt_logprobs = False
             if seq.num_cached_tokens == seq.num_tokens:  # else a prefill chunk: its sample is not a next token
                 seq.append_placeholder()
                 seq.inflight_row = row
                 rows.append(row)
         return ScheduledStep(seqs, is_prefill, rows)
 
-    def postprocess(self, step: ScheduledStep, token_ids: list[int], logprobs: list[dict | None]
-                    ) -> list[tuple[Sequence, int]]:
-        """Fills in the step's sampled tokens and finishes sequences; returns (sequence, token) for
-        each sequence that gained a token. A sequence that finished on an earlier token ignores
-        this one (it was computed before that was known) and never shows it."""
+    def postprocess(self, step: ScheduledStep, token_ids: list[int], logprobs: list[dict | None],
+                    prompt_logprobs: list[list[dict] | None] | None = None) -> list[tuple[Sequence, int]]:
+        """Fills in the step's sampled tokens (and prompt logprobs, per sequence of a prefill) and
+        finishes sequences; returns (sequence, token) for each sequence that gained a token. A sequence
+        that finished on an earlier token ignores this one (it was computed before that was known) and
+        never shows it."""
+        for seq, entries in zip(step.seqs, prompt_logprobs or ()):
+            if entries is not None:
+                seq.prompt_logprobs.extend(entries)
         advanced = []
         for row in step.rows:
             seq = step.seqs[row]

@@ -48,6 +48,11 @@ class Sequence:
         self.generator = None              # set on rank 0 for a seeded request, on first use
         self.finish_reason: str | None = None   # "stop" or "length"
         self.logprobs: list[dict[int, float]] = []
+        # Set by the engine on the sequence that computes prompt logprobs (completion 0 of a request that
+        # asks): its prefill computes logits at every scheduled position, not only the last. Cleared once
+        # every prompt position has been launched (a recomputation after preemption does not redo them).
+        self.computes_prompt_logprobs = False
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # [None, {id: logprob}, ...]
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -128,10 +133,10 @@ class Sequence:
 
     def __getstate__(self):
         return (self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-                self.num_scheduled_tokens, self.block_table, self.scheduled_token_ids)
+                self.num_scheduled_tokens, self.block_table, self.computes_prompt_logprobs, self.scheduled_token_ids)
 
     def __setstate__(self, state):
         (self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.block_table, self.token_ids) = state
+         self.num_scheduled_tokens, self.block_table, self.computes_prompt_logprobs, self.token_ids) = state
         self.token_offset = self.num_cached_tokens
         self.last_token = self.token_ids[-1]

@@ -38,10 +38,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Logits [num_seqs, vocab] on rank 0 (None elsewhere); in prefill only each
-        sequence's last token is projected."""
+        sequence's last token is projected, or the rows of ``logits_indices`` when set (then
+        [len(logits_indices), vocab]: every position of a sequence that asks for prompt logprobs)."""
         context = get_context()
         if context.is_prefill:
-            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+            rows = context.cu_seqlens_q[1:] - 1 if context.logits_indices is None else context.logits_indices
+            x = x[rows].contiguous()
         logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits

@@ -116,3 +116,16 @@ class Sampler(nn.Module):
             return token_ids, None
         top = raw_logprobs.topk(max(b.num_logprobs, 1), dim=-1)
         return token_ids, (raw_logprobs.gather(1, token_ids[:, None]).squeeze(1), top.indices, top.values)
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, num_top: int,
+                    slice_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of prompt tokens from the raw distribution: for each of ``rows`` (logits rows, [R]),
+    (the logprob of its next prompt token ``targets`` [R], top ids [R, K], top logprobs [R, K]).
+    Taken ``slice_rows`` rows at a time, so that the float32 copy of a long prompt's logits stays small."""
+    parts = []
+    for start in range(0, rows.numel(), slice_rows):
+        logprobs = torch.log_softmax(logits[rows[start:start + slice_rows]].float(), dim=-1)
+        top = logprobs.topk(max(num_top, 1), dim=-1)  # (at least 1, as in Sampler.forward; the host cuts to k)
+        parts.append((logprobs.gather(1, targets[start:start + slice_rows, None]).squeeze(1), top.indices, top.values))
+    return tuple(torch.cat(p) for p in zip(*parts))

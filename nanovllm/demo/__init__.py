@@ -1,0 +1,27 @@
+"""The demo model shipped inside the package: a tiny Qwen3 trained on the Python standard library's
+own source by ``tools/train_demo_model.py``, with its byte-level BPE tokenizer and the held-out files
+it was validated on (``heldout/``). ``LLM("nanovllm:demo")`` loads it; so does ``LLM(DEMO_MODEL)``.
+"""
+from __future__ import annotations
+
+import os
+
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
+DEMO_HELDOUT = os.path.join(DEMO_MODEL, "heldout")
+
+# "nanovllm:<name>" -> the checkpoint directory it stands for
+BUILTIN_MODELS = {"nanovllm:demo": DEMO_MODEL}
+PREFIX = "nanovllm:"
+
+
+def resolve_model(model: str) -> str:
+    """``model`` itself, or the directory of a built-in ``nanovllm:<name>`` model."""
+    if not model.startswith(PREFIX):
+        return model
+    if model not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {model!r}; known: {sorted(BUILTIN_MODELS)}")
+    path = BUILTIN_MODELS[model]
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"the files of built-in model {model!r} are missing from {path} (an installation "
+                         "without the package data?)")
+    return path
