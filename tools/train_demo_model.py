@@ -77,6 +77,10 @@ def main():
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--intermediate-size", type=int, default=640)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
@@ -94,8 +98,11 @@ def main():
     print(f"corpus: {len(files)} files, {len(train):,} tokens (vocab {len(tokenizer)}); validation: "
           f"{', '.join(HELD_OUT)}, {len(val):,} tokens", flush=True)
 
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=640, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=args.hidden_size,
+                         intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
+                         num_attention_heads=args.hidden_size // 64,
+                         num_key_value_heads=max(1, args.hidden_size // 128),
+                         head_dim=64, max_position_embeddings=1024, attention_dropout=args.attention_dropout,
                          tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
     config.architectures = ["Qwen3ForCausalLM"]
