@@ -141,3 +141,64 @@ def test_async_tensor_parallel_gloo(checkpoints, oracle):
     finally:
         llm.exit()
     assert_matches_oracle(oracle, path, prompts, outputs, 12)
+
+
+def test_penalty_batch_whose_sequences_all_stop_in_flight(tiny):
+    """A penalties batch waits for the step in flight; if that step finishes every sequence of the
+    batch, nothing is launched and the run goes on (it used to raise)."""
+    prompt = [5, 17, 33, 2, 9, 100]
+    outs = {}
+    for mode in (False, True):
+        llm = _engine(tiny, mode)
+        try:
+            ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                        presence_penalty=0.5), use_tqdm=False)[0]["token_ids"]
+            sp = SamplingParams(temperature=0, max_tokens=10, presence_penalty=0.5, stop_token_ids=[ref[3]])
+            outs[mode] = llm.generate([prompt], sp, use_tqdm=False)
+            assert_no_leaks(llm)
+        finally:
+            llm.exit()
+    assert outs[False][0]["token_ids"] == ref[:4] and outs[False][0]["finish_reason"] == "stop"
+    assert _comparable(outs[True]) == _comparable(outs[False])
+
+
+def test_step_reports_each_finished_sequence_once(tiny):
+    """A sequence that stops on a token was already launched into the next step: step() still reports
+    it finished once."""
+    llm = _engine(tiny, True)
+    try:
+        prompts = random_prompts(6, 5, 30, seed=33)
+        probe = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        for i, (prompt, out) in enumerate(zip(prompts, probe)):
+            llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[out["token_ids"][i]]),
+                            index=i)
+        finished = []
+        while not llm.is_finished():
+            finished += [seq_id for seq_id, _ in llm.step()[0]]
+        assert len(finished) == len(set(finished)) == 6
+    finally:
+        llm.exit()
+
+
+def test_prefix_cache_registers_blocks_of_short_and_overlapping_requests(tiny):
+    """Blocks are registered when their forward is launched (so the next schedule can use them) and
+    before a sequence that ends on that step frees them: a max_tokens=1 request caches its prompt,
+    and prompts sharing a prefix admitted in consecutive steps find it, in both modes alike."""
+    base = random_prompts(1, 48, 48, seed=34)[0]  # 3 full blocks of 16
+    for mode in (False, True):
+        llm = _engine(tiny, mode, max_num_batched_tokens=64)
+        try:
+            one = SamplingParams(temperature=0, max_tokens=1)
+            llm.generate([base + [7]], one, use_tqdm=False)
+            assert llm.generate([base + [7]], one, use_tqdm=False)[0]["num_cached_tokens"] == 48
+            hits = llm.scheduler.block_manager.num_cache_hits
+            llm.generate([base[:40] + [9] * 10], SamplingParams(temperature=0.8, n=3, max_tokens=1, seed=1),
+                         use_tqdm=False)
+            assert llm.scheduler.block_manager.num_cache_hits - hits == 2 + 2 * 3  # 2 from base, 3 per sibling
+            other = random_prompts(1, 48, 48, seed=35)[0]
+            outs = llm.generate([other + [1, 2], other + [3, 4, 5], other + [6]],
+                                SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+            assert [o["num_cached_tokens"] for o in outs] == [0, 0, 48], mode  # the third is admitted a step later
+            assert_no_leaks(llm)
+        finally:
+            llm.exit()

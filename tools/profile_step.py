@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine.model_runner import SampledTokens  # noqa: E402
 from nanovllm.models.presets import PRESETS  # noqa: E402
 
 
@@ -72,6 +73,7 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     timer.wrap(runner.sampler, "forward")
     timer.wrap(scheduler, "postprocess")
     timer.wrap(llm, "_step")
+    timer.wrap(SampledTokens, "result")  # with async scheduling: waiting for the previous step's tokens
     sp = SamplingParams(temperature=0.6, max_tokens=2 * steps + 4, ignore_eos=True)
     for i in range(batch):
         llm.add_request([(i * 7 + j) % 250 for j in range(context)], sp)
@@ -97,7 +99,9 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
         result["gpu_busy_ms"] = round(busy[0], 3)
         result["gpu_idle_fraction"] = round(1 - busy[0] / busy[1], 3)
     result["sampler_ms"] = result.pop("forward", None)
-    result["step_cpu_ms"] = result.pop("_step", None)
+    result["wait_ms"] = result.pop("result", None)
+    step_ms = result.pop("_step", None)
+    result["step_cpu_ms"] = None if step_ms is None else round(step_ms - (result["wait_ms"] or 0), 3)
     return result
 
 

@@ -101,6 +101,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self._inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
+        self.async_scheduling = config.async_scheduling  # fixed for the engine's life (the runner relies on it)
         self._closed = False
         self._healthy = True   # False once a forward failed part-way: the ranks may disagree on where they are
         atexit.register(self.exit)
@@ -196,9 +197,9 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         done: list[Sequence] = []
         deltas: list[tuple[Sequence, int, str]] = []
-        if seqs and self._inflight is not None and self._needs_history(seqs):
+        if seqs and not is_prefill and self._inflight is not None and self._needs_history(seqs):
             self._finish_inflight(done, deltas)  # penalties read every generated token: no overlap
-            seqs = [seq for seq in seqs if not seq.is_finished]
+            seqs = [seq for seq in seqs if not seq.is_finished]  # (a prefill never has a token in flight)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         launched = None
         if seqs:
@@ -207,12 +208,12 @@ class LLMEngine:
                 prev_rows = [seq.inflight_row if seq.num_pending_tokens else -1 for seq in seqs]
             output = self._guarded(self.model_runner.call, "run", seqs, is_prefill, prev_rows)
             launched = self.scheduler.launched(seqs, is_prefill), output
-        elif self._inflight is None:
+        elif self._inflight is None and not done:
             raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
         if self._inflight is not None:
             self._finish_inflight(done, deltas)
         self._inflight = launched
-        if not self.config.async_scheduling:
+        if not self.async_scheduling:
             self._finish_inflight(done, deltas)
         return done, num_tokens, deltas
 
@@ -224,6 +225,7 @@ class LLMEngine:
         """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``)."""
         step, output = self._inflight
         self._inflight = None
+        finished_before = [seq.is_finished for seq in step.seqs]  # on an earlier token: reported then
         token_ids, logprobs, prompt_logprobs = self._guarded(output.result)
         for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs):
             if seq.detokenizer is not None:
@@ -234,7 +236,7 @@ class LLMEngine:
                 for sibling in request.waiting_siblings:
                     self.scheduler.add(sibling)
                 request.waiting_siblings = []
-        done.extend(step.seqs)
+        done.extend(seq for seq, finished in zip(step.seqs, finished_before) if not finished)
 
     def _interruptible_step(self):
         """``_step``; Ctrl-C shuts the engine down (processes, shared memory) before it propagates."""

@@ -162,10 +162,10 @@ class ModelRunner:
             dist.barrier()
             if self.rank == 0:
                 self.shm.unlink()
+        if self.is_cuda:  # a step may still be in flight (async scheduling): let it end before freeing graphs
+            torch.cuda.synchronize()
         if not self.enforce_eager:
             del self.graphs, self.graph_pool
-        if self.is_cuda:
-            torch.cuda.synchronize()
         if self.world_size > 1:
             dist.destroy_process_group()
 

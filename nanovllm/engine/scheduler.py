@@ -92,6 +92,9 @@ class Scheduler:
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
+                elif ending := next((s for s in reversed(visited) if self._ends_in_flight(s)), None):
+                    visited.remove(ending)  # finishes when its token is read back: nothing to recompute
+                    self.preempt(ending)
                 else:
                     self.preempt(seq)
                     break
@@ -126,6 +129,7 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             if seq.num_cached_tokens >= seq.num_prompt_tokens:  # every prompt logprob is on its way
                 seq.computes_prompt_logprobs = False
+            self.block_manager.hash_blocks(seq)  # now, so that the very next schedule can reuse them
             if seq.num_cached_tokens == seq.num_tokens:  # else a prefill chunk: its sample is not a next token
                 seq.append_placeholder()
                 seq.inflight_row = row
@@ -151,12 +155,10 @@ class Scheduler:
             if logprobs[row] is not None:
                 seq.logprobs.append(logprobs[row])
             advanced.append((seq, token_id))
+            self.block_manager.hash_blocks(seq)  # a block whose last id was pending; before finish frees it
             reason = self._finish_reason(seq, token_id)
             if reason:
                 self.finish(seq, reason)
-        for seq in step.seqs:
-            if not seq.is_finished:
-                self.block_manager.hash_blocks(seq)
         return advanced
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
