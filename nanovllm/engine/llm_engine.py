@@ -197,9 +197,11 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         done: list[Sequence] = []
         deltas: list[tuple[Sequence, int, str]] = []
+        # penalties read every generated token, so such a decode batch waits for the step in flight (which
+        # may finish some of its sequences); a prefill never has a token in flight
         if seqs and not is_prefill and self._inflight is not None and self._needs_history(seqs):
-            self._finish_inflight(done, deltas)  # penalties read every generated token: no overlap
-            seqs = [seq for seq in seqs if not seq.is_finished]  # (a prefill never has a token in flight)
+            self._finish_inflight(done, deltas)
+            seqs = [seq for seq in seqs if not seq.is_finished]
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         launched = None
         if seqs:
@@ -213,7 +215,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._finish_inflight(done, deltas)
         self._inflight = launched
-        if not self.async_scheduling:
+        if not self.async_scheduling and launched is not None:
             self._finish_inflight(done, deltas)
         return done, num_tokens, deltas
 
