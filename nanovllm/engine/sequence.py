@@ -90,13 +90,6 @@ class Sequence:
         assert 0 <= i < self.num_blocks
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
 
-    def append_token(self, token_id: int):
-        self.token_ids.append(token_id)
-        self.last_token = token_id
-        self.num_tokens += 1
-        if self.first_token_time is None:
-            self.first_token_time = time.perf_counter()
-
     def append_placeholder(self):
         """A launched forward will sample this sequence's next token; ``resolve`` fills it in."""
         self.token_ids.append(PLACEHOLDER)
