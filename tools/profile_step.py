@@ -34,9 +34,11 @@ class StepTimer:
         self.cpu = defaultdict(list)
         self.gpu: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.enabled = False
+        self.wrapped: list[tuple[object, str, object]] = []
 
     def wrap(self, obj, name: str, gpu: bool = False):
         fn = getattr(obj, name)
+        self.wrapped.append((obj, name, obj.__dict__.get(name)))
 
         @wraps(fn)
         def timed(*args, **kwargs):
@@ -54,6 +56,15 @@ class StepTimer:
             return result
 
         setattr(obj, name, timed)
+
+    def unwrap(self):
+        """Puts every wrapped method back (so the next batch's timer does not wrap this one's)."""
+        for obj, name, original in reversed(self.wrapped):
+            if original is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+        self.wrapped.clear()
 
     def summary(self) -> dict:
         out = {name: round(1e3 * sum(v) / len(v), 3) for name, v in self.cpu.items()}
@@ -89,6 +100,7 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps
     timer.enabled = False
+    timer.unwrap()
     busy = gpu_busy_per_step(llm, steps) if timer.cuda else None
     while not llm.is_finished():
         llm._step()

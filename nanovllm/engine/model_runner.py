@@ -45,6 +45,12 @@ class PromptLogprobsBatch:
     num_top: int                  # the largest k
 
 
+def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float
+                   ) -> dict[int, float]:
+    """vLLM's logprobs entry: the top k {token id: logprob}, and the chosen (or actual) token's."""
+    return {**dict(zip(top_ids[:k], top_values[:k])), token: logprob}
+
+
 class SampledTokens:
     """One forward's sampled tokens (and logprobs) on their way to the host. The device-to-host
     copies start at once (into pinned memory, behind the sampler on the stream); ``result`` waits
@@ -79,10 +85,8 @@ class SampledTokens:
         if self.logprobs is None:
             return [None] * len(token_ids)
         sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
-        out = []
-        for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids)):
-            out.append(None if k is None else {**dict(zip(top_ids[i][:k], top_values[i][:k])), token: sampled[i]})
-        return out
+        return [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i])
+                for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
 
     def _prompt_logprobs(self, num_seqs: int) -> list[list[dict[int, float]] | None]:
         if self.prompt is None:
@@ -95,7 +99,7 @@ class SampledTokens:
                 out.append(None)
                 continue
             count, k = span
-            out.append([{**dict(zip(top_ids[r][:k], top_values[r][:k])), self.prompt.targets[r]: target[r]}
+            out.append([_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r], target[r])
                         for r in range(row, row + count)])
             row += count
         return out

@@ -174,8 +174,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str):
         """Ends ``seq`` at its last resolved token (a token still in flight is dropped)."""
         seq.drop_pending()
+        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)  # waiting: preempted
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.block_manager.deallocate(seq)
-        (self.running if seq in self.running else self.waiting).remove(seq)
