@@ -65,6 +65,61 @@ def test_store_kvcache():
         assert (flat_k[untouched] == 123).all() and (flat_v[untouched] == 123).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads,norm", [((4, 2, 64), True), ((6, 3, 32), True), ((8, 8, 128), False)],
+                         ids=["H4-KV2-D64-norm", "H6-KV3-D32-norm", "H8-KV8-D128-rope-only"])
+def test_qk_norm_rope_store_matches_separate_ops(heads, norm, dtype):
+    """The fused prologue equals the separate ops it replaces (RMSNorm per head, rotary, KV store):
+    fp16 to the last bit on CPU; otherwise within a rounding step of the dtype (the sum of squares
+    is reduced in another order, and the GPU contracts fp32 multiply-adds)."""
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    num_heads, num_kv_heads, d = heads
+    n, num_slots = 9, 32
+    g = torch.Generator().manual_seed(d + num_heads)
+    qkv = (torch.randn(n, (num_heads + 2 * num_kv_heads) * d, generator=g) * 3).to(dtype).to(DEVICE)
+    positions = torch.tensor([0, 5, 17, 3, 99, 1, 63, 64, 2], device=DEVICE)
+    slots = torch.tensor([3, -1, 0, 31, 8, -1, 9, 12, 20], dtype=torch.int32, device=DEVICE)
+    rope = RotaryEmbedding(d, 128, 10000.0).to(DEVICE)
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        for m in (q_norm, k_norm):
+            m.weight.copy_(torch.rand(d, generator=g) + 0.5)
+    q_norm, k_norm = q_norm.to(DEVICE, dtype), k_norm.to(DEVICE, dtype)
+
+    # the separate ops, as DecoderAttention runs them without the fused kernel
+    q, k, v = qkv.clone().split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q, k, v = q.reshape(n, num_heads, d), k.reshape(n, num_kv_heads, d), v.reshape(n, num_kv_heads, d)
+    if norm:
+        q, k = q_norm(q), k_norm(k)
+    ref_q, ref_k = rope(positions, q, k)
+    ref_kc = torch.full((num_slots, num_kv_heads, d), 7.0, device=DEVICE, dtype=dtype)
+    ref_vc = ref_kc.clone()
+    reference.store_kvcache(ref_k, v, ref_kc.view(8, 4, num_kv_heads, d), ref_vc.view(8, 4, num_kv_heads, d), slots)
+
+    k_cache = torch.full((8, 4, num_kv_heads, d), 7.0, device=DEVICE, dtype=dtype)
+    v_cache = k_cache.clone()
+    out_q, out_k, out_v = triton_attention.qk_norm_rope_store(
+        qkv, positions, rope.cos_sin_cache, q_norm.weight if norm else None, k_norm.weight if norm else None,
+        1e-6, k_cache, v_cache, slots, num_heads, num_kv_heads, d)
+    ulp = {torch.float32: 1e-5, torch.float16: 1e-3 if CUDA else 0, torch.bfloat16: 8e-3}[dtype]
+    for got, want in ((out_q, ref_q), (out_k, ref_k), (out_v, v), (k_cache.view(num_slots, num_kv_heads, d), ref_kc),
+                      (v_cache.view(num_slots, num_kv_heads, d), ref_vc)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp)
+    assert out_q.data_ptr() == qkv.data_ptr()  # in place: q, k, v are views of qkv
+
+    # without norm weights it is the rotary alone; while the cache is empty (the warmup forward) nothing is stored
+    raw = torch.randn(n, (num_heads + 2 * num_kv_heads) * d, generator=g).to(dtype).to(DEVICE)
+    empty = torch.tensor([], device=DEVICE, dtype=dtype)
+    q2, k2, v2 = triton_attention.qk_norm_rope_store(raw.clone(), positions, rope.cos_sin_cache, None, None, 0.0,
+                                                     empty, empty, slots, num_heads, num_kv_heads, d)
+    want_q, want_k = rope(positions, raw[:, :num_heads * d].reshape(n, num_heads, d),
+                          raw[:, num_heads * d:(num_heads + num_kv_heads) * d].reshape(n, num_kv_heads, d))
+    torch.testing.assert_close(q2.float(), want_q.float(), rtol=ulp, atol=ulp)
+    torch.testing.assert_close(k2.float(), want_k.float(), rtol=ulp, atol=ulp)
+    assert torch.equal(v2.reshape(n, -1), raw[:, (num_heads + num_kv_heads) * d:])
+
+
 DECODE_CASES = [  # (num_heads, num_kv_heads, head_dim, block_size, context lengths, num_splits)
     (4, 4, 64, 16, [1, 17, 40], 1),
     (8, 4, 128, 16, [5, 33, 1, 64], 3),

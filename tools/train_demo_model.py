@@ -54,7 +54,7 @@ def encode_corpus(tokenizer, files: list[Path]) -> torch.Tensor:
 def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator):
     while True:
         starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=generator)
-        yield torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()])
+        yield torch.stack([data[s:s + seq_len] for s in starts.tolist()])
 
 
 @torch.no_grad()
@@ -62,8 +62,8 @@ def evaluate(model, data: torch.Tensor, seq_len: int, device: str, max_windows: 
     model.eval()
     losses = []
     for start in range(0, min(len(data) - seq_len - 1, max_windows * seq_len), seq_len):
-        window = data[start:start + seq_len + 1].to(device)[None]
-        losses.append(float(model(window[:, :-1], labels=window[:, 1:].clone()).loss))
+        window = data[start:start + seq_len].to(device)[None]
+        losses.append(float(model(window, labels=window).loss))  # the model shifts the labels itself
     model.train()
     return sum(losses) / len(losses)
 
@@ -118,7 +118,7 @@ def main():
     for step in range(1, args.steps + 1):
         batch = next(stream).to(device)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            loss = model(batch[:, :-1], labels=batch[:, 1:].clone()).loss
+            loss = model(batch, labels=batch).loss  # transformers shifts the labels: position t predicts t + 1
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -59,6 +59,11 @@ class TritonBackend(KernelModuleBackend):
     module = "nanovllm.kernels.triton_attention"
     HEAD_DIMS = (32, 64, 128)
 
+    @classmethod
+    def qk_norm_rope_store(cls, *args):
+        """q/k RMSNorm, rotary and the KV store in one kernel (``triton_attention.qk_norm_rope_store``)."""
+        return importlib.import_module(cls.module).qk_norm_rope_store(*args)
+
     @staticmethod
     def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
         reasons = []
@@ -98,6 +103,7 @@ class FlashAttnBackend:
         return reasons
 
     store_kvcache = TritonBackend.store_kvcache
+    qk_norm_rope_store = TritonBackend.qk_norm_rope_store
 
     @staticmethod
     def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
@@ -162,11 +168,12 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = TorchBackend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [N, num_heads, head_dim]; k, v [N, num_kv_heads, head_dim] -> [N, num_heads, head_dim]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+        # q [N, num_heads, head_dim]; k, v [N, num_kv_heads, head_dim] -> [N, num_heads, head_dim];
+        # kv_stored: the caller's fused prologue (qk_norm_rope_store) already wrote k, v into the cache
         ctx = get_context()
         k_cache, v_cache = self.k_cache, self.v_cache
-        if k_cache.numel():  # no cache during the warmup forward that sizes it
+        if k_cache.numel() and not kv_stored:  # no cache during the warmup forward that sizes it
             self.backend.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             return self.backend.prefill(q, k, v, k_cache, v_cache, ctx, self.scale)

@@ -15,6 +15,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import get_rope
+from nanovllm.utils.context import get_context
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -46,11 +47,21 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        norm = hasattr(self, "q_norm")
+        fused = getattr(self.attn.backend, "qk_norm_rope_store", None)
+        if fused is not None and self.head_dim & (self.head_dim - 1) == 0:  # one kernel: norm, rotary, KV store
+            q, k, v = fused(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight if norm else None,
+                            self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                            self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping,
+                            self.num_heads, self.num_kv_heads, self.head_dim)
+            o = self.attn(q, k, v, kv_stored=True)
+            return self.o_proj(o.flatten(1, -1))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden_states).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
