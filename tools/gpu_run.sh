@@ -10,7 +10,8 @@
 #   benchfa / eager / sync: the same with flash-attn / --enforce-eager / --no-async-scheduling
 #   llama     bench.py --model llama-3.2-1b;  hf: the workload through transformers (~4 min)
 #   profile   tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
-#   train     tools/train_demo_model.py into $OUT/demo
+#   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
+#   ktests    the kernel tests alone (no flash-attn build)
 #   tp1, tp2  bench.py for qwen3-8b at TP 1; at TP 2 (2 GPUs) for both presets, and the TP GPU tests
 # tools/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh PHASE...
@@ -52,7 +53,11 @@ for phase in "$@"; do
     llama) step bench_llama.jsonl python3 bench.py --model llama-3.2-1b --json ;;
     hf) step bench_hf.jsonl python3 bench.py --engine hf --json ;;
     profile) step profile_step.jsonl python3 tools/profile_step.py ;;
-    train) step train.log python3 tools/train_demo_model.py --out "$OUT/demo" ;;
+    train)  # the standard library alone, and with its test suites, side by side on one GPU
+      step train.log python3 tools/train_demo_model.py --out "$OUT/demo" &
+      step train_tests.log python3 tools/train_demo_model.py --out "$OUT/demo_tests" --include-tests &
+      wait ;;
+    ktests) step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA ;;
     tp1) step bench_tp.jsonl python3 bench.py --model qwen3-8b --json ;;
     tp2)  # 2 GPUs
       step bench_tp.jsonl python3 bench.py --tp 2 --json

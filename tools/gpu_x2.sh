@@ -15,6 +15,10 @@ echo "== GPU 0: $1"; cat /tmp/gpu0.out; echo "== GPU 1: $2"; cat /tmp/gpu1.out
 if [[ -n ${3:-} ]]; then
   OUT=/tmp/results/both BUDGET=$((BUDGET - (SECONDS - start))) bash tools/gpu_run.sh $3
 fi
+# trained demo models travel apart (a returned file holds at most 16 MiB)
+for d in /tmp/results/gpu*/demo*; do
+  [[ -d $d ]] && tar czf "$OUT/$(basename "$d").tgz" -C "$(dirname "$d")" "$(basename "$d")" --remove-files
+done
 tar czf "$OUT/results.tgz" -C /tmp results
 cp /tmp/results/gpu0/bench.png "$OUT/" 2>/dev/null
 true

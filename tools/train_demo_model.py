@@ -5,6 +5,7 @@ model, since the CPU and GPU machines run different Python versions. Seeded; pri
 validation loss curve and keeps the weights of the best validation loss.
 
     python tools/train_demo_model.py --out nanovllm/demo/model                   # on a GPU, about 2 minutes
+    python tools/train_demo_model.py --out /tmp/demo --include-tests             # also the test suites
     python tools/train_demo_model.py --out /tmp/demo --steps 20 --batch-size 4   # a smoke run on CPU
 """
 from __future__ import annotations
@@ -27,10 +28,11 @@ EOS = "<|endoftext|>"
 SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "lib2to3"}  # test suites, third-party code
 
 
-def corpus_files() -> list[Path]:
+def corpus_files(include_tests: bool = False) -> list[Path]:
     lib = Path(sysconfig.get_paths()["stdlib"])
+    skipped = SKIPPED_DIRS - {"test", "tests", "idle_test"} if include_tests else SKIPPED_DIRS
     return sorted(p for p in lib.rglob("*.py") if p.name not in HELD_OUT and p.stat().st_size < 500_000
-                  and not SKIPPED_DIRS & set(p.relative_to(lib).parts))
+                  and not skipped & set(p.relative_to(lib).parts))
 
 
 def train_tokenizer(files: list[Path], vocab_size: int, out: Path):
@@ -82,6 +84,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--include-tests", action="store_true",
+                        help="also train on the standard library's test suites (about four times the code)")
     args = parser.parse_args()
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -91,7 +95,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = corpus_files()
+    files = corpus_files(args.include_tests)
     tokenizer = train_tokenizer(files, args.vocab_size, out)
     train = encode_corpus(tokenizer, files)
     val = encode_corpus(tokenizer, [Path(sysconfig.get_paths()["stdlib"]) / name for name in HELD_OUT])

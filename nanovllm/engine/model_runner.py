@@ -150,7 +150,7 @@ class ModelRunner:
             load_dummy_weights(self.model, self.config.seed + self.rank)
         else:
             load_model(self.model, self.config.model)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.config.seed)
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
         self.attention_backend = select_backend(self.config.attention_backend, self.config.device, self.dtype,
                                                 self.block_size, self.head_dim, log=self.rank == 0)

@@ -4,16 +4,29 @@ Order (vLLM's): raw logprobs are taken first; then penalties, the min_tokens ban
 temperature, top-k / top-p / min-p, and a Gumbel-max draw (argmax p / E with E ~ Exp(1)). Each
 optional stage runs only when a request in the batch asks for it, so a plain batch pays for none.
 Seeded requests draw their noise from their own generator: the same seed gives the same tokens
-whatever else is in the batch.
+whatever else is in the batch. On CUDA a batch of temperatures only (bench.py's) is sampled by one
+Triton pass over the logits instead (``Sampler``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanovllm.utils.compile import compile_on_cuda
+
+
+@functools.cache
+def _triton_sampler():
+    """The Triton sampler module, or None where triton is missing (it ships for Linux only);
+    imported on the first CUDA batch, so CPU runs never load triton."""
+    try:
+        from nanovllm.kernels import triton_sampler
+    except ImportError:
+        return None
+    return triton_sampler
 
 
 @dataclass
@@ -87,9 +100,21 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
+    """On CUDA a plain batch (temperatures only) takes the one-pass Triton kernel
+    (``nanovllm.kernels.triton_sampler``), keyed by ``seed`` and a draw counter; every other batch
+    the PyTorch stages above, with noise from the engine's generator."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.seed = seed & 0x7FFFFFFF
+        self.num_draws = 0
+
     def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
         """Returns (token ids [B], logprobs): logprobs is None unless asked for, else (the sampled
         tokens' logprobs [B], top ids [B, K], top logprobs [B, K]) from the raw distribution."""
+        if b.is_plain and logits.is_cuda and _triton_sampler() is not None:
+            self.num_draws += 1
+            return _triton_sampler().sample(logits, b.temperatures, self.seed << 32 | self.num_draws & 0xFFFFFFFF), None
         logits = logits.float()
         noise = torch.empty_like(logits).exponential_(1, generator=generator)
         if b.is_plain:

@@ -1,0 +1,89 @@
+"""Sampling of plain batches (each row only a temperature; 0 = greedy) in two small Triton kernels.
+
+A Gumbel-max draw, ``argmax(logits / T + G)`` with G = -log(-log U), picks token i with
+probability softmax(logits / T)_i, the same distribution as the PyTorch path's
+``argmax(softmax(logits / T) / E)`` with E ~ Exp(1) (-log E is a Gumbel variable). Here the
+uniforms come from a counter-based generator (Philox) inside the kernel, so the LM head's logits
+are read once, as they are (bf16), and no float32 copy, [B, V] noise or softmax is written:
+one pass over B x V instead of about six. The first kernel reduces chunks of 4 x QUARTER logits
+per program (one Philox call gives the four uniforms of four positions); the second picks each
+row's best chunk. Ties go to the lowest token id, as ``torch.argmax``; a greedy row (T = 0) is
+exactly ``logits.argmax(-1)``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_score(row_ptr, offs, vocab_size, inv_t, r, SAMPLED: tl.constexpr):
+    x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+    if SAMPLED:
+        # u in (0, 1) strictly: 23 random bits centred in their bucket (u = 1 would give G = +inf)
+        u = ((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+        x = x * inv_t - tl.log(-tl.log(u))
+    return tl.max(x, 0, return_indices=True)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _sample_chunks_kernel(logits_ptr, stride, temperatures_ptr, seed, vals_ptr, idx_ptr, vocab_size,
+                          NUM_CHUNKS: tl.constexpr, QUARTER: tl.constexpr):
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    t = tl.load(temperatures_ptr + row)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    q = tl.arange(0, QUARTER)
+    base = chunk * 4 * QUARTER
+    if t > 0:
+        r0, r1, r2, r3 = tl.randint4x(seed, (row * NUM_CHUNKS + chunk) * QUARTER + q)
+        inv_t = 1.0 / t
+        v0, i0 = _chunk_score(row_ptr, base + q, vocab_size, inv_t, r0, True)
+        v1, i1 = _chunk_score(row_ptr, base + QUARTER + q, vocab_size, inv_t, r1, True)
+        v2, i2 = _chunk_score(row_ptr, base + 2 * QUARTER + q, vocab_size, inv_t, r2, True)
+        v3, i3 = _chunk_score(row_ptr, base + 3 * QUARTER + q, vocab_size, inv_t, r3, True)
+    else:
+        v0, i0 = _chunk_score(row_ptr, base + q, vocab_size, 1.0, q, False)
+        v1, i1 = _chunk_score(row_ptr, base + QUARTER + q, vocab_size, 1.0, q, False)
+        v2, i2 = _chunk_score(row_ptr, base + 2 * QUARTER + q, vocab_size, 1.0, q, False)
+        v3, i3 = _chunk_score(row_ptr, base + 3 * QUARTER + q, vocab_size, 1.0, q, False)
+    # strictly greater: among equal scores the earlier (lower) id stays
+    best, idx = v0, i0
+    idx = tl.where(v1 > best, QUARTER + i1, idx)
+    best = tl.maximum(best, v1)
+    idx = tl.where(v2 > best, 2 * QUARTER + i2, idx)
+    best = tl.maximum(best, v2)
+    idx = tl.where(v3 > best, 3 * QUARTER + i3, idx)
+    best = tl.maximum(best, v3)
+    tl.store(vals_ptr + row * NUM_CHUNKS + chunk, best)
+    tl.store(idx_ptr + row * NUM_CHUNKS + chunk, base + idx)
+
+
+@triton.jit
+def _pick_chunk_kernel(vals_ptr, idx_ptr, out_ptr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    vals = tl.load(vals_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
+    _, best = tl.max(vals, 0, return_indices=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * NUM_CHUNKS + best).to(tl.int64))
+
+
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, quarter: int = 1024) -> torch.Tensor:
+    """Token ids [B] int64 for logits [B, V] (any float dtype, last dim contiguous) and
+    temperatures [B] float32 (0 = greedy). ``seed`` (0 <= seed < 2**63) keys the noise: the same
+    seed and inputs give the same tokens; use a new one for every draw."""
+    batch, vocab_size = logits.shape
+    assert logits.stride(1) == 1 and temperatures.numel() == batch and 0 <= seed < 2 ** 63
+    quarter = min(quarter, max(16, triton.next_power_of_2(triton.cdiv(vocab_size, 4))))
+    num_chunks = triton.cdiv(vocab_size, 4 * quarter)
+    assert batch * num_chunks * quarter < 2 ** 31  # the Philox counter is int32
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return out
+    vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+    _sample_chunks_kernel[(batch, num_chunks)](logits, logits.stride(0), temperatures, seed, vals, idx,
+                                               vocab_size, NUM_CHUNKS=num_chunks, QUARTER=quarter)
+    _pick_chunk_kernel[(batch,)](vals, idx, out, NUM_CHUNKS=num_chunks,
+                                 BLOCK=max(2, triton.next_power_of_2(num_chunks)))
+    return out
