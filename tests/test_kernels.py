@@ -102,7 +102,8 @@ def test_qk_norm_rope_store_matches_separate_ops(heads, norm, dtype):
     out_q, out_k, out_v = triton_attention.qk_norm_rope_store(
         qkv, positions, rope.cos_sin_cache, q_norm.weight if norm else None, k_norm.weight if norm else None,
         1e-6, k_cache, v_cache, slots, num_heads, num_kv_heads, d)
-    ulp = {torch.float32: 1e-5, torch.float16: 1e-3 if CUDA else 0, torch.bfloat16: 8e-3}[dtype]
+    # a rounding step at the normalized values' magnitude (up to ~4): the GPU's rsqrt may round differently
+    ulp = {torch.float32: 1e-5, torch.float16: 4e-3 if CUDA else 0, torch.bfloat16: 3.2e-2}[dtype]
     for got, want in ((out_q, ref_q), (out_k, ref_k), (out_v, v), (k_cache.view(num_slots, num_kv_heads, d), ref_kc),
                       (v_cache.view(num_slots, num_kv_heads, d), ref_vc)):
         torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp)
