@@ -5,7 +5,7 @@
 #   kernels   build flash-attn from the carried sdist (.gpu/; tools/flash_attn_build.py says how to fetch it),
 #             kernel tests with it, kernel microbenchmarks
 #   gputests  tests/test_gpu.py on one GPU (every backend, flash-attn built from the sdist); asynctest: a subset
-#   suite     the whole CPU suite, run on CUDA
+#   suite     the whole CPU suite, run on CUDA; sampling: its sampling and API tests alone
 #   bench     bench.py (Qwen3-0.6B preset, random weights) with the defaults, then with --profile;
 #   benchfa / eager / sync: the same with flash-attn / --enforce-eager / --no-async-scheduling
 #   llama     bench.py --model llama-3.2-1b;  hf: the workload through transformers (~4 min)
@@ -44,6 +44,7 @@ for phase in "$@"; do
         -k "not tensor_parallel and not async_scheduling_matches and not float32" ;;
     asynctest) step test_gpu.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "async_scheduling_matches or float32" ;;
     suite) step test_suite_cuda.log python3 -m pytest tests -q -m "not gpu" -x ;;
+    sampling) step test_sampling_cuda.log python3 -m pytest tests/test_sampling.py tests/test_api.py -q -rA ;;
     bench)  # Triton, CUDA Graphs, async scheduling (the defaults); then again under torch.profiler
       step bench.jsonl python3 bench.py --json
       step bench_profile.jsonl python3 bench.py --json --profile ;;
