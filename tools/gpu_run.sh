@@ -60,11 +60,13 @@ for phase in "$@"; do
       wait ;;
     ktests) step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA ;;
     tp1) step bench_tp.jsonl python3 bench.py --model qwen3-8b --json ;;
-    tp2)  # 2 GPUs
+    tp2|tp2a)  # 2 GPUs: Qwen3-0.6B at TP 2 and the float32 TP test
       step bench_tp.jsonl python3 bench.py --tp 2 --json
-      step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_float32"
+      step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_float32" ;;&
+    tp2|tp2b)  # 2 GPUs: Qwen3-8B at TP 2, the bf16 TP test and the dead-worker test
       step bench_tp.jsonl python3 bench.py --model qwen3-8b --tp 2 --json
       step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_bfloat16 or dead_worker" ;;
+    tp2a) ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
