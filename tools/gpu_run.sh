@@ -67,6 +67,7 @@ for phase in "$@"; do
       step bench_tp.jsonl python3 bench.py --model qwen3-8b --tp 2 --json
       step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_bfloat16 or dead_worker" ;;
     tp2a) ;;
+    tp2tests) step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_bfloat16 or dead_worker" ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
