@@ -52,6 +52,35 @@ def test_dead_worker_raises_naming_the_rank(tiny):
     llm.exit()  # a second exit is harmless
 
 
+def test_waiting_for_a_step_notices_a_dead_worker():
+    """With NCCL a step whose collectives wait for a dead rank never completes: the wait for its sampled
+    tokens polls the step's event and gives up once a worker is gone, instead of blocking forever."""
+    from nanovllm.engine.model_runner import wait_for_event
+
+    class NeverDone:  # a CUDA event of a forward stuck in a collective
+        def query(self):
+            return False
+
+        def synchronize(self):
+            raise AssertionError("a blocking wait would never return")
+
+    checks = []
+    start = time.time()
+    with pytest.raises(RuntimeError, match="worker died"):
+        wait_for_event(NeverDone(), alive=lambda: checks.append(1) or len(checks) < 3, check_every_s=0.01)
+    assert len(checks) == 3 and time.time() - start < 2
+
+    class DoneAfter:  # a step that completes: no liveness check needed before it does
+        def __init__(self, n):
+            self.n = n
+
+        def query(self):
+            self.n -= 1
+            return self.n <= 0
+
+    wait_for_event(DoneAfter(5), alive=lambda: False, check_every_s=10.0)
+
+
 SCRIPT = textwrap.dedent("""
     import sys
     from nanovllm import LLM, SamplingParams

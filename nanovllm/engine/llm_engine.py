@@ -117,7 +117,7 @@ class LLMEngine:
         atexit.unregister(self.exit)
         runner = self.model_runner
         try:
-            if self._healthy and all(p.is_alive() for p in self.ps):
+            if self._healthy and self._workers_alive():
                 runner.call("exit")
             else:
                 runner.abandon()
@@ -130,6 +130,9 @@ class LLMEngine:
                     p.kill()
                     p.join()
             del self.model_runner
+
+    def _workers_alive(self) -> bool:
+        return all(p.is_alive() for p in self.ps)
 
     def _dead_workers(self) -> list[tuple[int, int | None]]:
         return [(rank, p.exitcode) for rank, p in enumerate(self.ps, 1) if not p.is_alive()]
@@ -228,7 +231,9 @@ class LLMEngine:
         step, output = self._inflight
         self._inflight = None
         finished_before = [seq.is_finished for seq in step.seqs]  # on an earlier token: reported then
-        token_ids, logprobs, prompt_logprobs = self._guarded(output.result)
+        # with NCCL ranks, poll the step's completion so that a dead worker is noticed (wait_for_event)
+        alive = self._workers_alive if self.ps and self.config.device == "cuda" else None
+        token_ids, logprobs, prompt_logprobs = self._guarded(output.result, alive)
         for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs):
             if seq.detokenizer is not None:
                 deltas.append((seq, token_id, self._new_text(seq, token_id)))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
@@ -51,6 +53,24 @@ def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: i
     return {**dict(zip(top_ids[:k], top_values[:k])), token: logprob}
 
 
+def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
+                   check_every_s: float = 0.05) -> None:
+    """Returns once ``event`` (a ``torch.cuda.Event``, or anything with ``query``/``synchronize``) has
+    completed. With ``alive`` (tensor parallelism on CUDA) it polls instead of blocking and raises as
+    soon as ``alive()`` is False: a forward whose collectives wait for a dead NCCL rank never ends,
+    and a blocked ``synchronize`` would wait with it."""
+    if alive is None:
+        event.synchronize()
+        return
+    next_check = time.monotonic() + check_every_s
+    while not event.query():
+        if time.monotonic() >= next_check:
+            if not alive():
+                raise RuntimeError("a tensor-parallel worker died while a forward was in flight")
+            next_check = time.monotonic() + check_every_s
+        time.sleep(poll_s)
+
+
 class SampledTokens:
     """One forward's sampled tokens (and logprobs) on their way to the host. The device-to-host
     copies start at once (into pinned memory, behind the sampler on the stream); ``result`` waits
@@ -72,12 +92,14 @@ class SampledTokens:
         n = 3 if logprobs else 0
         self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
 
-    def result(self) -> tuple[list[int], list[dict[int, float] | None], list[list[dict[int, float]] | None]]:
+    def result(self, alive: Callable[[], bool] | None = None
+               ) -> tuple[list[int], list[dict[int, float] | None], list[list[dict[int, float]] | None]]:
         """(the sampled token ids, per sequence its {token id: logprob} for the sampled token and
         its top k or None where not asked, per sequence the {token id: logprob} of each prompt token
-        this forward computed (the actual one and the top k) or None where not asked)."""
+        this forward computed (the actual one and the top k) or None where not asked). ``alive``: see
+        ``wait_for_event``."""
         if self.event is not None:
-            self.event.synchronize()
+            wait_for_event(self.event, alive)
         token_ids = self.token_ids.tolist()
         return token_ids, self._logprobs(token_ids), self._prompt_logprobs(len(token_ids))
 
@@ -179,8 +201,11 @@ class ModelRunner:
             self.shm.close()
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
-            with contextlib.suppress(Exception):  # the group is already broken; freeing it is best effort
-                dist.destroy_process_group()
+            # the group is already broken; freeing it is best effort. NCCL's destroy waits for the
+            # operations in flight, which never end when a rank is dead: abort them instead
+            abort = getattr(dist.distributed_c10d, "_abort_process_group", None) if self.is_cuda else None
+            with contextlib.suppress(Exception):
+                (abort or dist.destroy_process_group)()
 
     # ---- rank 0 drives the workers through shared memory ---------------------------------
     def loop(self):
