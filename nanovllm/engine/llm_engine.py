@@ -132,7 +132,7 @@ class LLMEngine:
             del self.model_runner
 
     def _workers_alive(self) -> bool:
-        return all(p.is_alive() for p in self.ps)
+        return not self._dead_workers()
 
     def _dead_workers(self) -> list[tuple[int, int | None]]:
         return [(rank, p.exitcode) for rank, p in enumerate(self.ps, 1) if not p.is_alive()]

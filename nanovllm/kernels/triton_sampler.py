@@ -27,34 +27,37 @@ def _chunk_score(row_ptr, offs, vocab_size, inv_t, r, SAMPLED: tl.constexpr):
     return tl.max(x, 0, return_indices=True)
 
 
+@triton.jit
+def _chunk_best(row_ptr, base, vocab_size, inv_t, r0, r1, r2, r3, QUARTER: tl.constexpr, SAMPLED: tl.constexpr):
+    """The best score of logits [base, base + 4 * QUARTER) and its offset from base; each quarter
+    uses its own uniforms (r0..r3, unused when not SAMPLED)."""
+    q = tl.arange(0, QUARTER)
+    best, idx = _chunk_score(row_ptr, base + q, vocab_size, inv_t, r0, SAMPLED)
+    # strictly greater: among equal scores the earlier (lower) id stays
+    v, i = _chunk_score(row_ptr, base + QUARTER + q, vocab_size, inv_t, r1, SAMPLED)
+    idx = tl.where(v > best, QUARTER + i, idx)
+    best = tl.maximum(best, v)
+    v, i = _chunk_score(row_ptr, base + 2 * QUARTER + q, vocab_size, inv_t, r2, SAMPLED)
+    idx = tl.where(v > best, 2 * QUARTER + i, idx)
+    best = tl.maximum(best, v)
+    v, i = _chunk_score(row_ptr, base + 3 * QUARTER + q, vocab_size, inv_t, r3, SAMPLED)
+    idx = tl.where(v > best, 3 * QUARTER + i, idx)
+    return tl.maximum(best, v), idx
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _sample_chunks_kernel(logits_ptr, stride, temperatures_ptr, seed, vals_ptr, idx_ptr, vocab_size,
                           NUM_CHUNKS: tl.constexpr, QUARTER: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     t = tl.load(temperatures_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    q = tl.arange(0, QUARTER)
     base = chunk * 4 * QUARTER
     if t > 0:
+        q = tl.arange(0, QUARTER)
         r0, r1, r2, r3 = tl.randint4x(seed, (row * NUM_CHUNKS + chunk) * QUARTER + q)
-        inv_t = 1.0 / t
-        v0, i0 = _chunk_score(row_ptr, base + q, vocab_size, inv_t, r0, True)
-        v1, i1 = _chunk_score(row_ptr, base + QUARTER + q, vocab_size, inv_t, r1, True)
-        v2, i2 = _chunk_score(row_ptr, base + 2 * QUARTER + q, vocab_size, inv_t, r2, True)
-        v3, i3 = _chunk_score(row_ptr, base + 3 * QUARTER + q, vocab_size, inv_t, r3, True)
-    else:
-        v0, i0 = _chunk_score(row_ptr, base + q, vocab_size, 1.0, q, False)
-        v1, i1 = _chunk_score(row_ptr, base + QUARTER + q, vocab_size, 1.0, q, False)
-        v2, i2 = _chunk_score(row_ptr, base + 2 * QUARTER + q, vocab_size, 1.0, q, False)
-        v3, i3 = _chunk_score(row_ptr, base + 3 * QUARTER + q, vocab_size, 1.0, q, False)
-    # strictly greater: among equal scores the earlier (lower) id stays
-    best, idx = v0, i0
-    idx = tl.where(v1 > best, QUARTER + i1, idx)
-    best = tl.maximum(best, v1)
-    idx = tl.where(v2 > best, 2 * QUARTER + i2, idx)
-    best = tl.maximum(best, v2)
-    idx = tl.where(v3 > best, 3 * QUARTER + i3, idx)
-    best = tl.maximum(best, v3)
+        best, idx = _chunk_best(row_ptr, base, vocab_size, 1.0 / t, r0, r1, r2, r3, QUARTER, True)
+    else:  # greedy: no noise is drawn
+        best, idx = _chunk_best(row_ptr, base, vocab_size, 1.0, 0, 0, 0, 0, QUARTER, False)
     tl.store(vals_ptr + row * NUM_CHUNKS + chunk, best)
     tl.store(idx_ptr + row * NUM_CHUNKS + chunk, base + idx)
 

@@ -112,9 +112,10 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
         """Returns (token ids [B], logprobs): logprobs is None unless asked for, else (the sampled
         tokens' logprobs [B], top ids [B, K], top logprobs [B, K]) from the raw distribution."""
-        if b.is_plain and logits.is_cuda and _triton_sampler() is not None:
+        fast = _triton_sampler() if b.is_plain and logits.is_cuda else None
+        if fast is not None:
             self.num_draws += 1
-            return _triton_sampler().sample(logits, b.temperatures, self.seed << 32 | self.num_draws & 0xFFFFFFFF), None
+            return fast.sample(logits, b.temperatures, self.seed << 32 | self.num_draws & 0xFFFFFFFF), None
         logits = logits.float()
         noise = torch.empty_like(logits).exponential_(1, generator=generator)
         if b.is_plain:

@@ -56,15 +56,15 @@ class DecoderAttention(nn.Module):
                             self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping,
                             self.num_heads, self.num_kv_heads, self.head_dim)
             o = self.attn(q, k, v, kv_stored=True)
-            return self.o_proj(o.flatten(1, -1))
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        else:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
         return self.o_proj(o.flatten(1, -1))
 
 
