@@ -1,11 +1,19 @@
 """Per-request sampling parameters, with vLLM's field names and meanings.
 
-Defaults are nano-vllm's where the two differ (``temperature=1.0``, ``max_tokens=64``).
+Defaults are nano-vllm's where the two differ (``temperature=1.0``, ``max_tokens=64``). Fields may be
+assigned after construction (vLLM's ``sp = llm.get_default_sampling_params(); sp.top_k = 5``): nothing
+is derived at construction, and the engine checks (``verify``) and copies (``clone``) the object when a
+request is admitted, so a later assignment never reaches a running request.
 """
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+# Temperatures below this are greedy (as in vLLM): 1 / T would overflow the logits.
+SAMPLING_EPS = 1e-5
+MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
 
 
 @dataclass
@@ -18,7 +26,7 @@ class SamplingParams:
     same for every prompt token after the first (the logprob of the actual prompt token and the top k
     at its position); such a request computes its whole prompt, never taking it from the prefix cache.
     ``n`` completions of one prompt share its KV blocks through the prefix cache; with a ``seed``,
-    completion i uses seed + i."""
+    completion i uses (seed + i) mod 2**64."""
 
     n: int = 1
     temperature: float = 1.0
@@ -38,10 +46,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    stop_strings: tuple[str, ...] = field(init=False, repr=False)
-    is_plain: bool = field(init=False, repr=False)  # temperature only: the sampler's fast path
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Raises ``ValueError``/``TypeError`` naming the first bad field; normalizes ``stop_token_ids``
+        to a list and ``temperature`` to a float."""
         _number("temperature", self.temperature, lo=0.0)
         _number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         _number("min_p", self.min_p, lo=0.0, hi=1.0)
@@ -55,28 +66,34 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.seed is not None:
-            _integer("seed", self.seed, lo=0)
+            _integer("seed", self.seed, lo=0, hi=MAX_SEED - 1)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), lo=0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop_strings = tuple(stop)
-        ids = self.stop_token_ids or []
+        if not (self.stop is None or isinstance(self.stop, str) or
+                (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop))):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(self.stop_strings):
+            raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
         if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
         self.temperature = float(self.temperature)
-        self.is_plain = not (self.needs_top_k_top_p or self.min_p > 0 or self.needs_penalties or self.min_tokens
-                             or self.seed is not None or self.logprobs is not None)
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def needs_penalties(self) -> bool:
@@ -86,18 +103,25 @@ class SamplingParams:
     def needs_top_k_top_p(self) -> bool:
         return self.top_k > 0 or self.top_p < 1
 
+    @property
+    def is_plain(self) -> bool:
+        """Temperature only: the sampler's fast path."""
+        return not (self.needs_top_k_top_p or self.min_p > 0 or self.needs_penalties or self.min_tokens
+                    or self.seed is not None or self.logprobs is not None)
+
 
 def _number(name: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    if math.isnan(value) or (lo is not None and (value < lo or (lo_open and value == lo))) or \
+    if not math.isfinite(value) or (lo is not None and (value < lo or (lo_open and value == lo))) or \
             (hi is not None and value > hi):
-        bounds = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        bounds = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, " \
+            f"{f'{hi}]' if hi is not None else 'inf)'}"
         raise ValueError(f"{name} must be in {bounds}, got {value!r}")
 
 
-def _integer(name: str, value, lo: int):
+def _integer(name: str, value, lo: int, hi: int | None = None):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be >= {lo}{f' and <= {hi}' if hi is not None else ''}, got {value}")

@@ -217,7 +217,7 @@ def test_tensor_parallel_2_dead_worker_raises(tiny):
     import threading
     import time
     llm = LLM(tiny, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512, device="cuda")
-    worker = llm.ps[0]
+    worker = llm.workers.processes[0]
     threading.Timer(3.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.time()
     with pytest.raises(RuntimeError, match=r"worker rank 1 died"):

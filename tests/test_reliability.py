@@ -39,8 +39,8 @@ def _shm(name: str) -> bool:
 
 def test_dead_worker_raises_naming_the_rank(tiny):
     llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
-    worker = llm.ps[0]
-    shm_name = llm.model_runner.shm.name
+    worker = llm.workers.processes[0]
+    shm_name = llm.workers.channel.shm.name
     threading.Timer(1.5, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.time()
     with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)"):
@@ -87,7 +87,7 @@ SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512,
                   num_kvcache_blocks=256, device="cpu")
-        print("PIDS", *[p.pid for p in llm.ps], "SHM", llm.model_runner.shm.name, flush=True)
+        print("PIDS", *[p.pid for p in llm.workers.processes], "SHM", llm.workers.channel.shm.name, flush=True)
         llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
         print("FINISHED", flush=True)
 """)

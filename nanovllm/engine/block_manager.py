@@ -60,30 +60,41 @@ class BlockManager:
             self.used_block_ids.add(block_id)
         block.ref_count += 1
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self.num_free_blocks >= seq.num_blocks
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks holding ``seq``'s leading full blocks in the prefix cache (a hit also compares the
+        token ids). The block holding the last token is never taken from the cache: at least one token
+        must go through the forward to produce logits."""
+        hits, h = [], -1
+        for i in range(seq.num_blocks):
+            if (i + 1) * self.block_size >= seq.num_tokens:
+                break
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
+        """Whether the free blocks cover what ``seq`` needs beyond the cached blocks other sequences hold
+        (a cached block that is free still takes a free block)."""
+        hits = self.cached_prefix(seq) if use_prefix_cache else []
+        shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
+        return self.num_free_blocks >= seq.num_blocks - shared
 
     def allocate(self, seq: Sequence, use_prefix_cache: bool = True):
-        """Give ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix.
-
-        The block holding the last token is never taken from the cache: at least one token
-        must go through the forward to produce logits."""
+        """Give ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix."""
         assert not seq.block_table
-        h, cache_miss = -1, not use_prefix_cache
-        for i in range(seq.num_blocks):
-            token_ids = seq.block(i)
-            cacheable = (i + 1) * self.block_size < seq.num_tokens
-            h = self.compute_hash(token_ids, h) if cacheable and not cache_miss else -1
-            block_id = self.hash_to_block_id.get(h, -1)
-            cache_miss = cache_miss or block_id == -1 or self.blocks[block_id].token_ids != token_ids
-            if cache_miss:
-                block_id = self._allocate_block()
-            else:
-                self._reuse_block(block_id)
-                seq.num_cached_tokens += self.block_size
-                seq.num_hashed_blocks += 1
-                self.num_cache_hits += 1
+        hits = self.cached_prefix(seq) if use_prefix_cache else []
+        for block_id in hits:
+            self._reuse_block(block_id)
             seq.block_table.append(block_id)
+        seq.num_cached_tokens += len(hits) * self.block_size
+        seq.num_hashed_blocks += len(hits)
+        self.num_cache_hits += len(hits)
+        for _ in range(seq.num_blocks - len(hits)):
+            seq.block_table.append(self._allocate_block())
 
     def deallocate(self, seq: Sequence):
         for block_id in reversed(seq.block_table):

@@ -12,6 +12,7 @@ class IncrementalDetokenizer:
         self.tokens = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset, self.read_offset = 0, len(self.tokens)
         self.text = ""
+        self.sent = 0  # how much of text take() has handed out
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
@@ -35,6 +36,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.tokens)
         self.text += rest
         return rest
+
+    def take(self, holdback: int = 0) -> str:
+        """The text not handed out yet, less its last ``holdback`` characters (a stream holds back what
+        could still turn out to begin a stop string, which the final text will not contain)."""
+        end = max(self.sent, len(self.text) - holdback)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
 
     def find_stop(self, stops: tuple[str, ...], delta: str) -> tuple[int, str] | None:
         """(where in ``text`` it begins, which) of the earliest stop string that ``delta`` completed."""

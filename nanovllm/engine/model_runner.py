@@ -3,19 +3,16 @@
 Owns device set-up, model loading, the warmup forward that sizes the KV cache, the one
 preallocated KV tensor with per-layer views, turning scheduled sequences into the flat
 tensors attention needs (``prepare_prefill`` / ``prepare_decode``), CUDA Graph decode, and
-sampling on rank 0. With tensor parallelism rank 0 drives the other ranks: ``call`` writes
-the method name and arguments into shared memory and sets each worker's event.
+sampling on rank 0. With tensor parallelism every rank runs one; rank 0's engine sends each call
+to the others (``worker_group``), and the ranks' collectives go through the engine's own ``TPGroup``.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import pickle
+import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.shared_memory import SharedMemory
-from multiprocessing.synchronize import Event
 
 import numpy as np
 import torch
@@ -28,10 +25,12 @@ from nanovllm.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
 from nanovllm.models import get_model_class
 from nanovllm.models.llama import head_dim_of
 from nanovllm.utils.context import get_context, set_context
-from nanovllm.utils.distributed import tensor_parallel
+from nanovllm.utils.distributed import TPGroup, tensor_parallel
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
-SHM_SIZE = 2 ** 20
+logger = logging.getLogger("nanovllm")
+# torch's default dtype is process-wide: engines built in different threads take turns
+_BUILD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -128,20 +127,17 @@ class SampledTokens:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int, event: Event | list[Event], shm_name: str = "", port: int = 0):
+    def __init__(self, config: Config, rank: int, group: TPGroup | None = None):
         self.config = config
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
         self.world_size = config.tensor_parallel_size
         self.rank = rank
-        self.event = event
+        self.group = group
         self.is_cuda = config.device == "cuda"
         self.async_scheduling = config.async_scheduling
         self.prev_sampled: torch.Tensor | None = None   # the last forward's sampled tokens, on the device
         self.enforce_eager = config.enforce_eager or not self.is_cuda
-        if self.world_size > 1:
-            dist.init_process_group("nccl" if self.is_cuda else "gloo", f"tcp://127.0.0.1:{port}",
-                                    world_size=self.world_size, rank=rank)
         if self.is_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
@@ -149,25 +145,18 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf_config)
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
             // self.world_size
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                self._load_and_prepare(hf_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.world_size > 1:
-            if rank == 0:
-                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
-                dist.barrier()
-            else:
-                dist.barrier()
-                self.shm = SharedMemory(name=shm_name)
-                self.loop()
+        with _BUILD_LOCK:
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(self.dtype)
+            try:
+                with torch.device(self.device):
+                    self._load_and_prepare(hf_config)
+            finally:
+                torch.set_default_dtype(default_dtype)
 
     def _load_and_prepare(self, hf_config):
-        with tensor_parallel(self.rank, self.world_size):
-            self.model = get_model_class(hf_config)(hf_config)
+        with tensor_parallel(self.rank, self.world_size, self.group):
+            self.model = get_model_class(hf_config)(hf_config, max_model_len=self.config.max_model_len)
         if self.config.load_format == "dummy":
             load_dummy_weights(self.model, self.config.seed + self.rank)
         else:
@@ -183,64 +172,11 @@ class ModelRunner:
             self.capture_cudagraph()
 
     def exit(self):
-        if self.world_size > 1:
-            self.shm.close()
-            dist.barrier()
-            if self.rank == 0:
-                self.shm.unlink()
+        """Frees what the device holds for this runner (its graphs; the rest goes with the object)."""
         if self.is_cuda:  # a step may still be in flight (async scheduling): let it end before freeing graphs
             torch.cuda.synchronize()
         if not self.enforce_eager:
             del self.graphs, self.graph_pool
-        if self.world_size > 1:
-            dist.destroy_process_group()
-
-    def abandon(self):
-        """Rank 0's cleanup when the workers are dead or stuck: no collective, no waiting."""
-        if self.world_size > 1:
-            self.shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                self.shm.unlink()
-            # the group is already broken; freeing it is best effort. NCCL's destroy waits for the
-            # operations in flight, which never end when a rank is dead: abort them instead
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None) if self.is_cuda else None
-            with contextlib.suppress(Exception):
-                (abort or dist.destroy_process_group)()
-
-    # ---- rank 0 drives the workers through shared memory ---------------------------------
-    def loop(self):
-        while True:
-            method_name, args = self.read_shm()
-            self.call(method_name, *args)
-            if method_name == "exit":
-                break
-
-    def read_shm(self):
-        assert self.world_size > 1 and self.rank > 0
-        parent = os.getppid()
-        while not self.event.wait(timeout=1.0):
-            if os.getppid() != parent:  # rank 0's process died (even by SIGKILL): do not linger as an orphan
-                os._exit(1)
-        n = int.from_bytes(self.shm.buf[0:4], "little")
-        method_name, *args = pickle.loads(self.shm.buf[4:n + 4])
-        self.event.clear()
-        return method_name, args
-
-    def write_shm(self, method_name: str, *args):
-        assert self.world_size > 1 and self.rank == 0
-        data = pickle.dumps([method_name, *args])
-        n = len(data)
-        if n + 4 > SHM_SIZE:
-            raise RuntimeError(f"a {method_name} call of {n} bytes does not fit the {SHM_SIZE}-byte shared memory")
-        self.shm.buf[0:4] = n.to_bytes(4, "little")
-        self.shm.buf[4:n + 4] = data
-        for event in self.event:
-            event.set()
-
-    def call(self, method_name: str, *args):
-        if self.world_size > 1 and self.rank == 0:
-            self.write_shm(method_name, *args)
-        return getattr(self, method_name)(*args)
 
     # ---- start-up ----------------------------------------------------------------------
     def warmup_model(self):
@@ -281,10 +217,9 @@ class ModelRunner:
     def allocate_kv_cache(self):
         hf_config = self.config.hf_config
         num_blocks = self._num_kvcache_blocks()
-        if self.world_size > 1:  # every rank must hold the same number of blocks
+        if self.group is not None:  # every rank must hold the same number of blocks
             t = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            num_blocks = int(t.item())
+            num_blocks = int(self.group.all_reduce(t, dist.ReduceOp.MIN).item())
         if num_blocks <= 0:
             remedy = "lower max_num_batched_tokens or raise gpu_memory_utilization" if self.is_cuda else \
                 "raise cpu_kvcache_space"
@@ -292,6 +227,13 @@ class ModelRunner:
                              f"of {self.block_size} tokens, got {num_blocks} blocks): {remedy}, or set "
                              "num_kvcache_blocks")
         self.num_kvcache_blocks = num_blocks
+        capacity = num_blocks * self.block_size
+        if capacity < self.config.max_model_len:  # a sequence can never outgrow the whole cache
+            if self.rank == 0:
+                logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens "
+                               "(raise num_kvcache_blocks, cpu_kvcache_space or gpu_memory_utilization for more)",
+                               self.config.max_model_len, capacity, num_blocks, self.block_size)
+            self.config.max_model_len = capacity
         # zeros, not empty: masked-out positions must not hold NaN bit patterns
         self.kv_cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, self.block_size,
                                     self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
@@ -379,7 +321,9 @@ class ModelRunner:
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """The batch's sampling parameters; each optional stage only when some request uses it."""
         params = [seq.sampling_params for seq in seqs]
-        batch = SamplingBatch(self._to_device([sp.temperature for sp in params], torch.float32))
+        # a temperature below SAMPLING_EPS is greedy (1 / T would overflow the logits)
+        batch = SamplingBatch(self._to_device([0.0 if sp.is_greedy else sp.temperature for sp in params],
+                                              torch.float32))
         if all(sp.is_plain for sp in params):
             return batch
         vocab_size = self.config.hf_config.vocab_size
@@ -464,15 +408,18 @@ class ModelRunner:
         return self.model.compute_logits(graph_vars["outputs"][:bs])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None = None):
+    def run(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None = None,
+            sampling: SamplingBatch | None = None):
         """Launches one forward and its sampling. On rank 0 returns the ``SampledTokens`` (read them
         with ``result()``); None elsewhere. With async scheduling the sampled tokens stay on every
-        rank's device as the next forward's inputs (TP: broadcast from rank 0)."""
+        rank's device as the next forward's inputs (TP: broadcast from rank 0). ``sampling``: rank 0's
+        ``prepare_sample(seqs)``, when the engine built it before sending the call to the workers."""
         if is_prefill:
             input_ids, positions, context = self.prepare_prefill(seqs)
         else:
             input_ids, positions, context = self.prepare_decode(seqs, prev_rows)
-        sampling = self.prepare_sample(seqs) if self.rank == 0 else None
+        if sampling is None and self.rank == 0:
+            sampling = self.prepare_sample(seqs)
         prompt = self.prepare_prompt_logprobs(seqs) if self.rank == 0 and is_prefill else None
         token_ids = logprobs = prompt_lps = None
         with set_context(is_prefill, **context):
@@ -483,10 +430,10 @@ class ModelRunner:
                     logits = logits[prompt.sample_rows]
                 token_ids, logprobs = self.sampler(logits, sampling, self.generator)
         if self.async_scheduling:
-            if self.world_size > 1:
+            if self.group is not None:
                 if self.rank != 0:
                     token_ids = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
-                dist.broadcast(token_ids, 0)
+                self.group.broadcast(token_ids, 0)
             self.prev_sampled = token_ids
         if self.rank != 0:
             return None

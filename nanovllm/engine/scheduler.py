@@ -33,8 +33,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.enable_prefix_caching = config.enable_prefix_caching
-        # a sequence stops at max_model_len, and never outgrows the whole cache (it could not be scheduled)
-        self.max_model_len = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size)
+        # a sequence stops at max_model_len, which the model runner lowered to the cache's size if need be
+        self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -63,10 +63,11 @@ class Scheduler:
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: its ids are not all known yet
             if not seq.block_table:
-                if not self.block_manager.can_allocate(seq):
-                    break
                 # prompt logprobs need every prompt position computed: no prompt from the cache (as vLLM)
-                self.block_manager.allocate(seq, self.enable_prefix_caching and not seq.computes_prompt_logprobs)
+                use_cache = self.enable_prefix_caching and not seq.computes_prompt_logprobs
+                if not self.block_manager.can_allocate(seq, use_cache):
+                    break
+                self.block_manager.allocate(seq, use_cache)
                 if seq.num_prefix_cached_tokens is None:  # first admission (not a recomputation)
                     seq.num_prefix_cached_tokens = seq.num_cached_tokens
             num_tokens = seq.num_tokens - seq.num_cached_tokens

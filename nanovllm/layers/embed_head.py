@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import check_shape
 from nanovllm.utils.context import get_context
-from nanovllm.utils.distributed import all_reduce, get_tp
+from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp()
+        self.tp_group = get_tp_group()
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_partition = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
@@ -32,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(x, self.weight)
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
         y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
-        return all_reduce(mask.unsqueeze(1) * y, self.tp_size)
+        return all_reduce(mask.unsqueeze(1) * y, self.tp_group)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -47,6 +47,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, 0)
+        parts = self.tp_group.gather(logits, 0)
         return torch.cat(parts, -1)[:, :self.num_embeddings] if self.tp_rank == 0 else None

@@ -11,19 +11,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import all_reduce, get_tp
+from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
 def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
-    """The loader names the tensor when it catches this error."""
+    """``expected`` is the whole checkpoint tensor's shape (checked before a rank takes its shard);
+    the loader names the tensor when it catches this error."""
     if tuple(loaded.shape) != tuple(expected):
-        raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)} on this rank")
+        raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)}")
 
 
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp()
+        self.tp_group = get_tp_group()
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -33,15 +35,18 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _shard(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+    def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's slice along ``dim`` (None: all of it) of a checkpoint tensor that must be ``full_shape``."""
+        check_shape(loaded, full_shape)
+        if dim is None or self.tp_size == 1:
+            return loaded
         size = loaded.size(dim) // self.tp_size
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        if self.tp_dim is not None and self.tp_size > 1 and loaded.dim() > self.tp_dim:
-            loaded = self._shard(loaded, self.tp_dim)
-        check_shape(loaded, param.shape)
-        param.data.copy_(loaded)
+        dim = self.tp_dim if self.tp_dim is not None and param.dim() > self.tp_dim else None  # a row bias is whole
+        full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(param.shape))
+        param.data.copy_(self._shard(loaded, dim, full))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -68,10 +73,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        target = param.data.narrow(0, offset, size)
-        loaded = self._shard(loaded, 0)
-        check_shape(loaded, target.shape)
-        target.copy_(loaded)
+        full = (self.output_sizes[shard_id], *param.shape[1:])
+        param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -87,10 +90,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        target = param.data.narrow(0, offset, size)
-        loaded = self._shard(loaded, 0)
-        check_shape(loaded, target.shape)
-        target.copy_(loaded)
+        full = (size * self.tp_size, *param.shape[1:])
+        param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
 
 
 class RowParallelLinear(LinearBase):
@@ -101,4 +102,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, on rank 0, before the sum over ranks
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return all_reduce(y, self.tp_size)
+        return all_reduce(y, self.tp_group)

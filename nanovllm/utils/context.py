@@ -1,10 +1,12 @@
 """The attention context: what one forward's attention layers need besides the activations.
 
 Set only through ``set_context`` (a context manager that always resets it, even when the
-forward raises), read with ``get_context()``.
+forward raises), read with ``get_context()``. It is per thread: engines in different threads run their
+forwards independently.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -26,19 +28,24 @@ class Context:
 
 
 _EMPTY = Context()
-_CONTEXT = _EMPTY
+
+
+class _State(threading.local):
+    context = _EMPTY
+
+
+_STATE = _State()
 
 
 def get_context() -> Context:
-    return _CONTEXT
+    return _STATE.context
 
 
 @contextmanager
 def set_context(is_prefill: bool, **fields):
-    global _CONTEXT
-    assert _CONTEXT is _EMPTY, "attention contexts do not nest"
-    _CONTEXT = Context(is_prefill, **fields)
+    assert _STATE.context is _EMPTY, "attention contexts do not nest"
+    _STATE.context = Context(is_prefill, **fields)
     try:
-        yield _CONTEXT
+        yield _STATE.context
     finally:
-        _CONTEXT = _EMPTY
+        _STATE.context = _EMPTY

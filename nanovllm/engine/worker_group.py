@@ -1,0 +1,262 @@
+"""Tensor parallelism's processes: rank 0's ``WorkerGroup`` (it spawns one worker per rank > 0, sends
+them each call, watches them and shuts them down) and ``worker_main``, the loop a worker runs.
+
+A call (a method name and its arguments, pickled) travels in a shared-memory segment; a doorbell byte on
+a pipe per worker says it is there. The pipes make every wait on a peer end when the peer dies: a worker
+whose rank 0 is gone reads EOF, and rank 0 ringing a dead worker gets a broken pipe. A worker also exits
+when its parent process ends, whatever its main thread is doing (a watchdog thread, and Linux's
+parent-death signal). Rank 0 names a dead worker (``WorkerDiedError``) instead of waiting for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from multiprocessing.shared_memory import SharedMemory
+
+from nanovllm.config import Config
+from nanovllm.utils.distributed import TPGroup
+
+SEGMENT_PREFIX = "nanovllm-"
+SEGMENT_SIZE = 2 ** 20       # the first segment; a larger call moves to a larger one
+JOIN_TIMEOUT_S = 5.0         # a worker told to exit gets this long before it is killed
+MAIN_GUARD_HINT = ("workers are started with multiprocessing's 'spawn' method, which imports your main script "
+                   "again: if the script creates the LLM at import time, put that code under "
+                   "`if __name__ == \"__main__\":`")
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process ended while the engine needed it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def remove_stale_segments():
+    """Shared-memory segments of engines whose process is gone (killed before it could unlink them)."""
+    for path in glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*"):
+        pid = os.path.basename(path).split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def create_segment(name: str, size: int) -> SharedMemory:
+    """A new segment whose memory is reserved now: with /dev/shm full this raises a clear error, where
+    a plain ``SharedMemory(create=True)`` succeeds and the first write to it kills the process (SIGBUS)."""
+    path = f"/dev/shm/{name}"
+    if not os.path.isdir("/dev/shm"):
+        return SharedMemory(name=name, create=True, size=size)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.unlink(path)
+        raise RuntimeError(f"cannot reserve {size} bytes of shared memory in /dev/shm for tensor parallelism "
+                           f"({e.strerror}): free space there (df -h /dev/shm) or enlarge it") from None
+    finally:
+        os.close(fd)
+    return SharedMemory(name=name)
+
+
+class CallChannel:
+    """The shared-memory segment calls travel in. Header: the payload's length, then per worker rank the
+    number of calls it has read; rank 0 writes a call only once every worker has read the one before."""
+
+    def __init__(self, name: str, world_size: int, size: int = SEGMENT_SIZE):
+        self.name, self.world_size = name, world_size
+        self.header = 8 * (world_size + 1)
+        self.shm = create_segment(name, max(size, self.header + 1))
+        self.num_calls = 0
+        self.moves = 0
+
+    def _read_count(self, rank: int) -> int:
+        return int.from_bytes(self.shm.buf[8 * rank:8 * rank + 8], "little")
+
+    def _move(self, payload_size: int):
+        """A segment large enough for ``payload_size``; the old one is unlinked (every worker has read it)."""
+        size = 1 << (self.header + payload_size - 1).bit_length()
+        self.moves += 1
+        old, self.shm = self.shm, create_segment(f"{self.name}-{self.moves}", size)
+        old.close()
+        with contextlib.suppress(FileNotFoundError):
+            old.unlink()
+
+    def write(self, payload: bytes, check_alive) -> bytes:
+        """Writes the next call; returns what the doorbells must carry (the new segment's name, if it moved)."""
+        while any(self._read_count(rank) != self.num_calls for rank in range(1, self.world_size)):
+            check_alive()  # normally never reached: a worker reads a call right after it is rung
+            time.sleep(1e-4)
+        moved = b""
+        if self.header + len(payload) > self.shm.size:
+            self._move(len(payload))
+            moved = self.shm.name.encode()
+        self.shm.buf[0:8] = len(payload).to_bytes(8, "little")
+        self.shm.buf[self.header:self.header + len(payload)] = payload
+        self.num_calls += 1
+        return moved
+
+    def close(self):
+        self.shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.shm.unlink()
+
+
+class WorkerGroup:
+    """Rank 0's handle on ranks 1..tp-1."""
+
+    def __init__(self, config: Config):
+        self.config, self.world_size = config, config.tensor_parallel_size
+        remove_stale_segments()
+        self.channel = CallChannel(f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", self.world_size)
+        self.port = free_port()
+        self.group: TPGroup | None = None
+        self.closed = False
+        ctx = multiprocessing.get_context("spawn")
+        # the parent-death signal fires when the spawning THREAD ends: only safe from the main thread
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        self.processes: list[multiprocessing.Process] = []
+        self.doorbells: list[multiprocessing.connection.Connection] = []
+        for rank in range(1, self.world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
+                                  args=(config, rank, reader, self.channel.name, self.port, pdeathsig))
+            process.start()
+            reader.close()  # the worker holds the read end: when it dies, ringing it fails at once
+            self.processes.append(process)
+            self.doorbells.append(writer)
+        threading.Thread(target=self._watch, name="nanovllm-worker-watch", daemon=True).start()
+
+    def connect(self) -> TPGroup:
+        """Rank 0's end of the group; a worker that dies before it connects is named at once."""
+        self.group = TPGroup(0, self.world_size, self.port, self.config.device, waiting=self._check_starting)
+        return self.group
+
+    def _check_starting(self):
+        if dead := self.dead():
+            rank, code = dead[0]
+            raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited (exit code {code}) before it connected "
+                                  f"to rank 0; its error is printed above. If it failed while importing: "
+                                  f"{MAIN_GUARD_HINT}")
+
+    def _watch(self):
+        """With NCCL a collective waits forever for a dead rank: abort the group as soon as one dies
+        (gloo raises by itself)."""
+        multiprocessing.connection.wait([p.sentinel for p in self.processes])
+        if not self.closed and self.group is not None and self.config.device == "cuda":
+            self.group.abort()
+
+    def call(self, method: str, *args):
+        """Sends ``method(*args)`` to every worker (rank 0 runs it itself)."""
+        moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL),
+                                   self.check_alive)
+        for doorbell in self.doorbells:
+            try:
+                doorbell.send_bytes(moved)
+            except OSError:  # a broken pipe: the worker is gone
+                self.check_alive(wait_s=JOIN_TIMEOUT_S)
+                raise
+
+    def dead(self) -> list[tuple[int, int | None]]:
+        return [(rank, p.exitcode) for rank, p in enumerate(self.processes, 1) if not p.is_alive()]
+
+    def wait_for_death(self, timeout: float) -> list[tuple[int, int | None]]:
+        """The dead workers, waiting up to ``timeout`` for one to die: a peer's sockets close (and
+        collectives fail) a moment before its exit status can be read."""
+        if not self.dead():
+            multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout)
+        return self.dead()
+
+    def check_alive(self, wait_s: float = 0.0):
+        if dead := (self.wait_for_death(wait_s) if wait_s else self.dead()):
+            rank, code = dead[0]
+            raise WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine "
+                                  "has been shut down")
+
+    def close(self, graceful: bool):
+        """Ends the workers: told to exit and joined (``graceful``, after a clean run), else killed at once
+        (after a failure or Ctrl-C their state is unknown, and waiting for them could take forever)."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and not self.dead():
+            with contextlib.suppress(Exception):
+                self.call("exit")
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            for p in self.processes:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join()
+        if self.group is not None and self.config.device == "cuda":
+            self.group.abort()
+        self.group = None
+        for doorbell in self.doorbells:
+            doorbell.close()
+        self.channel.close()
+
+
+def _exit_with_parent(pdeathsig: bool):
+    """Ends this worker when rank 0's process ends, whatever the main thread is doing: Linux's
+    parent-death signal (a kernel SIGKILL: even a main thread stuck in C code dies), and a thread that
+    waits on the parent's sentinel."""
+    if pdeathsig and sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        def watch():
+            parent.join()
+            os._exit(1)
+        threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
+
+
+def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pdeathsig: bool):
+    """A worker process: join the group, build this rank's ModelRunner, then run rank 0's calls until
+    "exit". It leaves by ``os._exit`` (no interpreter teardown that could wait on a broken group)."""
+    _exit_with_parent(pdeathsig)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it shuts the workers down
+    code = 0
+    try:
+        from nanovllm.engine.model_runner import ModelRunner
+        runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
+        shm = SharedMemory(name=segment)
+        header, num_calls = 8 * (config.tensor_parallel_size + 1), 0
+        while True:
+            try:
+                moved = doorbell.recv_bytes()
+            except EOFError:  # rank 0 is gone
+                code = 1
+                break
+            if moved:
+                shm.close()
+                shm = SharedMemory(name=moved.decode())
+            size = int.from_bytes(shm.buf[0:8], "little")
+            method, args = pickle.loads(shm.buf[header:header + size])
+            num_calls += 1
+            shm.buf[8 * rank:8 * rank + 8] = num_calls.to_bytes(8, "little")
+            getattr(runner, method)(*args)
+            if method == "exit":
+                break
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
