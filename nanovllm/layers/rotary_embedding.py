@@ -48,7 +48,8 @@ class RotaryEmbedding(nn.Module):
 
 def get_rope(head_dim: int, max_position: int, hf_config) -> RotaryEmbedding:
     """Builds the rotary embedding from a transformers config (``rope_parameters`` in
-    transformers 5, ``rope_theta``/``rope_scaling`` before)."""
+    transformers 5, ``rope_theta``/``rope_scaling`` before), with a table for positions 0 to
+    ``max_position - 1``; one module serves every layer that shares the configuration."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
     if params["rope_type"] not in SUPPORTED_ROPE:

@@ -14,7 +14,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import get_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope
 from nanovllm.utils.context import get_context
 
 
@@ -31,7 +31,7 @@ class DecoderOptions:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.head_dim = head_dim_of(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -40,7 +40,7 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=options.o_bias)
-        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
+        self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         if options.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before the rotary embedding
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -83,9 +83,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = DecoderAttention(config, options)
+        self.self_attn = DecoderAttention(config, options, rotary_emb)
         self.mlp = DecoderMLP(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -101,10 +101,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, max_model_len: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(config, options) for _ in range(config.num_hidden_layers)])
+        # one cos/sin table for all layers, of max_model_len rows: positions stay below max_model_len
+        self.rotary_emb = get_rope(head_dim_of(config), max_model_len, config)
+        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb)
+                                     for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -143,9 +146,14 @@ class LlamaForCausalLM(nn.Module):
                              "and nanovllm's attention has no sliding window: pass max_model_len <= "
                              f"{window}")
 
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):
+        """``max_model_len`` (default: the config's max_position_embeddings) sizes the rotary table."""
         super().__init__()
-        self.model = DecoderModel(config, self.options(config))
+        if max_model_len is None:
+            max_model_len = config.max_position_embeddings
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        self.model = DecoderModel(config, self.options(config), max_model_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
