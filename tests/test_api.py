@@ -144,10 +144,13 @@ def test_example_runs_without_arguments(tmp_path):
     assert "greedy (temperature 0)" in proc.stdout and "sampled (temperature 0.8" in proc.stdout
 
 
-def test_prompt_larger_than_the_kv_cache(tiny):
+def test_prompt_larger_than_the_kv_cache(tiny, caplog):
     engine = LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=2)
     try:
-        with pytest.raises(ValueError, match="whole KV cache holds 32"):
+        # max_model_len is lowered to what the cache holds, and says so (vLLM refuses such a start instead)
+        assert engine.config.max_model_len == 32
+        assert "max_model_len lowered from 1024 to 32" in caplog.text
+        with pytest.raises(ValueError, match=r"max_model_len=32 \(the whole KV cache holds 32 tokens\)"):
             engine.generate([[5] * 40], SamplingParams(), use_tqdm=False)
         out = engine.generate([[5] * 20], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                               use_tqdm=False)[0]

@@ -511,8 +511,11 @@ class LLMEngine:
         vocab_size = self.config.hf_config.vocab_size
         if bad := [t for t in prompt if not 0 <= t < vocab_size]:
             raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-        if len(prompt) >= self.config.max_model_len:
-            raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_model_len={self.config.max_model_len} "
+        config = self.config
+        if len(prompt) >= config.max_model_len:
+            capacity = config.num_kvcache_blocks * config.kvcache_block_size
+            cache = f" (the whole KV cache holds {capacity} tokens)" if capacity == config.max_model_len else ""
+            raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_model_len={config.max_model_len}{cache} "
                              "leaves no room for output")
         return list(prompt)
 

@@ -33,8 +33,9 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.enable_prefix_caching = config.enable_prefix_caching
-        # a sequence stops at max_model_len, which the model runner lowered to the cache's size if need be
-        self.max_model_len = config.max_model_len
+        # a sequence stops at max_model_len (which the model runner lowers to the cache's size), and never
+        # outgrows the whole cache (it could not be scheduled)
+        self.max_model_len = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size)
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
