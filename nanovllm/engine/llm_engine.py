@@ -344,6 +344,8 @@ class LLMEngine:
         """``_step`` under the lock; Ctrl-C shuts the engine down (processes, shared memory) before it
         propagates."""
         with self._lock:
+            if self.is_finished():  # another thread's step finished what the caller was waiting for
+                return [], 0
             try:
                 return self._step()
             except KeyboardInterrupt:
@@ -389,7 +391,6 @@ class LLMEngine:
                 pbar.set_postfix({k: f"{v:.0f}tok/s" for k, v in speed.items()}, refresh=False)
                 finished, before = sum(r.finished for r in requests), finished
                 pbar.update(finished - before)
-            self._drain_if_idle()
         finally:
             pbar.close()
             self._abort_unfinished(requests)
@@ -407,12 +408,11 @@ class LLMEngine:
         (the call was left by an exception or a ``break``) are aborted."""
         with self._lock:
             for request in requests:
-                if self._resources.closed:
-                    self._forget(request)
-                elif request.finished:
+                if request.finished or self._resources.closed:
                     self._forget(request)
                 else:
                     self._abort(request)
+        self._drain_if_idle()
 
     def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                ) -> Iterator[dict]:
@@ -430,7 +430,6 @@ class LLMEngine:
                 if all(r.finished for r in requests):
                     break
                 self._interruptible_step()
-            self._drain_if_idle()
         finally:
             self._abort_unfinished(requests)
 
