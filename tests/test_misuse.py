@@ -244,7 +244,7 @@ def test_completions_of_one_long_prompt_run_together(tiny):
 # ---- streams and threads ------------------------------------------------------------------------
 def test_leaving_a_stream_early_aborts_its_requests(llm):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for piece in llm.stream(random_prompts(3, 5, 10, seed=76), sp):
+    for _ in llm.stream(random_prompts(3, 5, 10, seed=76), sp):
         break
     assert not llm.requests and llm.is_finished()
     assert_no_leaks(llm)
@@ -294,7 +294,8 @@ def test_streamed_text_with_a_stop_string_equals_generate(llm):
         start = next((i for i in range(2, 36) if all(32 <= t < 127 for t in ref_ids[i:i + 4])), None)
         if start is None:
             continue
-        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[bytes(ref_ids[start:start + 4]).decode()])
+        stop = bytes(ref_ids[start:start + 4]).decode()
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
         final = llm.generate([prompt], sp, use_tqdm=False)[0]
         pieces = [p["text"] for p in llm.stream([prompt], sp)]
         assert final["finish_reason"] == "stop" and "".join(pieces) == final["text"], (pieces, final["text"])

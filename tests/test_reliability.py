@@ -1,8 +1,11 @@
 """Failures and exhaustion: dead workers, Ctrl-C, a killed run, a batch far larger than the cache, a soak."""
 from __future__ import annotations
 
+import _thread
 import gc
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +17,8 @@ import pytest
 from conftest import assert_no_leaks, random_prompts
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.engine import worker_group
+from nanovllm.engine.worker_group import WorkerDiedError
 
 ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=256, device="cpu")
 
@@ -37,19 +42,168 @@ def _shm(name: str) -> bool:
     return os.path.exists(f"/dev/shm/{name}")
 
 
-def test_dead_worker_raises_naming_the_rank(tiny):
+@pytest.mark.parametrize("delay", [0.3, 1.0, 1.8])
+def test_dead_worker_raises_naming_the_rank(tiny, delay):
+    """Killed at any point of a generate, the worker is named (never gloo's raw 'Connection reset')."""
     llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
     worker = llm.workers.processes[0]
     shm_name = llm.workers.channel.shm.name
-    threading.Timer(1.5, os.kill, (worker.pid, signal.SIGKILL)).start()
+    threading.Timer(delay, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.time()
-    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)"):
+    with pytest.raises(WorkerDiedError, match=r"worker rank 1 died \(exit code -9\)"):
         llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
     assert time.time() - start < 30
     assert not worker.is_alive() and not _shm(shm_name)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.exit()  # a second exit is harmless
+
+
+def _in_thread(fn, timeout: float):
+    """(result, exception) of fn() run in a thread, or pytest.fail if it has not returned by ``timeout``."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # surfaced to the caller
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        pytest.fail(f"still waiting after {timeout} s")
+    return box.get("result"), box.get("error")
+
+
+def test_idle_worker_killed_between_calls_is_named(tiny):
+    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+        worker = llm.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.time()
+        _, error = _in_thread(lambda: llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False), 60)
+        assert isinstance(error, WorkerDiedError) and "rank 1 died (exit code -9)" in str(error), error
+        assert time.time() - start < 10
+    finally:
+        llm.exit()
+
+
+def test_ctrl_c_with_tensor_parallelism_returns_at_once(tiny):
+    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    workers = [p.pid for p in llm.workers.processes]
+    interrupted = []
+
+    def interrupt():
+        interrupted.append(time.monotonic())
+        _thread.interrupt_main()
+
+    threading.Timer(1.0, interrupt).start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
+    llm.exit()  # a no-op when the interrupt came inside a step (it shut the engine down then)
+    took = time.monotonic() - interrupted[0]
+    assert took < 5, f"Ctrl-C took {took:.1f} s to shut the engine down"
+    assert all(_gone(pid, within=5) for pid in workers)
+
+
+def test_two_tp_engines_side_by_side_and_after_a_failed_start(tiny, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="checkpoint tensor"):
+        LLM(str(bad), tensor_parallel_size=2, **ENGINE)
+    prompts = random_prompts(6, 5, 40, seed=97)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(tiny, **ENGINE) as ref_engine:
+        ref = [o["token_ids"] for o in ref_engine.generate(prompts, sp, use_tqdm=False)]
+    a, b = LLM(tiny, tensor_parallel_size=2, **ENGINE), LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert [o["token_ids"] for o in a.generate(prompts, sp, use_tqdm=False)] == ref
+        assert [o["token_ids"] for o in b.generate(prompts, sp, use_tqdm=False)] == ref
+    finally:
+        a.exit()
+        b.exit()
+
+
+def test_a_call_larger_than_the_segment_moves_to_a_larger_one(tiny, monkeypatch):
+    """Steps whose description exceeds the shared-memory segment (512 bytes here; 512 sequences of 1,000
+    blocks exceed the 1 MiB default) move to a larger segment instead of failing."""
+    monkeypatch.setattr(worker_group, "SEGMENT_SIZE", 512)
+    prompts = random_prompts(24, 30, 90, seed=98)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(tiny, **ENGINE) as ref_engine:
+        ref = [o["token_ids"] for o in ref_engine.generate(prompts, sp, use_tqdm=False)]
+    with LLM(tiny, tensor_parallel_size=2, **ENGINE) as llm:
+        first = llm.workers.channel.shm.name
+        assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
+        assert llm.workers.channel.moves >= 1 and llm.workers.channel.shm.size > 512
+        assert not _shm(first)  # the old segment is unlinked once the workers have left it
+        moved = llm.workers.channel.shm.name
+    assert not _shm(moved)
+
+
+def test_full_dev_shm_is_a_clear_error():
+    stat = os.statvfs("/dev/shm")
+    too_big = stat.f_blocks * stat.f_frsize + 2 ** 20  # more than /dev/shm holds: refused before any page
+    name = f"nanovllm-{os.getpid()}-fulltest"
+    with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes of shared memory in /dev/shm"):
+        worker_group.create_segment(name, too_big)
+    assert not _shm(name)
+
+
+def test_workers_exit_with_rank_0_whatever_their_main_thread_does(tmp_path):
+    """A worker whose main thread is blocked (in a collective, a device sync, C code holding the GIL)
+    still ends when rank 0's process is killed: a watchdog thread on the parent's sentinel, and the
+    parent-death signal for a main thread that never releases the GIL."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, time
+        from nanovllm.engine.worker_group import _exit_with_parent
+
+        def sleeper():               # blocked, GIL released: the watchdog thread ends it
+            _exit_with_parent(pdeathsig=False)
+            time.sleep(600)
+
+        def spinner():               # blocked in C code that holds the GIL: only the signal can end it
+            _exit_with_parent(pdeathsig=True)
+            sum(range(10 ** 13))
+
+        if __name__ == "__main__":
+            ctx = multiprocessing.get_context("spawn")
+            children = [ctx.Process(target=f, daemon=True) for f in (sleeper, spinner)]
+            for c in children:
+                c.start()
+            time.sleep(3)           # both are in their blocking call
+            print(*[c.pid for c in children], flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    proc.kill()
+    proc.wait(timeout=10)
+    assert all(_gone(pid, within=10) for pid in pids), "a child outlived its parent"
+
+
+def test_script_without_main_guard_fails_at_once_with_the_fix(tiny, tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from nanovllm import LLM
+        llm = LLM({tiny!r}, tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512,
+                  num_kvcache_blocks=64, device="cpu")
+        print("STARTED")
+    """))
+    start = time.time()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "STARTED" not in proc.stdout
+    assert 'if __name__ == "__main__":' in proc.stderr and "WorkerDiedError" in proc.stderr, proc.stderr[-3000:]
+    assert time.time() - start < 120
 
 
 def test_waiting_for_a_step_notices_a_dead_worker():
@@ -82,13 +236,18 @@ def test_waiting_for_a_step_notices_a_dead_worker():
 
 
 SCRIPT = textwrap.dedent("""
-    import sys
+    import sys, time
     from nanovllm import LLM, SamplingParams
     if __name__ == "__main__":
         llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512,
                   num_kvcache_blocks=256, device="cpu")
         print("PIDS", *[p.pid for p in llm.workers.processes], "SHM", llm.workers.channel.shm.name, flush=True)
-        llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
+        try:
+            llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
+        except KeyboardInterrupt:
+            llm.exit()
+            print("SHUT DOWN", time.monotonic(), flush=True)
+            raise
         print("FINISHED", flush=True)
 """)
 
@@ -104,11 +263,16 @@ def _start(tiny, tmp_path):
 
 
 def test_ctrl_c_shuts_everything_down(tiny, tmp_path):
+    """Ctrl-C: the engine is shut down within seconds of the signal, however loaded the machine (the
+    workers are killed, not waited for); the interpreter's own exit then gets a generous bound."""
     proc, workers, shm_name = _start(tiny, tmp_path)
     time.sleep(1.5)
+    sent = time.monotonic()
     proc.send_signal(signal.SIGINT)  # to the main process only, as a supervisor would
-    _, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    shut_down = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("SHUT DOWN")]
+    assert shut_down and shut_down[0] - sent < 10, (out, err[-2000:])
     assert all(_gone(pid) for pid in workers), "orphan worker processes"
     assert not _shm(shm_name), "leaked shared memory"
 

@@ -77,10 +77,10 @@ class CallChannel:
     """The shared-memory segment calls travel in. Header: the payload's length, then per worker rank the
     number of calls it has read; rank 0 writes a call only once every worker has read the one before."""
 
-    def __init__(self, name: str, world_size: int, size: int = SEGMENT_SIZE):
+    def __init__(self, name: str, world_size: int, size: int | None = None):
         self.name, self.world_size = name, world_size
         self.header = 8 * (world_size + 1)
-        self.shm = create_segment(name, max(size, self.header + 1))
+        self.shm = create_segment(name, max(size or SEGMENT_SIZE, self.header + 1))
         self.num_calls = 0
         self.moves = 0
 
@@ -131,14 +131,21 @@ class WorkerGroup:
         pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes: list[multiprocessing.Process] = []
         self.doorbells: list[multiprocessing.connection.Connection] = []
-        for rank in range(1, self.world_size):
-            reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
-                                  args=(config, rank, reader, self.channel.name, self.port, pdeathsig))
-            process.start()
-            reader.close()  # the worker holds the read end: when it dies, ringing it fails at once
-            self.processes.append(process)
-            self.doorbells.append(writer)
+        try:
+            for rank in range(1, self.world_size):
+                reader, writer = ctx.Pipe(duplex=False)
+                self.doorbells.append(writer)
+                process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
+                                      args=(config, rank, reader, self.channel.name, self.port, pdeathsig))
+                process.start()  # fails in a process that is itself being spawned (no __main__ guard)
+                reader.close()  # the worker holds the read end: when it dies, ringing it fails at once
+                self.processes.append(process)
+        except BaseException as e:
+            self.close(graceful=False)
+            if isinstance(e, RuntimeError) and "bootstrapping phase" in str(e):
+                raise RuntimeError(f"cannot start tensor-parallel workers from a process that is itself being "
+                                   f"started: {MAIN_GUARD_HINT}") from e
+            raise
         threading.Thread(target=self._watch, name="nanovllm-worker-watch", daemon=True).start()
 
     def connect(self) -> TPGroup:
@@ -176,10 +183,13 @@ class WorkerGroup:
 
     def wait_for_death(self, timeout: float) -> list[tuple[int, int | None]]:
         """The dead workers, waiting up to ``timeout`` for one to die: a peer's sockets close (and
-        collectives fail) a moment before its exit status can be read."""
-        if not self.dead():
-            multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout)
-        return self.dead()
+        collectives fail), and its sentinel is ready, a moment before its exit status can be read."""
+        deadline = time.monotonic() + timeout
+        while not (dead := self.dead()) and (left := deadline - time.monotonic()) > 0:
+            if not multiprocessing.connection.wait([p.sentinel for p in self.processes], left):
+                break  # none ended within the time
+            time.sleep(0.005)  # one has ended: its exit status follows within moments
+        return dead
 
     def check_alive(self, wait_s: float = 0.0):
         if dead := (self.wait_for_death(wait_s) if wait_s else self.dead()):
@@ -227,6 +237,30 @@ def _exit_with_parent(pdeathsig: bool):
         threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
+class CallReader:
+    """A worker's end of the channel: waits for the doorbell, reads the call, acknowledges it."""
+
+    def __init__(self, doorbell, segment: str, rank: int, world_size: int):
+        self.doorbell, self.rank = doorbell, rank
+        self.shm = SharedMemory(name=segment)
+        self.header, self.num_calls = 8 * (world_size + 1), 0
+
+    def read(self) -> tuple[str, tuple] | None:
+        """The next call as (method name, args); None once rank 0 is gone."""
+        try:
+            moved = self.doorbell.recv_bytes()
+        except EOFError:
+            return None
+        if moved:  # the call did not fit: it is in a new, larger segment
+            self.shm.close()
+            self.shm = SharedMemory(name=moved.decode())
+        size = int.from_bytes(self.shm.buf[0:8], "little")
+        call = pickle.loads(self.shm.buf[self.header:self.header + size])
+        self.num_calls += 1
+        self.shm.buf[8 * self.rank:8 * self.rank + 8] = self.num_calls.to_bytes(8, "little")
+        return call
+
+
 def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pdeathsig: bool):
     """A worker process: join the group, build this rank's ModelRunner, then run rank 0's calls until
     "exit". It leaves by ``os._exit`` (no interpreter teardown that could wait on a broken group)."""
@@ -236,24 +270,14 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
     try:
         from nanovllm.engine.model_runner import ModelRunner
         runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
-        shm = SharedMemory(name=segment)
-        header, num_calls = 8 * (config.tensor_parallel_size + 1), 0
-        while True:
-            try:
-                moved = doorbell.recv_bytes()
-            except EOFError:  # rank 0 is gone
-                code = 1
-                break
-            if moved:
-                shm.close()
-                shm = SharedMemory(name=moved.decode())
-            size = int.from_bytes(shm.buf[0:8], "little")
-            method, args = pickle.loads(shm.buf[header:header + size])
-            num_calls += 1
-            shm.buf[8 * rank:8 * rank + 8] = num_calls.to_bytes(8, "little")
+        reader = CallReader(doorbell, segment, rank, config.tensor_parallel_size)
+        while (call := reader.read()) is not None:
+            method, args = call
             getattr(runner, method)(*args)
             if method == "exit":
                 break
+        else:
+            code = 1  # rank 0 is gone
     except BaseException:
         traceback.print_exc()
         code = 1
