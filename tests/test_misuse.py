@@ -91,6 +91,10 @@ def test_bad_values_never_reach_a_step(llm):
             SamplingParams(temperature=bad)
     with pytest.raises(ValueError, match=r"keys \['multi_modal_data'\]"):
         llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {}}], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt_token_ids must be a list of ints, got 'abc'"):
+        llm.generate([{"prompt_token_ids": "abc"}], use_tqdm=False)  # was tokenized as text
+    with pytest.raises(TypeError, match="messages must be a conversation"):
+        llm.chat("hello", use_tqdm=False)
     # the largest seed, and its sibling's (seed + 1 wraps to 0), run and repeat
     sp = SamplingParams(n=2, seed=2 ** 64 - 1, temperature=1.0, max_tokens=5, ignore_eos=True)
     a, b = (llm.generate([[3, 4, 5]], sp, use_tqdm=False)[0]["outputs"] for _ in range(2))
@@ -152,6 +156,11 @@ def test_a_request_whose_sampling_inputs_fail_ends_alone(tiny, monkeypatch):
         assert_no_leaks(llm)
     finally:
         llm.exit()
+
+
+def test_a_kv_cache_too_large_to_allocate_is_named(tiny):
+    with pytest.raises(ValueError, match=r"cannot allocate a KV cache of 1000000000 blocks .*num_kvcache_blocks"):
+        LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=10 ** 9)
 
 
 # ---- life cycle ---------------------------------------------------------------------------------

@@ -456,7 +456,12 @@ class LLMEngine:
             raise TypeError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
         if self.tokenizer is None or not (chat_template or self.tokenizer.chat_template):
             raise ValueError("chat needs a tokenizer with a chat template (or chat_template=...)")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [messages] if messages and isinstance(messages, list) and isinstance(messages[0], dict) \
+            else messages
+        if not isinstance(conversations, list) or not all(
+                isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations):
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of "
+                            f"them, got {messages!r:.80}")
         prompts = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
@@ -497,8 +502,12 @@ class LLMEngine:
                                  "'prompt' or 'prompt_token_ids')")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
+                if not isinstance(prompt, (list, tuple)):  # a string here is not to be tokenized
+                    raise TypeError(f"prompt {i}'s prompt_token_ids must be a list of ints, got {prompt!r:.80}")
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError(f"prompt {i}'s 'prompt' must be a string, got {prompt!r:.80}")
             else:
                 raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):

@@ -235,8 +235,12 @@ class ModelRunner:
                                self.config.max_model_len, capacity, num_blocks, self.block_size)
             self.config.max_model_len = capacity
         # zeros, not empty: masked-out positions must not hold NaN bit patterns
-        self.kv_cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, self.block_size,
-                                    self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        try:
+            self.kv_cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, self.block_size,
+                                        self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({num_blocks * self._block_bytes()} "
+                             f"bytes on {self.device}): lower num_kvcache_blocks (or leave it at -1)") from e
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer_id, module in enumerate(layers):
             module.k_cache = self.kv_cache[0, layer_id]

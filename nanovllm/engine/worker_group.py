@@ -269,8 +269,9 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
     code = 0
     try:
         from nanovllm.engine.model_runner import ModelRunner
-        runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
+        # attached before joining the group: rank 0 sends nothing (nor moves the segment) before every rank joined
         reader = CallReader(doorbell, segment, rank, config.tensor_parallel_size)
+        runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
         while (call := reader.read()) is not None:
             method, args = call
             getattr(runner, method)(*args)
