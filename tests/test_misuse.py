@@ -171,7 +171,8 @@ def _rss_mib() -> float:
 
 def test_del_frees_the_engine_and_its_memory(tiny):
     before = _rss_mib()
-    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384)  # a 256 MiB KV cache
+    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384,  # a 256 MiB KV cache
+              device="cpu")
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     engine, cache = weakref.ref(llm), weakref.ref(llm.model_runner.kv_cache)
     assert _rss_mib() - before > 200
@@ -179,6 +180,19 @@ def test_del_frees_the_engine_and_its_memory(tiny):
     gc.collect()
     assert engine() is None and cache() is None
     assert _rss_mib() - before < 100
+
+
+@pytest.mark.gpu
+def test_del_frees_the_device_memory(tiny):
+    import torch
+    before = torch.cuda.memory_allocated()
+    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384, device="cuda")
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert torch.cuda.memory_allocated() - before > 200 * 2 ** 20
+    engine = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert engine() is None and torch.cuda.memory_allocated() - before < 50 * 2 ** 20
 
 
 def test_context_manager_shutdown_alias_and_idempotent_exit(tiny):

@@ -463,7 +463,8 @@ class ModelRunner:
             with set_context(False, slot_mapping=slot_mapping[:bs], context_lens=context_lens[:bs],
                              block_tables=block_tables[:bs]):
                 outputs[:bs] = self.model(input_ids[:bs], positions[:bs])  # warmup
-                with torch.cuda.graph(graph, self.graph_pool):
+                # thread_local: another engine may run kernels in another thread while this one captures
+                with torch.cuda.graph(graph, self.graph_pool, capture_error_mode="thread_local"):
                     outputs[:bs] = self.model(input_ids[:bs], positions[:bs])  # capture
             if self.graph_pool is None:
                 self.graph_pool = graph.pool()
