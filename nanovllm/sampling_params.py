@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 # Temperatures below this are greedy (as in vLLM): 1 / T would overflow the logits.
 SAMPLING_EPS = 1e-5
@@ -50,6 +51,11 @@ class SamplingParams:
     def __post_init__(self):
         self.verify()
 
+    def __setattr__(self, name: str, value):
+        super().__setattr__(name, value)
+        for derived in _DERIVED:  # read again from the fields on next use (the sampler reads them every step)
+            self.__dict__.pop(derived, None)
+
     def verify(self) -> None:
         """Raises ``ValueError``/``TypeError`` naming the first bad field; normalizes ``stop_token_ids``
         to a list and ``temperature`` to a float."""
@@ -87,27 +93,30 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
 
-    @property
+    @cached_property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    @property
+    @cached_property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 
-    @property
+    @cached_property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @property
+    @cached_property
     def needs_top_k_top_p(self) -> bool:
         return self.top_k > 0 or self.top_p < 1
 
-    @property
+    @cached_property
     def is_plain(self) -> bool:
         """Temperature only: the sampler's fast path."""
         return not (self.needs_top_k_top_p or self.min_p > 0 or self.needs_penalties or self.min_tokens
                     or self.seed is not None or self.logprobs is not None)
+
+
+_DERIVED = ("stop_strings", "is_greedy", "needs_penalties", "needs_top_k_top_p", "is_plain")
 
 
 def _number(name: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False):

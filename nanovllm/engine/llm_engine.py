@@ -383,14 +383,14 @@ class LLMEngine:
         requests = self._add_requests(prompts, sampling_params)
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            finished, speed = 0, {"prefill": 0.0, "decode": 0.0}
-            while finished < len(requests):
+            pending, speed = requests, {"prefill": 0.0, "decode": 0.0}
+            while pending:
                 t = perf_counter()
                 num_tokens = self._interruptible_step()[1]
                 speed["prefill" if num_tokens > 0 else "decode"] = abs(num_tokens) / (perf_counter() - t)
                 pbar.set_postfix({k: f"{v:.0f}tok/s" for k, v in speed.items()}, refresh=False)
-                finished, before = sum(r.finished for r in requests), finished
-                pbar.update(finished - before)
+                pending, before = [r for r in pending if not r.finished], len(pending)
+                pbar.update(before - len(pending))
         finally:
             pbar.close()
             self._abort_unfinished(requests)
