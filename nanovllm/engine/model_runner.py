@@ -322,6 +322,7 @@ class ModelRunner:
             input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
         return input_ids, self._to_device(positions, torch.int64), context
 
+    @torch.inference_mode()  # like run(), which it used to be called from
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """The batch's sampling parameters; each optional stage only when some request uses it."""
         params = [seq.sampling_params for seq in seqs]
