@@ -443,9 +443,9 @@ class LLMEngine:
         meanings: ``chat_template_kwargs`` become template variables (e.g. ``{"enable_thinking": False}``),
         ``add_generation_prompt`` opens the assistant's turn, ``continue_final_message`` leaves the last
         message open for the model to continue, ``tools`` are passed to the template."""
-        if lora_request is not None or mm_processor_kwargs is not None:
-            raise ValueError(f"{'lora_request' if lora_request is not None else 'mm_processor_kwargs'} is not "
-                             "supported by nanovllm (no LoRA, no multimodal models)")
+        for name, value in (("lora_request", lora_request), ("mm_processor_kwargs", mm_processor_kwargs)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported by nanovllm (no LoRA, no multimodal models)")
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string' (message contents are "
                              f"strings), got {chat_template_content_format!r}")
@@ -456,8 +456,9 @@ class LLMEngine:
             raise TypeError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
         if self.tokenizer is None or not (chat_template or self.tokenizer.chat_template):
             raise ValueError("chat needs a tokenizer with a chat template (or chat_template=...)")
-        conversations = [messages] if messages and isinstance(messages, list) and isinstance(messages[0], dict) \
-            else messages
+        conversations = messages
+        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
+            conversations = [messages]  # one conversation
         if not isinstance(conversations, list) or not all(
                 isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations):
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of "
