@@ -3,7 +3,7 @@
 Workload (nano-vllm's bench.py): seed 0, 256 sequences of random token ids, prompt and output
 lengths uniform in [100, 1024], temperature 0.6, ignore_eos (133,966 output tokens). A warmup
 request runs first. On CUDA the copy bandwidth and bf16 matmul rate are measured at start and the
-result is also printed as a fraction of the workload's roofline (as in shared/tools/roofline.py:
+result is also printed as a fraction of the workload's roofline (``roofline`` below:
 weights read once per decode step, every cached K/V read once per decode step that attends to it,
 all matmul and attention FLOPs; memory and compute overlapped perfectly).
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from nanovllm.utils.tiny_model import build_tiny_qwen3
 
-# One near-tie rule everywhere (DESIGN.md): at the first position where nanovllm and
+# One near-tie rule everywhere: at the first position where nanovllm and
 # transformers differ, a top-2 logit gap below this in transformers means the rest is not compared.
 NEAR_TIE = 1e-4
 

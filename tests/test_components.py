@@ -1,4 +1,4 @@
-"""Unit tests of the pieces: slot mapping (seed 004's worked example), block manager, sampler."""
+"""Unit tests of the pieces: slot mapping (a worked example), block manager, sampler."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +17,7 @@ def _runner(block_size: int) -> ModelRunner:
 
 
 def test_slot_mapping_worked_example():
-    # seed 004, question 14: block_table [4, 5, 9, 3, 11], block_size 8, tokens [1, 38) scheduled
+    # block_table [4, 5, 9, 3, 11], block_size 8, tokens [1, 38) scheduled: slot = table[p // 8] * 8 + p % 8
     seq = Sequence(list(range(38)), block_size=8)
     seq.block_table = [4, 5, 9, 3, 11]
     seq.num_cached_tokens, seq.num_scheduled_tokens = 1, 37

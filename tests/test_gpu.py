@@ -133,9 +133,9 @@ def test_bfloat16_backends_and_features(checkpoints, oracle, backend, feature, e
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_kv_cache_sizing_respects_utilization(tiny, enforce_eager):
-    """The seeds' formula fills memory up to gpu_memory_utilization (less the warmup's activation
-    headroom). CUDA graphs are captured after the sizing, as in the seeds, so their pool comes on top:
-    it is reported, and held under 2% of the card."""
+    """The KV sizing (what is left under gpu_memory_utilization after the warmup's peak) fills memory up
+    to gpu_memory_utilization (less the warmup's activation headroom). CUDA graphs are captured after the
+    sizing, as nano-vllm does, so their pool comes on top: it is reported, and held under 2% of the card."""
     torch.cuda.empty_cache()
     llm = LLM(tiny, kvcache_block_size=256, device="cuda", gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
     try:

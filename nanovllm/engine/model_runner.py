@@ -203,7 +203,7 @@ class ModelRunner:
         if config.num_kvcache_blocks > 0:
             return config.num_kvcache_blocks
         block_bytes = self._block_bytes()
-        if self.is_cuda:  # the seeds' formula: what is left under the utilization cap after the warmup peak
+        if self.is_cuda:  # nano-vllm's formula: what is left under the utilization cap after the warmup peak
             free, total = torch.cuda.mem_get_info()
             used = total - free
             stats = torch.cuda.memory_stats()
