@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nanovllm.utils.tiny_model import build_tiny_qwen3
+from tiny_model import build_tiny_qwen3
 
 # One near-tie rule everywhere: at the first position where nanovllm and
 # transformers differ, a top-2 logit gap below this in transformers means the rest is not compared.

@@ -37,7 +37,7 @@ def test_roofline_matches_the_reference_arithmetic():
 
 
 def test_bench_runs_on_cpu(tmp_path):
-    from nanovllm.utils.tiny_model import build_tiny_qwen3
+    from tiny_model import build_tiny_qwen3
     path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--num-seqs", "4",
                            "--max-input-len", "130", "--max-output-len", "110", "--json"],

@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_model import build_tiny_model, build_tiny_qwen3
 from transformers import AutoConfig
 
 from nanovllm.layers.rotary_embedding import get_rope
@@ -18,7 +19,6 @@ from nanovllm.models import MODEL_REGISTRY, get_model_class
 from nanovllm.models.llama import head_dim_of
 from nanovllm.utils import loader
 from nanovllm.utils.distributed import tensor_parallel
-from nanovllm.utils.tiny_model import build_tiny_model, build_tiny_qwen3
 
 INDEX = "model.safetensors.index.json"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

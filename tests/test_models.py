@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_matches_oracle, assert_no_leaks, random_prompts
+from tiny_model import build_tiny_model
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import build_tiny_model
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)

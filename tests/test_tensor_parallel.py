@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_matches_oracle, random_prompts
+from tiny_model import build_tiny_qwen3
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.tiny_model import build_tiny_qwen3
 
 
 @pytest.fixture(scope="module")

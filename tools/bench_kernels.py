@@ -199,7 +199,7 @@ def main():
         try:
             import flash_attn as flash
         except ImportError:
-            sys.path.insert(0, os.path.join(ROOT, "tools"))
+            sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
             from flash_attn_build import load_flash_attn
             t = time.time()
             flash = load_flash_attn()

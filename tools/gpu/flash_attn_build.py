@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TARBALL = REPO_ROOT / ".gpu" / "flash_attn-2.8.3.tar.gz"
 DEFAULT_BUILD_DIR = Path("/tmp/flash_attn_build")
 EXTENSION_NAME = "flash_attn_2_cuda"

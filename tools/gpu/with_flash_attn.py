@@ -1,5 +1,5 @@
 """Run a script or module with flash-attn (built from the carried sdist by flash_attn_build.py) importable:
-``python3 tools/with_flash_attn.py bench.py --attention-backend flash-attn`` or ``... -m pytest tests``."""
+``python3 tools/gpu/with_flash_attn.py bench.py --attention-backend flash-attn`` or ``... -m pytest tests``."""
 import runpy
 import sys
 import time

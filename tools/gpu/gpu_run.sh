@@ -2,7 +2,7 @@
 # One device call on the GPU machine: the phases named in the arguments, in that order. A device call may
 # last 10 minutes, so every step runs under `timeout` against a deadline (BUDGET seconds, default 560) and a
 # step that would overrun is cut, its log kept. Phases (see the case statement below for each command):
-#   kernels   build flash-attn from the carried sdist (.gpu/; tools/flash_attn_build.py says how to fetch it),
+#   kernels   build flash-attn from the carried sdist (.gpu/; tools/gpu/flash_attn_build.py says how to fetch it),
 #             kernel tests with it, kernel microbenchmarks
 #   gputests  tests/test_gpu.py on one GPU (every backend, flash-attn built from the sdist); asynctest: a subset
 #   suite     the whole CPU suite, run on CUDA; sampling: its sampling and API tests alone
@@ -15,8 +15,8 @@
 #   onegpu    one GPU without flash-attn: test_gpu.py (no TP) and the GPU tests elsewhere, then test_misuse,
 #             test_sampling, test_api and test_async_scheduling on CUDA
 #   tp1, tp2  bench.py for qwen3-8b at TP 1; at TP 2 (2 GPUs) for both presets, and the TP GPU tests
-# tools/gpu_x2.sh runs two of these at once, one per GPU.
-# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu_run.sh PHASE...
+# tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
+# Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -34,7 +34,7 @@ step() {  # step LOG COMMAND...: run under the time left, append stdout to $OUT/
   ((rc == 124)) && echo "CUT at the deadline: $*" | tee -a "$OUT/skipped.txt"
   tail -n 3 "$OUT/$log"
 }
-FA="python3 tools/with_flash_attn.py"
+FA="python3 tools/gpu/with_flash_attn.py"
 
 for phase in "$@"; do
   case $phase in

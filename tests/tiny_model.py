@@ -1,6 +1,6 @@
 """Builds tiny random checkpoints (Qwen3, Qwen2, Llama, Mistral) with a byte-level tokenizer, offline.
 
-Used by ``example.py`` when no model is given and by the tests (with transformers as the oracle).
+Test code (not part of the package): the tests build their checkpoints with it, transformers being the oracle.
 """
 from __future__ import annotations
 
