@@ -94,7 +94,7 @@ def test_async_matches_sync_on_a_mixed_workload(tiny):
         original_preempt(seq)
 
     def spy_run(seqs, is_prefill, prev_rows=None, sampling=None):
-        if llm._inflight is not None:
+        if llm.core.inflight is not None:
             steps_with_two_in_flight.append(prev_rows is not None)
         return original_run(seqs, is_prefill, prev_rows, sampling)
 

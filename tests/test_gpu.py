@@ -52,7 +52,7 @@ def test_graph_batches_shrink(checkpoints, oracle):
 def test_graph_buckets_cover_max_num_seqs(tiny):
     llm = LLM(tiny, kvcache_block_size=16, max_model_len=256, max_num_seqs=20, device="cuda")
     try:
-        assert llm.model_runner.graph_bs == [1, 2, 4, 8, 16, 20]
+        assert llm.model_runner.graphs.batch_sizes == [1, 2, 4, 8, 16, 20]
     finally:
         llm.exit()
 

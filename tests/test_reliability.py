@@ -209,7 +209,7 @@ def test_script_without_main_guard_fails_at_once_with_the_fix(tiny, tmp_path):
 def test_waiting_for_a_step_notices_a_dead_worker():
     """With NCCL a step whose collectives wait for a dead rank never completes: the wait for its sampled
     tokens polls the step's event and gives up once a worker is gone, instead of blocking forever."""
-    from nanovllm.engine.model_runner import wait_for_event
+    from nanovllm.engine.outputs import wait_for_event
 
     class NeverDone:  # a CUDA event of a forward stuck in a collective
         def query(self):

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.engine.model_runner import SampledTokens  # noqa: E402
+from nanovllm.engine.outputs import SampledTokens  # noqa: E402
 from nanovllm.models.presets import PRESETS  # noqa: E402
 
 
@@ -83,19 +83,19 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     timer.wrap(runner, "run_model", gpu=True)
     timer.wrap(runner.sampler, "forward")
     timer.wrap(scheduler, "postprocess")
-    timer.wrap(llm, "_step")
+    timer.wrap(llm.core, "step")
     timer.wrap(SampledTokens, "result")  # with async scheduling: waiting for the previous step's tokens
     sp = SamplingParams(temperature=0.6, max_tokens=2 * steps + 4, ignore_eos=True)
     for i in range(batch):
         llm.add_request([(i * 7 + j) % 250 for j in range(context)], sp)
     while any(seq.num_cached_tokens < seq.num_prompt_tokens for seq in scheduler.waiting) or scheduler.waiting:
-        llm._step()  # prefill everything first
-    llm._step()
-    llm._step()
+        llm.core.step()  # prefill everything first
+    llm.core.step()
+    llm.core.step()
     timer.enabled = True
     start = time.perf_counter()
     for _ in range(steps):
-        llm._step()
+        llm.core.step()
     if timer.cuda:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps
@@ -103,7 +103,7 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     timer.unwrap()
     busy = gpu_busy_per_step(llm, steps) if timer.cuda else None
     while not llm.is_finished():
-        llm._step()
+        llm.core.step()
     llm.requests.clear()
     result = dict(batch=batch, context=context, async_scheduling=llm.config.async_scheduling,
                   step_ms=round(1e3 * wall, 3), **timer.summary())
@@ -112,7 +112,7 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
         result["gpu_idle_fraction"] = round(1 - busy[0] / busy[1], 3)
     result["sampler_ms"] = result.pop("forward", None)
     result["wait_ms"] = result.pop("result", None)
-    step_ms = result.pop("_step", None)
+    step_ms = result.pop("step", None)
     result["step_cpu_ms"] = None if step_ms is None else round(step_ms - (result["wait_ms"] or 0), 3)
     return result
 
@@ -125,7 +125,7 @@ def gpu_busy_per_step(llm: LLM, steps: int) -> tuple[float, float]:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            llm._step()
+            llm.core.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     busy_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)

@@ -1,24 +1,24 @@
 """Runs the model on one device (one rank of a tensor-parallel group).
 
-Owns device set-up, model loading, the warmup forward that sizes the KV cache, the one
-preallocated KV tensor with per-layer views, turning scheduled sequences into the flat
-tensors attention needs (``prepare_prefill`` / ``prepare_decode``), CUDA Graph decode, and
-sampling on rank 0. With tensor parallelism every rank runs one; rank 0's engine sends each call
-to the others (``worker_group``), and the ranks' collectives go through the engine's own ``TPGroup``.
+Owns device set-up, model loading, the warmup forward that sizes the KV cache, the one preallocated
+KV tensor with per-layer views, turning scheduled sequences into the flat tensors attention needs
+(``prepare_prefill`` / ``prepare_decode``), the forward (decode through ``cuda_graph.DecodeGraphs``
+on CUDA), and sampling on rank 0. With tensor parallelism every rank runs one; rank 0's engine sends
+each call to the others (``worker_group``), and the ranks' collectives go through the engine's own
+``TPGroup``.
 """
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.outputs import PromptLogprobsBatch, SampledTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
@@ -33,99 +33,6 @@ logger = logging.getLogger("nanovllm")
 _BUILD_LOCK = threading.Lock()
 
 
-@dataclass
-class PromptLogprobsBatch:
-    """Where one prefill's prompt logprobs come from, on rank 0. The LM head projects every scheduled
-    position of a sequence that computes them and the last position of the others, in batch order."""
-
-    sample_rows: torch.Tensor     # [num_seqs] the logits row of each sequence's last scheduled position
-    rows: torch.Tensor            # [R] the logits rows whose next token is a prompt token
-    target_ids: torch.Tensor      # [R] those prompt tokens
-    targets: list[int]            # the same, on the host
-    spans: list[tuple[int, int] | None]  # per sequence: (how many of the rows are its own, its k), or None
-    num_top: int                  # the largest k
-
-
-def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float
-                   ) -> dict[int, float]:
-    """vLLM's logprobs entry: the top k {token id: logprob}, and the chosen (or actual) token's."""
-    return {**dict(zip(top_ids[:k], top_values[:k])), token: logprob}
-
-
-def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
-                   check_every_s: float = 0.05) -> None:
-    """Returns once ``event`` (a ``torch.cuda.Event``, or anything with ``query``/``synchronize``) has
-    completed. With ``alive`` (tensor parallelism on CUDA) it polls instead of blocking and raises as
-    soon as ``alive()`` is False: a forward whose collectives wait for a dead NCCL rank never ends,
-    and a blocked ``synchronize`` would wait with it."""
-    if alive is None:
-        event.synchronize()
-        return
-    next_check = time.monotonic() + check_every_s
-    while not event.query():
-        if time.monotonic() >= next_check:
-            if not alive():
-                raise RuntimeError("a tensor-parallel worker died while a forward was in flight")
-            next_check = time.monotonic() + check_every_s
-        time.sleep(poll_s)
-
-
-class SampledTokens:
-    """One forward's sampled tokens (and logprobs) on their way to the host. The device-to-host
-    copies start at once (into pinned memory, behind the sampler on the stream); ``result`` waits
-    for them, so the CPU can schedule and launch the next forward first."""
-
-    def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
-                 prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None):
-        self.num_logprobs = num_logprobs
-        self.prompt = prompt
-        self.event = None
-        tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
-        if token_ids.is_cuda:
-            host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
-            for h, t in zip(host, tensors):
-                h.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-            tensors = host
-        n = 3 if logprobs else 0
-        self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
-
-    def result(self, alive: Callable[[], bool] | None = None
-               ) -> tuple[list[int], list[dict[int, float] | None], list[list[dict[int, float]] | None]]:
-        """(the sampled token ids, per sequence its {token id: logprob} for the sampled token and
-        its top k or None where not asked, per sequence the {token id: logprob} of each prompt token
-        this forward computed (the actual one and the top k) or None where not asked). ``alive``: see
-        ``wait_for_event``."""
-        if self.event is not None:
-            wait_for_event(self.event, alive)
-        token_ids = self.token_ids.tolist()
-        return token_ids, self._logprobs(token_ids), self._prompt_logprobs(len(token_ids))
-
-    def _logprobs(self, token_ids: list[int]) -> list[dict[int, float] | None]:
-        if self.logprobs is None:
-            return [None] * len(token_ids)
-        sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
-        return [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i])
-                for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
-
-    def _prompt_logprobs(self, num_seqs: int) -> list[list[dict[int, float]] | None]:
-        if self.prompt is None:
-            return [None] * num_seqs
-        target, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs) if self.prompt_logprobs \
-            else ([], [], [])
-        out, row = [], 0
-        for span in self.prompt.spans:
-            if span is None:
-                out.append(None)
-                continue
-            count, k = span
-            out.append([_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r], target[r])
-                        for r in range(row, row + count)])
-            row += count
-        return out
-
-
 class ModelRunner:
     def __init__(self, config: Config, rank: int, group: TPGroup | None = None):
         self.config = config
@@ -138,6 +45,7 @@ class ModelRunner:
         self.async_scheduling = config.async_scheduling
         self.prev_sampled: torch.Tensor | None = None   # the last forward's sampled tokens, on the device
         self.enforce_eager = config.enforce_eager or not self.is_cuda
+        self.graphs: DecodeGraphs | None = None   # captured at the end of start-up (CUDA, not eager)
         if self.is_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
@@ -169,14 +77,15 @@ class ModelRunner:
             self.warmup_model()
         self.allocate_kv_cache()
         if not self.enforce_eager:
-            self.capture_cudagraph()
+            max_num_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
+            self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
+                                       hf_config.hidden_size)
 
     def exit(self):
         """Frees what the device holds for this runner (its graphs; the rest goes with the object)."""
         if self.is_cuda:  # a step may still be in flight (async scheduling): let it end before freeing graphs
             torch.cuda.synchronize()
-        if not self.enforce_eager:
-            del self.graphs, self.graph_pool
+        self.graphs = None
 
     # ---- start-up ----------------------------------------------------------------------
     def warmup_model(self):
@@ -396,21 +305,9 @@ class ModelRunner:
     # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool):
-        if is_prefill or self.enforce_eager or input_ids.size(0) > self.graph_bs[-1]:
+        if is_prefill or self.graphs is None or input_ids.size(0) > self.graphs.max_batch_size:
             return self.model.compute_logits(self.model(input_ids, positions))
-        bs = input_ids.size(0)
-        context = get_context()
-        graph = self.graphs[next(x for x in self.graph_bs if x >= bs)]
-        graph_vars = self.graph_vars
-        graph_vars["input_ids"][:bs] = input_ids
-        graph_vars["positions"][:bs] = positions
-        graph_vars["slot_mapping"].fill_(-1)
-        graph_vars["slot_mapping"][:bs] = context.slot_mapping
-        graph_vars["context_lens"].zero_()
-        graph_vars["context_lens"][:bs] = context.context_lens
-        graph_vars["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
-        graph.replay()
-        return self.model.compute_logits(graph_vars["outputs"][:bs])
+        return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None = None,
@@ -443,33 +340,3 @@ class ModelRunner:
         if self.rank != 0:
             return None
         return SampledTokens(token_ids, logprobs, [seq.sampling_params.logprobs for seq in seqs], prompt, prompt_lps)
-
-    @torch.inference_mode()
-    def capture_cudagraph(self):
-        """Decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to min(max_num_seqs, 512),
-        largest first, sharing one memory pool."""
-        config, hf_config = self.config, self.config.hf_config
-        max_bs = min(config.max_num_seqs, 512)
-        max_num_blocks = (config.max_model_len + self.block_size - 1) // self.block_size
-        input_ids = torch.zeros(max_bs, dtype=torch.int64)
-        positions = torch.zeros(max_bs, dtype=torch.int64)
-        slot_mapping = torch.zeros(max_bs, dtype=torch.int32)
-        context_lens = torch.zeros(max_bs, dtype=torch.int32)
-        block_tables = torch.zeros(max_bs, max_num_blocks, dtype=torch.int32)
-        outputs = torch.zeros(max_bs, hf_config.hidden_size)
-        self.graph_bs = sorted({bs for bs in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if bs < max_bs} | {max_bs})
-        self.graphs, self.graph_pool = {}, None
-        for bs in reversed(self.graph_bs):
-            graph = torch.cuda.CUDAGraph()
-            with set_context(False, slot_mapping=slot_mapping[:bs], context_lens=context_lens[:bs],
-                             block_tables=block_tables[:bs]):
-                outputs[:bs] = self.model(input_ids[:bs], positions[:bs])  # warmup
-                # thread_local: another engine may run kernels in another thread while this one captures
-                with torch.cuda.graph(graph, self.graph_pool, capture_error_mode="thread_local"):
-                    outputs[:bs] = self.model(input_ids[:bs], positions[:bs])  # capture
-            if self.graph_pool is None:
-                self.graph_pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-        self.graph_vars = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                               context_lens=context_lens, block_tables=block_tables, outputs=outputs)

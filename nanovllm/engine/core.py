@@ -1,0 +1,277 @@
+"""The engine core: the step loop (schedule -> launch -> read back) and the state it owns: the requests,
+the step in flight, the ranks' resources.
+
+With async scheduling the next step is scheduled and launched before the one in flight is read back;
+run synchronously, each step is read back at once. Penalty batches wait for the step in flight (they
+read every generated token); completions 1..n-1 of a request are released once completion 0's prompt
+is cached. Every step runs under the core's lock, so the API's calls from several threads take turns.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from time import perf_counter
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.outputs import SampledTokens
+from nanovllm.engine.scheduler import ScheduledStep, Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
+
+logger = logging.getLogger("nanovllm")
+# a peer's sockets close (and a collective fails) a moment before its exit status can be read
+DEATH_GRACE_S = 3.0
+
+
+@dataclass
+class Request:
+    """One prompt and its ``n`` completions (sequences); completion 0 is prefilled first and the
+    others wait for it, so that they find the prompt's blocks in the prefix cache."""
+
+    index: int
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    waiting_siblings: list[Sequence] = field(default_factory=list)
+    stream: deque | None = None      # the pieces its stream() call has not yielded yet
+    error: str | None = None         # why a completion ended with finish_reason "error"
+
+    @property
+    def finished(self) -> bool:
+        return not self.waiting_siblings and all(seq.is_finished for seq in self.seqs)
+
+
+class Resources:
+    """What an engine holds beyond Python objects: the worker processes, their shared memory, the model
+    runner and its device memory. Kept apart from the engine, so that the finalizer that frees them
+    (``weakref.finalize``: on ``exit()``, when the engine is garbage-collected, or at interpreter exit)
+    does not keep the engine alive."""
+
+    def __init__(self):
+        self.workers: WorkerGroup | None = None
+        self.runner: ModelRunner | None = None
+        self.healthy = True   # False once a step failed part-way: the ranks may disagree on where they are
+        self.closed = False
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        runner, self.runner = self.runner, None
+        try:
+            if runner is not None and self.healthy:
+                runner.exit()
+        finally:
+            if self.workers is not None:
+                self.workers.close(graceful=self.healthy)
+
+    def named(self, e: BaseException) -> BaseException:
+        """The error to raise for ``e``: a ``WorkerDiedError`` naming the rank when a worker died (or dies
+        within a moment: its sockets close before its exit status is known), else ``e`` itself."""
+        if self.workers is None or isinstance(e, (WorkerDiedError, KeyboardInterrupt, ValueError, TypeError)):
+            return e
+        dead = self.workers.wait_for_death(DEATH_GRACE_S)
+        if not dead:
+            return e
+        rank, code = dead[0]
+        return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine has been "
+                               "shut down")
+
+
+class EngineCore:
+    def __init__(self, config: Config, resources: Resources, shutdown):
+        """``shutdown()`` frees ``resources`` (the engine's finalizer)."""
+        self.config = config
+        self.resources = resources
+        self.shutdown = shutdown
+        self.scheduler = Scheduler(config)
+        self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
+        self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
+        self.async_scheduling = config.async_scheduling  # fixed for the engine's life (the runner relies on it)
+        self.lock = threading.Lock()  # one step (or request admission) at a time
+
+    def add(self, request: Request):
+        with self.lock:
+            self.requests.update((seq.seq_id, request) for seq in request.seqs)
+            self.scheduler.add(request.seqs[0])
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished() and self.inflight is None
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> tuple[list[Sequence], int]:
+        """Schedules and launches one forward, and reads back the results of the one before it
+        (async scheduling) or of this one. Returns the sequences whose results were read (or that
+        ended) and the tokens launched (positive: prefill tokens; negative: decoded sequences)."""
+        if self.resources.closed:
+            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+        seqs, is_prefill = self.scheduler.schedule()
+        done: list[Sequence] = []
+        # penalties read every generated token, so such a decode batch waits for the step in flight (which
+        # may finish some of its sequences); a prefill never has a token in flight
+        if seqs and not is_prefill and self.inflight is not None and \
+                any(seq.sampling_params.needs_penalties for seq in seqs):
+            self._finish_inflight(done)
+            seqs = [seq for seq in seqs if not seq.is_finished]
+        sampling = None
+        if seqs:
+            seqs, sampling = self._prepare_sample(seqs, done)
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        launched = None
+        if seqs:
+            prev_rows = None
+            if not is_prefill and any(seq.num_pending_tokens for seq in seqs):
+                prev_rows = [seq.inflight_row if seq.num_pending_tokens else -1 for seq in seqs]
+            output = self.guarded(self._launch, seqs, is_prefill, prev_rows, sampling)
+            launched = self.scheduler.launched(seqs, is_prefill), output
+        elif self.inflight is None and not done:
+            raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
+        if self.inflight is not None:
+            self._finish_inflight(done)
+        self.inflight = launched
+        if not self.async_scheduling and launched is not None:
+            self._finish_inflight(done)
+        return done, num_tokens
+
+    def interruptible_step(self) -> tuple[list[Sequence], int]:
+        """``step`` under the lock, unless another thread's step finished all there was to do; Ctrl-C
+        shuts the engine down (processes, shared memory) before it propagates."""
+        with self.lock:
+            if self.is_finished():
+                return [], 0
+            try:
+                return self.step()
+            except KeyboardInterrupt:
+                self.shutdown()
+                raise
+
+    def drain_if_idle(self):
+        """Reads back a step still in flight once nothing else is left to do, so that an idle engine holds
+        no forward (async scheduling leaves one behind the last token)."""
+        with self.lock:
+            if self.inflight is not None and self.scheduler.is_finished() and not self.resources.closed:
+                self.step()
+
+    def guarded(self, fn, *args):
+        """``fn(*args)`` (a forward on every rank, or reading one's result); a failure part-way (a dead
+        worker, Ctrl-C) shuts the engine down, and a dead worker is named."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self.resources.healthy = False
+            error = self.resources.named(e)
+            self.shutdown()
+            if error is e:
+                raise
+            raise error from e
+
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None, sampling):
+        if self.resources.workers is not None:
+            self.resources.workers.call("run", seqs, is_prefill, prev_rows)
+        return self.resources.runner.run(seqs, is_prefill, prev_rows, sampling)
+
+    def _prepare_sample(self, seqs: list[Sequence], done: list[Sequence]):
+        """Rank 0's sampling inputs, built before any rank starts the step: a sequence whose own
+        parameters make this fail is ended alone (``fail``) and the step goes on without it."""
+        runner = self.resources.runner
+        try:
+            return seqs, runner.prepare_sample(seqs)
+        except Exception:
+            errors = {}
+            for seq in seqs:
+                try:
+                    runner.prepare_sample([seq])
+                except Exception as e:
+                    errors[seq.seq_id] = e
+            if not errors:
+                raise
+        for seq in seqs:
+            if seq.seq_id in errors:
+                self.fail(seq, errors[seq.seq_id])
+                done.append(seq)
+        seqs = [seq for seq in seqs if seq.seq_id not in errors]
+        return seqs, runner.prepare_sample(seqs) if seqs else None
+
+    def _finish_inflight(self, done: list[Sequence]):
+        """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``)."""
+        step, output = self.inflight
+        self.inflight = None
+        finished_before = [seq.is_finished for seq in step.seqs]  # on an earlier token: reported then
+        # with NCCL ranks, poll the step's completion so that a dead worker is noticed (wait_for_event)
+        workers = self.resources.workers
+        alive = (lambda: not workers.dead()) if workers is not None and self.config.device == "cuda" else None
+        token_ids, logprobs, prompt_logprobs = self.guarded(output.result, alive)
+        for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs):
+            if seq.detokenizer is not None:
+                try:
+                    self._new_text(seq, token_id)
+                except Exception as e:
+                    self.fail(seq, e)
+        for seq in step.seqs if step.is_prefill else ():  # completions 1..n-1 start once 0's prompt is cached
+            request = self.requests.get(seq.seq_id)
+            if request is not None and request.waiting_siblings and \
+                    (seq.num_cached_tokens >= seq.num_prompt_tokens or seq.is_finished):
+                for sibling in request.waiting_siblings:
+                    self.scheduler.add(sibling)
+                request.waiting_siblings = []
+        done.extend(seq for seq, finished in zip(step.seqs, finished_before) if not finished)
+
+    def _new_text(self, seq: Sequence, token_id: int):
+        """Feeds the new token to the sequence's detokenizer; finishes it on a stop string; queues the
+        text a stream may show (all but what could still turn out to begin a stop string)."""
+        detok = seq.detokenizer
+        delta = detok.add(token_id)
+        stops = seq.sampling_params.stop_strings
+        hit = detok.find_stop(stops, delta) if stops and not seq.is_finished else None
+        if hit:
+            at, stop = hit
+            detok.text = detok.text[:at + len(stop) if seq.sampling_params.include_stop_str_in_output else at]
+            self.scheduler.finish(seq, "stop")
+        elif seq.is_finished:
+            detok.flush()
+        request = self.requests.get(seq.seq_id)
+        if request is not None and request.stream is not None:
+            holdback = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
+            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq),
+                                   "text": detok.take(holdback), "token_ids": [token_id],
+                                   "finished": seq.is_finished, "finish_reason": seq.finish_reason})
+
+    # ---- ending requests --------------------------------------------------------------------
+    def fail(self, seq: Sequence, error: Exception):
+        """A failure that is this sequence's own (its text, its sampling inputs) ends it alone."""
+        request = self.requests[seq.seq_id]
+        logger.warning("request %d, completion %d failed and was ended: %s: %s", request.index,
+                       request.seqs.index(seq), type(error).__name__, error)
+        request.error = f"{type(error).__name__}: {error}"
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        if request.stream is not None:
+            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq), "text": "",
+                                   "token_ids": [], "finished": True, "finish_reason": seq.finish_reason})
+
+    def abort(self, request: Request):
+        """Ends the request's unfinished completions (finish_reason "abort") and forgets it (under the lock)."""
+        for seq in request.waiting_siblings:  # never scheduled: nothing to free
+            seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, "abort", perf_counter()
+        request.waiting_siblings = []
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self.forget(request)
+
+    def forget(self, request: Request):
+        for seq in request.seqs:
+            self.requests.pop(seq.seq_id, None)
+
+    def release(self, requests: list[Request]):
+        """The end of a generate/stream call: its requests are forgotten, and those that did not finish
+        (the call was left by an exception or a ``break``) are aborted."""
+        with self.lock:
+            for request in requests:
+                if request.finished or self.resources.closed:
+                    self.forget(request)
+                else:
+                    self.abort(request)
+        self.drain_if_idle()

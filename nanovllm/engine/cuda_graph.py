@@ -1,0 +1,62 @@
+"""Decode under CUDA graphs: one graph per batch-size bucket (1, 2, 4, 8, then every 16 up to
+min(max_num_seqs, 512); a bucket always covers max_num_seqs), captured largest first into one memory
+pool. A step copies its inputs into the captured buffers (padding rows get slot -1 and context length
+0) and replays the smallest graph that covers its batch."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.utils.context import Context, set_context
+
+
+def bucket_sizes(max_bs: int) -> list[int]:
+    return sorted({bs for bs in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if bs < max_bs} | {max_bs})
+
+
+class DecodeGraphs:
+    """Captured on construction (on the device and in the dtype the caller has made the defaults)."""
+
+    @torch.inference_mode()
+    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int):
+        self.batch_sizes = bucket_sizes(max_bs)
+        self.buffers = dict(input_ids=torch.zeros(max_bs, dtype=torch.int64),
+                            positions=torch.zeros(max_bs, dtype=torch.int64),
+                            slot_mapping=torch.zeros(max_bs, dtype=torch.int32),
+                            context_lens=torch.zeros(max_bs, dtype=torch.int32),
+                            block_tables=torch.zeros(max_bs, max_num_blocks, dtype=torch.int32),
+                            outputs=torch.zeros(max_bs, hidden_size))
+        b = self.buffers
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        for bs in reversed(self.batch_sizes):
+            graph = torch.cuda.CUDAGraph()
+            with set_context(False, slot_mapping=b["slot_mapping"][:bs], context_lens=b["context_lens"][:bs],
+                             block_tables=b["block_tables"][:bs]):
+                b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # warmup
+                # thread_local: another engine may run kernels in another thread while this one captures
+                with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
+                    b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # capture
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        """The decoder's hidden states [bs, hidden] for this decode step."""
+        bs = input_ids.size(0)
+        graph = self.graphs[next(x for x in self.batch_sizes if x >= bs)]
+        b = self.buffers
+        b["input_ids"][:bs] = input_ids
+        b["positions"][:bs] = positions
+        b["slot_mapping"].fill_(-1)
+        b["slot_mapping"][:bs] = context.slot_mapping
+        b["context_lens"].zero_()
+        b["context_lens"][:bs] = context.context_lens
+        b["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
+        graph.replay()
+        return b["outputs"][:bs]

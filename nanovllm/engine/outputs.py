@@ -1,0 +1,137 @@
+"""Output assembly: a forward's sampled tokens on their way to the host (``SampledTokens``), vLLM's
+logprob entries, and the dicts ``generate`` returns for a request and its completions."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+
+
+@dataclass
+class PromptLogprobsBatch:
+    """Where one prefill's prompt logprobs come from, on rank 0. The LM head projects every scheduled
+    position of a sequence that computes them and the last position of the others, in batch order."""
+
+    sample_rows: torch.Tensor     # [num_seqs] the logits row of each sequence's last scheduled position
+    rows: torch.Tensor            # [R] the logits rows whose next token is a prompt token
+    target_ids: torch.Tensor      # [R] those prompt tokens
+    targets: list[int]            # the same, on the host
+    spans: list[tuple[int, int] | None]  # per sequence: (how many of the rows are its own, its k), or None
+    num_top: int                  # the largest k
+
+
+def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float
+                   ) -> dict[int, float]:
+    """vLLM's logprobs entry: the top k {token id: logprob}, and the chosen (or actual) token's."""
+    return {**dict(zip(top_ids[:k], top_values[:k])), token: logprob}
+
+
+def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
+                   check_every_s: float = 0.05) -> None:
+    """Returns once ``event`` (a ``torch.cuda.Event``, or anything with ``query``/``synchronize``) has
+    completed. With ``alive`` (tensor parallelism on CUDA) it polls instead of blocking and raises as
+    soon as ``alive()`` is False: a forward whose collectives wait for a dead NCCL rank never ends,
+    and a blocked ``synchronize`` would wait with it."""
+    if alive is None:
+        event.synchronize()
+        return
+    next_check = time.monotonic() + check_every_s
+    while not event.query():
+        if time.monotonic() >= next_check:
+            if not alive():
+                raise RuntimeError("a tensor-parallel worker died while a forward was in flight")
+            next_check = time.monotonic() + check_every_s
+        time.sleep(poll_s)
+
+
+class SampledTokens:
+    """One forward's sampled tokens (and logprobs) on their way to the host. The device-to-host
+    copies start at once (into pinned memory, behind the sampler on the stream); ``result`` waits
+    for them, so the CPU can schedule and launch the next forward first."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
+                 prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None):
+        self.num_logprobs = num_logprobs
+        self.prompt = prompt
+        self.event = None
+        tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
+        if token_ids.is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
+            for h, t in zip(host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            tensors = host
+        n = 3 if logprobs else 0
+        self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
+
+    def result(self, alive: Callable[[], bool] | None = None
+               ) -> tuple[list[int], list[dict[int, float] | None], list[list[dict[int, float]] | None]]:
+        """(the sampled token ids, per sequence its {token id: logprob} for the sampled token and
+        its top k or None where not asked, per sequence the {token id: logprob} of each prompt token
+        this forward computed (the actual one and the top k) or None where not asked). ``alive``: see
+        ``wait_for_event``."""
+        if self.event is not None:
+            wait_for_event(self.event, alive)
+        token_ids = self.token_ids.tolist()
+        return token_ids, self._logprobs(token_ids), self._prompt_logprobs(len(token_ids))
+
+    def _logprobs(self, token_ids: list[int]) -> list[dict[int, float] | None]:
+        if self.logprobs is None:
+            return [None] * len(token_ids)
+        sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
+        return [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i])
+                for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
+
+    def _prompt_logprobs(self, num_seqs: int) -> list[list[dict[int, float]] | None]:
+        if self.prompt is None:
+            return [None] * num_seqs
+        target, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs) if self.prompt_logprobs \
+            else ([], [], [])
+        out, row = [], 0
+        for span in self.prompt.spans:
+            if span is None:
+                out.append(None)
+                continue
+            count, k = span
+            out.append([_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r], target[r])
+                        for r in range(row, row + count)])
+            row += count
+        return out
+
+
+def completion_output(seq: Sequence, tokenizer) -> dict:
+    """One completion: ``text`` (cut at a stop string), ``token_ids``, ``finish_reason``, ``logprobs``."""
+    sp = seq.sampling_params
+    if tokenizer is None:
+        text = ""
+    elif seq.detokenizer is not None and seq.finish_reason == "stop" and sp.stop_strings:
+        text = seq.detokenizer.text  # cut at the stop string
+    else:
+        text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens)
+    out = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
+    if sp.logprobs is not None:
+        out["logprobs"] = seq.logprobs
+    return out
+
+
+def request_output(request, tokenizer) -> dict:
+    """The nano-vllm fields (``text``, ``token_ids``: completion 0) and vLLM's: ``finish_reason``,
+    ``prompt_token_ids``, ``num_cached_tokens``, ``logprobs`` and ``prompt_logprobs`` (when asked),
+    ``metrics`` and ``outputs`` (all n completions); ``error`` when a completion ended in one."""
+    completions = [completion_output(seq, tokenizer) for seq in request.seqs]
+    first = request.seqs[0]
+    first_tokens = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+    metrics = {"time_to_first_token": min(first_tokens) - first.arrival_time if first_tokens else None,
+               "total_time": max(s.finish_time or 0.0 for s in request.seqs) - first.arrival_time}
+    out = {**completions[0], "prompt_token_ids": request.prompt_token_ids,
+           "num_cached_tokens": first.num_prefix_cached_tokens or 0, "metrics": metrics, "outputs": completions}
+    if first.prompt_logprobs is not None:
+        out["prompt_logprobs"] = first.prompt_logprobs
+    if request.error is not None:
+        out["error"] = request.error
+    return out
