@@ -93,10 +93,10 @@ def test_async_matches_sync_on_a_mixed_workload(tiny):
         preempted.append(seq.seq_id)
         original_preempt(seq)
 
-    def spy_run(seqs, is_prefill, prev_rows=None, sampling=None):
+    def spy_run(step, sampling=None):
         if llm.core.inflight is not None:
-            steps_with_two_in_flight.append(prev_rows is not None)
-        return original_run(seqs, is_prefill, prev_rows, sampling)
+            steps_with_two_in_flight.append(step.prev_rows is not None)
+        return original_run(step, sampling)
 
     llm.scheduler.preempt, llm.model_runner.run = spy_preempt, spy_run
     try:

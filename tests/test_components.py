@@ -3,17 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm.engine.batch import build_decode, build_prefill
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import reference
 from nanovllm.layers.sampler import Sampler, SamplingBatch
-
-
-def _runner(block_size: int) -> ModelRunner:
-    runner = ModelRunner.__new__(ModelRunner)  # only the batch-building methods, no model
-    runner.block_size, runner.is_cuda, runner.device = block_size, False, torch.device("cpu")
-    return runner
 
 
 def test_slot_mapping_worked_example():
@@ -21,24 +15,46 @@ def test_slot_mapping_worked_example():
     seq = Sequence(list(range(38)), block_size=8)
     seq.block_table = [4, 5, 9, 3, 11]
     seq.num_cached_tokens, seq.num_scheduled_tokens = 1, 37
-    input_ids, positions, ctx = _runner(8).prepare_prefill([seq])
+    step = build_prefill([seq], 8)  # a pure function of the sequences: no runner, no model
     expected = [*range(33, 40), *range(40, 48), *range(72, 80), *range(24, 32), *range(88, 94)]
-    assert ctx["slot_mapping"].tolist() == expected
-    assert input_ids.tolist() == list(range(1, 38)) and positions.tolist() == list(range(1, 38))
-    assert ctx["cu_seqlens_q"].tolist() == [0, 37] and ctx["cu_seqlens_k"].tolist() == [0, 38]
-    assert ctx["block_tables"].tolist() == [[4, 5, 9, 3, 11]]  # keys partly cached: block tables needed
+    assert step.slot_mapping.tolist() == expected
+    assert step.input_ids.tolist() == list(range(1, 38)) and step.positions.tolist() == list(range(1, 38))
+    assert step.cu_seqlens_q.tolist() == [0, 37] and step.cu_seqlens_k.tolist() == [0, 38]
+    assert step.block_tables.tolist() == [[4, 5, 9, 3, 11]]  # keys partly cached: block tables needed
+    assert step.max_seqlen_q == 37 and step.max_seqlen_k == 38 and step.logits_indices is None
     # every slot is block_table[p // bs] * bs + p % bs
     assert expected == [seq.block_table[p // 8] * 8 + p % 8 for p in range(1, 38)]
 
 
-def test_prepare_decode():
+def test_prefill_of_several_sequences_and_the_warmup():
+    a, b = Sequence(list(range(5)), block_size=4), Sequence(list(range(10, 13)), block_size=4)
+    a.block_table, b.block_table = [3, 1], [2]
+    a.num_scheduled_tokens, b.num_scheduled_tokens = 5, 3
+    b.computes_prompt_logprobs = True
+    step = build_prefill([a, b], 4)
+    assert step.input_ids.tolist() == [0, 1, 2, 3, 4, 10, 11, 12]
+    assert step.slot_mapping.tolist() == [12, 13, 14, 15, 4, 8, 9, 10]
+    assert step.cu_seqlens_q.tolist() == [0, 5, 8] and step.block_tables is None  # nothing cached
+    assert step.logits_indices.tolist() == [4, 5, 6, 7]  # a's last position, every one of b's
+    warm = Sequence([0] * 6, block_size=4)
+    warm.num_scheduled_tokens = 6
+    assert build_prefill([warm], 4).slot_mapping.tolist() == [-1] * 6  # no blocks: nothing is stored
+
+
+def test_build_decode():
     a, b = Sequence(list(range(10)), block_size=4), Sequence(list(range(5)), block_size=4)
     a.block_table, b.block_table = [7, 2, 5], [1, 0]
-    ids, pos, ctx = _runner(4).prepare_decode([a, b])
-    assert ids.tolist() == [9, 4] and pos.tolist() == [9, 4]
-    assert ctx["slot_mapping"].tolist() == [5 * 4 + 1, 0 * 4 + 0]
-    assert ctx["context_lens"].tolist() == [10, 5]
-    assert ctx["block_tables"].tolist() == [[7, 2, 5], [1, 0, -1]]
+    step = build_decode([a, b], 4)
+    assert step.input_ids.tolist() == [9, 4] and step.positions.tolist() == [9, 4]
+    assert step.slot_mapping.tolist() == [5 * 4 + 1, 0 * 4 + 0]
+    assert step.context_lens.tolist() == [10, 5] and step.prev_rows is None
+    assert step.block_tables.tolist() == [[7, 2, 5], [1, 0, -1]]
+    b.append_placeholder()  # b's token is still on the device, at row 3 of the step in flight
+    b.inflight_row = 3
+    b.block_table.append(6)
+    step = build_decode([a, b], 4)
+    assert step.prev_rows.tolist() == [-1, 3] and step.positions.tolist() == [9, 5]
+    assert step.slot_mapping.tolist() == [21, 6 * 4 + 1]  # position 5: block 6 (its third), offset 1
 
 
 def test_block_manager_prefix_cache_and_refcounts():

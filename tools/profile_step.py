@@ -1,4 +1,4 @@
-"""Where one decode step's time goes: CPU time of schedule, prepare_decode (batch tensors and their
+"""Where one decode step's time goes: CPU time of schedule, build_decode + step_tensors (batch arrays, their
 copy to the device), the forward's launch, sampling, postprocess; and the GPU time of the forward.
 
 Fills the engine with ``batch`` sequences of about ``context`` tokens, then times ``steps`` decode
@@ -78,7 +78,8 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     runner, scheduler = llm.model_runner, llm.scheduler
     timer = StepTimer(llm.config.device == "cuda")
     timer.wrap(scheduler, "schedule")
-    timer.wrap(runner, "prepare_decode")
+    timer.wrap(batch, "build_decode")
+    timer.wrap(runner, "step_tensors")
     timer.wrap(runner, "prepare_sample")
     timer.wrap(runner, "run_model", gpu=True)
     timer.wrap(runner.sampler, "forward")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine import batch
+from nanovllm.engine.model_runner import ModelRunner, SamplingInputs
 from nanovllm.engine.outputs import SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -117,14 +118,13 @@ class EngineCore:
             seqs = [seq for seq in seqs if not seq.is_finished]
         sampling = None
         if seqs:
-            seqs, sampling = self._prepare_sample(seqs, done)
+            seqs, sampling = self._prepare_sampling(seqs, is_prefill, done)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         launched = None
         if seqs:
-            prev_rows = None
-            if not is_prefill and any(seq.num_pending_tokens for seq in seqs):
-                prev_rows = [seq.inflight_row if seq.num_pending_tokens else -1 for seq in seqs]
-            output = self.guarded(self._launch, seqs, is_prefill, prev_rows, sampling)
+            block_size = self.config.kvcache_block_size
+            step = batch.build_prefill(seqs, block_size) if is_prefill else batch.build_decode(seqs, block_size)
+            output = self.guarded(self._launch, step, sampling)
             launched = self.scheduler.launched(seqs, is_prefill), output
         elif self.inflight is None and not done:
             raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
@@ -167,22 +167,22 @@ class EngineCore:
                 raise
             raise error from e
 
-    def _launch(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None, sampling):
+    def _launch(self, step: batch.StepInput, sampling: SamplingInputs) -> SampledTokens:
         if self.resources.workers is not None:
-            self.resources.workers.call("run", seqs, is_prefill, prev_rows)
-        return self.resources.runner.run(seqs, is_prefill, prev_rows, sampling)
+            self.resources.workers.call("run", step)
+        return self.resources.runner.run(step, sampling)
 
-    def _prepare_sample(self, seqs: list[Sequence], done: list[Sequence]):
+    def _prepare_sampling(self, seqs: list[Sequence], is_prefill: bool, done: list[Sequence]):
         """Rank 0's sampling inputs, built before any rank starts the step: a sequence whose own
         parameters make this fail is ended alone (``fail``) and the step goes on without it."""
         runner = self.resources.runner
         try:
-            return seqs, runner.prepare_sample(seqs)
+            return seqs, runner.prepare_sampling(seqs, is_prefill)
         except Exception:
             errors = {}
             for seq in seqs:
                 try:
-                    runner.prepare_sample([seq])
+                    runner.prepare_sampling([seq], is_prefill)
                 except Exception as e:
                     errors[seq.seq_id] = e
             if not errors:
@@ -192,7 +192,7 @@ class EngineCore:
                 self.fail(seq, errors[seq.seq_id])
                 done.append(seq)
         seqs = [seq for seq in seqs if seq.seq_id not in errors]
-        return seqs, runner.prepare_sample(seqs) if seqs else None
+        return seqs, runner.prepare_sampling(seqs, is_prefill) if seqs else None
 
     def _finish_inflight(self, done: list[Sequence]):
         """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``)."""

@@ -2,7 +2,7 @@
 
 Owns device set-up, model loading, the warmup forward that sizes the KV cache, the one preallocated
 KV tensor with per-layer views, turning scheduled sequences into the flat tensors attention needs
-(``prepare_prefill`` / ``prepare_decode``), the forward (decode through ``cuda_graph.DecodeGraphs``
+(``step_tensors``, from the ``batch.StepInput`` rank 0 built), the forward (decode through ``cuda_graph.DecodeGraphs``
 on CUDA), and sampling on rank 0. With tensor parallelism every rank runs one; rank 0's engine sends
 each call to the others (``worker_group``), and the ranks' collectives go through the engine's own
 ``TPGroup``.
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.batch import StepInput, build_prefill
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.outputs import PromptLogprobsBatch, SampledTokens
 from nanovllm.engine.sequence import Sequence
@@ -29,6 +31,15 @@ from nanovllm.utils.distributed import TPGroup, tensor_parallel
 from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger("nanovllm")
+
+
+@dataclass
+class SamplingInputs:
+    """What rank 0 needs, besides the logits, to sample one step."""
+
+    batch: SamplingBatch
+    prompt: PromptLogprobsBatch | None      # prefills whose sequences compute prompt logprobs
+    num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
 # torch's default dtype is process-wide: engines built in different threads take turns
 _BUILD_LOCK = threading.Lock()
 
@@ -97,8 +108,8 @@ class ModelRunner:
         num_seqs = max(1, min(max_num_batched_tokens // seq_len, self.config.max_num_seqs))
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
-            seq.num_scheduled_tokens = seq_len
-        self.run(seqs, True)
+            seq.num_scheduled_tokens = seq_len  # no block tables: slots of -1, nothing stored
+        self.run(build_prefill(seqs, self.block_size), self.prepare_sampling(seqs, True) if self.rank == 0 else None)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -156,80 +167,39 @@ class ModelRunner:
             module.v_cache = self.kv_cache[1, layer_id]
             module.backend = self.attention_backend
 
-    # ---- batch preparation ---------------------------------------------------------------
+    # ---- a step's inputs on the device -------------------------------------------------------
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
         t = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=self.is_cuda)
         return t.to(self.device, non_blocking=True)
 
-    def prepare_block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[len(seqs), longest table] int32, -1 past each table's end; filled row by row into numpy
-        (one C-level copy per sequence, no padded Python lists)."""
-        width = max(len(seq.block_table) for seq in seqs)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for row, seq in zip(table, seqs):
-            row[:len(seq.block_table)] = seq.block_table
-        t = torch.from_numpy(table)
+    def _array(self, a: np.ndarray | None) -> torch.Tensor | None:
+        """A host array on the device, through pinned memory, without waiting."""
+        if a is None:
+            return None
+        t = torch.from_numpy(a)
         return (t.pin_memory() if self.is_cuda else t).to(self.device, non_blocking=True)
 
-    def prepare_prefill(self, seqs: list[Sequence]):
-        input_ids, positions, slot_mapping = [], [], []
-        # the LM head projects each sequence's last position, and every one of a sequence computing prompt
-        # logprobs (see prepare_prompt_logprobs); a batch without any keeps the plain path (cu_seqlens_q)
-        logits_indices = [] if any(seq.computes_prompt_logprobs for seq in seqs) else None
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        max_seqlen_q = max_seqlen_k = 0
-        for seq in seqs:
-            start = seq.num_cached_tokens
-            seqlen_q = seq.num_scheduled_tokens
-            end = seqlen_k = start + seqlen_q
-            input_ids.extend(seq.scheduled_token_ids)
-            positions.extend(range(start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + seqlen_q)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + seqlen_k)
-            max_seqlen_q, max_seqlen_k = max(seqlen_q, max_seqlen_q), max(seqlen_k, max_seqlen_k)
-            if logits_indices is not None:
-                q_end = cu_seqlens_q[-1]
-                logits_indices.extend(range(q_end - seqlen_q, q_end) if seq.computes_prompt_logprobs else [q_end - 1])
-            if not seq.block_table:  # warmup
-                continue
-            start_block, end_block = start // self.block_size, (end + self.block_size - 1) // self.block_size
-            for i in range(start_block, end_block):
-                slot_start = seq.block_table[i] * self.block_size
-                if i == start_block:
-                    slot_start += start % self.block_size
-                if i != end_block - 1:
-                    slot_end = seq.block_table[i] * self.block_size + self.block_size
-                else:
-                    slot_end = seq.block_table[i] * self.block_size + end - i * self.block_size
-                slot_mapping.extend(range(slot_start, slot_end))
-        block_tables = None
-        if cu_seqlens_k[-1] > cu_seqlens_q[-1]:  # part of the keys come from the cache
-            block_tables = self.prepare_block_tables(seqs)
-        context = dict(cu_seqlens_q=self._to_device(cu_seqlens_q, torch.int32),
-                       cu_seqlens_k=self._to_device(cu_seqlens_k, torch.int32),
-                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                       slot_mapping=self._to_device(slot_mapping, torch.int32), block_tables=block_tables)
-        if logits_indices is not None:
-            context["logits_indices"] = self._to_device(logits_indices, torch.int64)
-        return self._to_device(input_ids, torch.int64), self._to_device(positions, torch.int64), context
-
-    def prepare_decode(self, seqs: list[Sequence], prev_rows: list[int] | None = None):
-        """``prev_rows[i] >= 0``: sequence i's input token is still on the device (async scheduling),
-        at that row of the last forward's sampled tokens."""
-        block_size = self.block_size
-        input_ids = [seq.last_token for seq in seqs]
-        context_lens = [seq.num_tokens for seq in seqs]
-        # the new token's slot: position len - 1 in the last block (block_table[-1] * bs + (len - 1) % bs)
-        slot_mapping = [seq.block_table[-1] * block_size + (n - 1) % block_size for seq, n in zip(seqs, context_lens)]
-        context = dict(slot_mapping=self._to_device(slot_mapping, torch.int32),
-                       context_lens=self._to_device(context_lens, torch.int32),
-                       block_tables=self.prepare_block_tables(seqs))
-        positions = [n - 1 for n in context_lens]
-        input_ids = self._to_device(input_ids, torch.int64)
-        if prev_rows is not None:
-            rows = self._to_device(prev_rows, torch.int64)
+    def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(input ids, positions, the attention context's fields) of a step. A decode input still on the
+        device (``prev_rows`` >= 0) is gathered from the last forward's sampled tokens."""
+        context = dict(slot_mapping=self._array(step.slot_mapping), block_tables=self._array(step.block_tables))
+        if step.is_prefill:
+            context.update(cu_seqlens_q=self._array(step.cu_seqlens_q), cu_seqlens_k=self._array(step.cu_seqlens_k),
+                           max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
+                           logits_indices=self._array(step.logits_indices))
+        else:
+            context["context_lens"] = self._array(step.context_lens)
+        input_ids = self._array(step.input_ids)
+        if step.prev_rows is not None:
+            rows = self._array(step.prev_rows)
             input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
-        return input_ids, self._to_device(positions, torch.int64), context
+        return input_ids, self._array(step.positions), context
+
+    def prepare_sampling(self, seqs: list[Sequence], is_prefill: bool) -> SamplingInputs:
+        """Rank 0's inputs for sampling a step of ``seqs`` (the engine builds them before it sends the step
+        to the other ranks)."""
+        return SamplingInputs(self.prepare_sample(seqs), self.prepare_prompt_logprobs(seqs) if is_prefill else None,
+                              [seq.sampling_params.logprobs for seq in seqs])
 
     @torch.inference_mode()  # like run(), which it used to be called from
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
@@ -310,33 +280,27 @@ class ModelRunner:
         return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None = None,
-            sampling: SamplingBatch | None = None):
-        """Launches one forward and its sampling. On rank 0 returns the ``SampledTokens`` (read them
-        with ``result()``); None elsewhere. With async scheduling the sampled tokens stay on every
-        rank's device as the next forward's inputs (TP: broadcast from rank 0). ``sampling``: rank 0's
-        ``prepare_sample(seqs)``, when the engine built it before sending the call to the workers."""
-        if is_prefill:
-            input_ids, positions, context = self.prepare_prefill(seqs)
-        else:
-            input_ids, positions, context = self.prepare_decode(seqs, prev_rows)
-        if sampling is None and self.rank == 0:
-            sampling = self.prepare_sample(seqs)
-        prompt = self.prepare_prompt_logprobs(seqs) if self.rank == 0 and is_prefill else None
+    def run(self, step: StepInput, sampling: SamplingInputs | None = None):
+        """Launches one forward and, on rank 0, its sampling (``sampling``: ``prepare_sampling``'s).
+        Returns rank 0's ``SampledTokens`` (read them with ``result()``); None elsewhere. With async
+        scheduling the sampled tokens stay on every rank's device as the next forward's inputs (TP:
+        broadcast from rank 0)."""
+        input_ids, positions, context = self.step_tensors(step)
         token_ids = logprobs = prompt_lps = None
-        with set_context(is_prefill, **context):
-            logits = self.run_model(input_ids, positions, is_prefill)
+        with set_context(step.is_prefill, **context):
+            logits = self.run_model(input_ids, positions, step.is_prefill)
             if self.rank == 0:
+                prompt = sampling.prompt
                 if prompt is not None:  # logits of every position of some sequences: theirs, then the last ones
                     prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
                     logits = logits[prompt.sample_rows]
-                token_ids, logprobs = self.sampler(logits, sampling, self.generator)
+                token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
         if self.async_scheduling:
             if self.group is not None:
                 if self.rank != 0:
-                    token_ids = torch.empty(len(seqs), dtype=torch.int64, device=self.device)
+                    token_ids = torch.empty(step.num_seqs, dtype=torch.int64, device=self.device)
                 self.group.broadcast(token_ids, 0)
             self.prev_sampled = token_ids
         if self.rank != 0:
             return None
-        return SampledTokens(token_ids, logprobs, [seq.sampling_params.logprobs for seq in seqs], prompt, prompt_lps)
+        return SampledTokens(token_ids, logprobs, sampling.num_logprobs, sampling.prompt, prompt_lps)

@@ -117,19 +117,4 @@ class Sequence:
     @property
     def scheduled_token_ids(self) -> list[int]:
         """The tokens the next forward computes: positions [num_cached_tokens, +num_scheduled_tokens)."""
-        start = self.num_cached_tokens - self.token_offset
-        return self.token_ids[start:start + self.num_scheduled_tokens]
-
-    # A worker rank receives only the tokens its forward needs (one per sequence when decoding);
-    # token_offset is the position of its token_ids[0] (always 0 on rank 0).
-    token_offset = 0
-
-    def __getstate__(self):
-        return (self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-                self.num_scheduled_tokens, self.block_table, self.computes_prompt_logprobs, self.scheduled_token_ids)
-
-    def __setstate__(self, state):
-        (self.block_size, self.num_tokens, self.num_prompt_tokens, self.num_cached_tokens,
-         self.num_scheduled_tokens, self.block_table, self.computes_prompt_logprobs, self.token_ids) = state
-        self.token_offset = self.num_cached_tokens
-        self.last_token = self.token_ids[-1]
+        return self.token_ids[self.num_cached_tokens:self.num_cached_tokens + self.num_scheduled_tokens]
