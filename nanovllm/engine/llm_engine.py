@@ -9,8 +9,6 @@ take turns; a stream's pieces wait in its own queue. A stream left early aborts 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -27,24 +25,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
-from nanovllm.utils.loader import load_tokenizer
-
-
-def _eos_token_ids(config: Config, tokenizer) -> tuple[int, ...]:
-    """Every EOS id of the checkpoint: generation_config.json's (else config.json's; one or a list)
-    and the tokenizer's."""
-    ids: set[int] = set()
-    path = os.path.join(config.model, "generation_config.json")
-    eos = getattr(config.hf_config, "eos_token_id", None)
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id", eos)
-    ids.update([eos] if isinstance(eos, int) else eos or [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
-
-
+from nanovllm.utils.loader import eos_token_ids, load_tokenizer
 
 
 class LLMEngine:
@@ -52,7 +33,7 @@ class LLMEngine:
         config = Config.from_kwargs(model, **kwargs)
         self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-        config.eos_token_ids = _eos_token_ids(config, self.tokenizer)
+        config.eos_token_ids = eos_token_ids(config.model, config.hf_config, self.tokenizer)
         self._resources = resources = Resources()
         self._finalizer = weakref.finalize(self, resources.close)
         try:

@@ -1,17 +1,15 @@
 """Runs the model on one device (one rank of a tensor-parallel group).
 
 Owns device set-up, model loading, the warmup forward that sizes the KV cache, the one preallocated
-KV tensor with per-layer views, turning scheduled sequences into the flat tensors attention needs
-(``step_tensors``, from the ``batch.StepInput`` rank 0 built), the forward (decode through ``cuda_graph.DecodeGraphs``
-on CUDA), and sampling on rank 0. With tensor parallelism every rank runs one; rank 0's engine sends
-each call to the others (``worker_group``), and the ranks' collectives go through the engine's own
-``TPGroup``.
+KV tensor with per-layer views, a step's tensors (``step_tensors``, from the ``batch.StepInput`` rank 0
+built), the forward (decode through ``cuda_graph.DecodeGraphs`` on CUDA), and sampling on rank 0.
+With tensor parallelism every rank runs one; rank 0's engine sends each step to the others
+(``worker_group``); their collectives go through the engine's own ``TPGroup``.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,7 +18,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.batch import StepInput, build_prefill
 from nanovllm.engine.cuda_graph import DecodeGraphs
-from nanovllm.engine.outputs import PromptLogprobsBatch, SampledTokens
+from nanovllm.engine.outputs import PromptLogprobsBatch, SampledTokens, SamplingInputs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
@@ -33,13 +31,6 @@ from nanovllm.utils.loader import load_dummy_weights, load_model
 logger = logging.getLogger("nanovllm")
 
 
-@dataclass
-class SamplingInputs:
-    """What rank 0 needs, besides the logits, to sample one step."""
-
-    batch: SamplingBatch
-    prompt: PromptLogprobsBatch | None      # prefills whose sequences compute prompt logprobs
-    num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
 # torch's default dtype is process-wide: engines built in different threads take turns
 _BUILD_LOCK = threading.Lock()
 

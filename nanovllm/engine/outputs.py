@@ -1,5 +1,5 @@
-"""Output assembly: a forward's sampled tokens on their way to the host (``SampledTokens``), vLLM's
-logprob entries, and the dicts ``generate`` returns for a request and its completions."""
+"""Output assembly: what rank 0 samples with (``SamplingInputs``), a forward's sampled tokens on their
+way to the host (``SampledTokens``), vLLM's logprob entries, and the dicts ``generate`` returns."""
 from __future__ import annotations
 
 import time
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import SamplingBatch
 
 
 @dataclass
@@ -22,6 +23,15 @@ class PromptLogprobsBatch:
     targets: list[int]            # the same, on the host
     spans: list[tuple[int, int] | None]  # per sequence: (how many of the rows are its own, its k), or None
     num_top: int                  # the largest k
+
+
+@dataclass
+class SamplingInputs:
+    """What rank 0 needs, besides the logits, to sample one step."""
+
+    batch: SamplingBatch
+    prompt: PromptLogprobsBatch | None      # prefills whose sequences compute prompt logprobs
+    num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
 
 
 def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float

@@ -130,3 +130,18 @@ def load_tokenizer(path: str):
     if len(tokenizer) < 2:
         raise ValueError(f"the tokenizer loaded from {path!r} has {len(tokenizer)} token(s): {remedy}")
     return tokenizer
+
+
+def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
+    """Every EOS id of a checkpoint: generation_config.json's (else config.json's; one or a list) and the
+    tokenizer's."""
+    ids: set[int] = set()
+    path = os.path.join(model_dir, "generation_config.json")
+    eos = getattr(hf_config, "eos_token_id", None)
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
