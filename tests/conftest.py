@@ -130,3 +130,18 @@ def assert_no_leaks(llm) -> None:
     assert llm.is_finished()
     assert len(bm.free_block_ids) == len(bm.blocks) and not bm.used_block_ids
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def edited_checkpoint(src: str, dst, **config_changes) -> str:
+    """A copy of checkpoint ``src`` at ``dst`` whose config.json has ``config_changes`` applied
+    (e.g. intermediate_size doubled: the weights no longer match the config)."""
+    import json
+    import shutil
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update({k: v(config[k]) if callable(v) else v for k, v in config_changes.items()})
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return str(dst)

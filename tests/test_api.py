@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ENGINE, assert_no_leaks, random_prompts
+from conftest import ENGINE, assert_no_leaks, edited_checkpoint, random_prompts
 
 from nanovllm import LLM, SamplingParams
 
@@ -183,13 +183,9 @@ def test_running_sequences_capped_by_max_num_seqs(tiny):
 
 
 def test_weights_not_matching_config_name_the_tensor(tiny, tmp_path):
-    ckpt = tmp_path / "shapes"
-    shutil.copytree(tiny, ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["intermediate_size"] *= 2
-    (ckpt / "config.json").write_text(json.dumps(config))
+    ckpt = edited_checkpoint(tiny, tmp_path / "shapes", intermediate_size=lambda n: 2 * n)
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d\.mlp\.(gate|up|down)_proj\.weight'"):
-        LLM(str(ckpt), device="cpu")
+        LLM(ckpt, device="cpu")
 
 
 def test_attention_backend_choice_is_checked_up_front(tiny):

@@ -324,41 +324,40 @@ def test_streamed_text_with_a_stop_string_equals_generate(llm):
         assert final["finish_reason"] == "stop" and "".join(pieces) == final["text"], (pieces, final["text"])
 
 
-def test_generate_from_two_threads(llm):
-    batches = [random_prompts(4, 5, 30, seed=90 + i) for i in range(2)]
-    ref = [_ids(llm.generate(b, GREEDY, use_tqdm=False)) for b in batches]
-    got, errors = [None, None], []
+def _in_threads(work, n: int = 2) -> list:
+    """work(i) in n threads at once; its results in order (an exception raised in a thread is re-raised)."""
+    results: list = [None] * n
 
-    def work(i):
+    def run(i):
         try:
-            got[i] = _ids(llm.generate(batches[i], GREEDY, use_tqdm=False))
+            results[i] = work(i)
         except Exception as e:  # surfaced below
-            errors.append(e)
+            results[i] = e
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    assert not errors and got == ref
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
+def test_generate_from_two_threads(llm):
+    batches = [random_prompts(4, 5, 30, seed=90 + i) for i in range(2)]
+    ref = [_ids(llm.generate(b, GREEDY, use_tqdm=False)) for b in batches]
+    assert _in_threads(lambda i: _ids(llm.generate(batches[i], GREEDY, use_tqdm=False))) == ref
     assert_no_leaks(llm)
 
 
 def test_engines_in_their_own_threads_are_independent(tiny):
     prompts = random_prompts(4, 5, 30, seed=95)
-    results, errors = {}, []
+    ref = _ids(LLM(tiny, **ENGINE).generate(prompts, GREEDY, use_tqdm=False))
 
     def work(i):
-        try:
-            with LLM(tiny, **ENGINE) as llm:
-                results[i] = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
-        except Exception as e:  # surfaced below
-            errors.append(e)
+        with LLM(tiny, **ENGINE) as llm:
+            return _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    assert results[0] == results[1] and len(results[0]) == 4
+    assert _in_threads(work) == [ref, ref]

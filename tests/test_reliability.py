@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import _thread
 import gc
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +12,7 @@ import threading
 import time
 
 import pytest
-from conftest import assert_no_leaks, random_prompts
+from conftest import assert_no_leaks, edited_checkpoint, random_prompts
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import worker_group
@@ -111,13 +109,9 @@ def test_ctrl_c_with_tensor_parallelism_returns_at_once(tiny):
 
 
 def test_two_tp_engines_side_by_side_and_after_a_failed_start(tiny, tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny, bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["intermediate_size"] *= 2
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = edited_checkpoint(tiny, tmp_path / "bad", intermediate_size=lambda n: 2 * n)
     with pytest.raises(ValueError, match="checkpoint tensor"):
-        LLM(str(bad), tensor_parallel_size=2, **ENGINE)
+        LLM(bad, tensor_parallel_size=2, **ENGINE)
     prompts = random_prompts(6, 5, 40, seed=97)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(tiny, **ENGINE) as ref_engine:
