@@ -86,19 +86,15 @@ def test_async_matches_sync_on_a_mixed_workload(tiny):
     assert reasons[2] == reasons[4] == reasons[11] == reasons[12] == "stop" and reasons[0] == "length"
 
     llm = _engine(tiny, True)
-    preempted, steps_with_two_in_flight = [], []
-    original_preempt, original_run = llm.scheduler.preempt, llm.model_runner.run
-
-    def spy_preempt(seq):
-        preempted.append(seq.seq_id)
-        original_preempt(seq)
+    steps_with_two_in_flight = []
+    original_run = llm.model_runner.run
 
     def spy_run(step, sampling=None):
         if llm.core.inflight is not None:
             steps_with_two_in_flight.append(step.prev_rows is not None)
         return original_run(step, sampling)
 
-    llm.scheduler.preempt, llm.model_runner.run = spy_preempt, spy_run
+    llm.model_runner.run = spy_run
     try:
         assert _workload(*_stops(llm))[1] == params  # the same probe, so the same prefix-cache state
         got = _comparable(llm.generate(prompts, params, use_tqdm=False))
@@ -106,7 +102,7 @@ def test_async_matches_sync_on_a_mixed_workload(tiny):
         assert_no_leaks(llm)
     finally:
         llm.exit()
-    assert preempted, "the small cache should have forced preemption"
+    assert llm.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
     assert any(steps_with_two_in_flight), "no step was launched while the previous one was in flight"
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"request {i} ({params[i]}) differs with async scheduling"

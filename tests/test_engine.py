@@ -54,21 +54,13 @@ def test_chunked_prefill(tiny, oracle, budget):
 def test_preemption(tiny, oracle):
     prompts = random_prompts(16, 20, 60, seed=5)
     llm = LLM(tiny, **{**ENGINE, "num_kvcache_blocks": 12})  # 192 slots for 16 sequences of up to 92 tokens
-    preempted = []
-    original_preempt = llm.scheduler.preempt
-
-    def spy(seq):
-        preempted.append(seq.seq_id)
-        original_preempt(seq)
-
-    llm.scheduler.preempt = spy
     try:
         assert llm.config.num_kvcache_blocks == 12
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_no_leaks(llm)
     finally:
         llm.exit()
-    assert preempted, "the tiny cache should have forced preemption"
+    assert llm.scheduler.num_preemptions > 0, "the tiny cache should have forced preemption"
     assert_matches_oracle(oracle, tiny, prompts, outputs, N)
 
 

@@ -39,6 +39,7 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0  # over the engine's life
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -116,6 +117,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence):
         """Free all of ``seq``'s blocks; it is recomputed (prompt and output so far) later."""
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
