@@ -21,7 +21,7 @@ def test_slot_mapping_worked_example():
     assert step.input_ids.tolist() == list(range(1, 38)) and step.positions.tolist() == list(range(1, 38))
     assert step.cu_seqlens_q.tolist() == [0, 37] and step.cu_seqlens_k.tolist() == [0, 38]
     assert step.block_tables.tolist() == [[4, 5, 9, 3, 11]]  # keys partly cached: block tables needed
-    assert step.max_seqlen_q == 37 and step.max_seqlen_k == 38 and step.logits_indices is None
+    assert step.max_seqlen_q == 37 and step.max_seqlen_k == 38 and step.logits_indices.tolist() == [36]
     # every slot is block_table[p // bs] * bs + p % bs
     assert expected == [seq.block_table[p // 8] * 8 + p % 8 for p in range(1, 38)]
 

@@ -335,26 +335,26 @@ def test_prompt_logprobs_match_transformers(tiny, oracle, async_scheduling, engi
 
 
 def test_prompt_logprobs_only_widen_the_batches_that_ask(llm):
-    """A prefill without prompt logprobs projects each sequence's last position only (the plain path);
-    one with them projects every position of the sequences that ask, and the last of the others."""
+    """A prefill without prompt logprobs projects each sequence's last position only; one with them
+    projects every position of the sequences that ask, and the last of the others."""
     calls = []
 
     def hook(module, args, logits):
         context = get_context()
         if context.is_prefill:
-            calls.append((context.logits_indices is None, logits.size(0), context.cu_seqlens_q.numel() - 1))
+            calls.append((logits.size(0), context.cu_seqlens_q.numel() - 1))
 
     handle = llm.model_runner.model.lm_head.register_forward_hook(hook)
     prompts = random_prompts(3, 20, 30, seed=53)
     try:
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
-        assert calls and all(plain and rows == num_seqs for plain, rows, num_seqs in calls)
+        assert calls and all(rows == num_seqs for rows, num_seqs in calls)
         calls.clear()
         llm.generate(prompts, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=1),
                                SamplingParams(max_tokens=2)], use_tqdm=False)
     finally:
         handle.remove()
-    assert calls == [(False, 1 + len(prompts[1]) + 1, 3)]
+    assert calls == [(1 + len(prompts[1]) + 1, 3)]
 
 
 def test_prompt_logprobs_tensor_parallel(checkpoints, oracle):

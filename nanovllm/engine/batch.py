@@ -25,7 +25,8 @@ class StepInput:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     context_lens: np.ndarray | None = None   # [B] int32, decode
-    # prefill: the rows the LM head projects when not only each sequence's last (prompt logprobs)
+    # prefill: the rows the LM head projects: each sequence's last, every one of a sequence that
+    # computes prompt logprobs
     logits_indices: np.ndarray | None = None  # [R] int64
     prev_rows: np.ndarray | None = None      # decode: [B] int64 row of the previous step's samples, -1 = known
 
@@ -54,7 +55,7 @@ def block_tables(seqs: list[Sequence]) -> np.ndarray:
 def build_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
     """Each sequence's scheduled tokens [num_cached_tokens, + num_scheduled_tokens). The LM head
     projects each sequence's last position, and every position of a sequence that computes prompt
-    logprobs (``logits_indices``, set only when one does)."""
+    logprobs (``logits_indices``)."""
     starts = [seq.num_cached_tokens for seq in seqs]
     counts = [seq.num_scheduled_tokens for seq in seqs]
     cu_q = np.cumsum([0, *counts], dtype=np.int32)
@@ -69,10 +70,9 @@ def build_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
         max_seqlen_k=max(s + n for s, n in zip(starts, counts)))
     if cu_k[-1] > cu_q[-1]:  # part of the keys come from the cache
         step.block_tables = block_tables(seqs)
-    if any(seq.computes_prompt_logprobs for seq in seqs):
-        step.logits_indices = np.concatenate([
-            np.arange(cu_q[i], cu_q[i + 1]) if seq.computes_prompt_logprobs else [cu_q[i + 1] - 1]
-            for i, seq in enumerate(seqs)]).astype(np.int64)
+    step.logits_indices = np.concatenate([
+        np.arange(cu_q[i], cu_q[i + 1]) if seq.computes_prompt_logprobs else [cu_q[i + 1] - 1]
+        for i, seq in enumerate(seqs)]).astype(np.int64)
     return step
 
 

@@ -37,13 +37,12 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Logits [num_seqs, vocab] on rank 0 (None elsewhere); in prefill only each
-        sequence's last token is projected, or the rows of ``logits_indices`` when set (then
-        [len(logits_indices), vocab]: every position of a sequence that asks for prompt logprobs)."""
+        """Logits on rank 0 (None elsewhere): decode [num_seqs, vocab]; prefill [len(logits_indices), vocab],
+        the rows ``logits_indices`` names (each sequence's last position, every position of a sequence
+        that asks for prompt logprobs)."""
         context = get_context()
         if context.is_prefill:
-            rows = context.cu_seqlens_q[1:] - 1 if context.logits_indices is None else context.logits_indices
-            x = x[rows].contiguous()
+            x = x[context.logits_indices].contiguous()
         logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits

@@ -21,7 +21,7 @@ class Context:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None    # [num_new_tokens] int32, -1 = do not store
-    # prefill: the rows the LM head projects when not only each sequence's last one (prompt logprobs)
+    # prefill: the rows the LM head projects (each sequence's last; all of one computing prompt logprobs)
     logits_indices: torch.Tensor | None = None  # [num_logits] int64
     context_lens: torch.Tensor | None = None    # [num_seqs] int32, decode
     block_tables: torch.Tensor | None = None    # [num_seqs, max_num_blocks] int32, -1 padded
