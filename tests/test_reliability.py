@@ -186,6 +186,35 @@ def test_workers_exit_with_rank_0_whatever_their_main_thread_does(tmp_path):
     assert all(_gone(pid, within=20) for pid in pids), "a child outlived its parent"
 
 
+def test_a_child_whose_parent_died_while_it_started_exits(tmp_path):
+    """Rank 0 killed before a worker armed its watchdog (the worker still importing): the worker sees it
+    has been re-parented and exits, even when its main thread would next hold the GIL for good."""
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, time
+        from nanovllm.engine.worker_group import _exit_with_parent
+
+        def late():                  # the parent dies during this sleep
+            time.sleep(3)
+            _exit_with_parent(pdeathsig=True)
+            sum(range(10 ** 13))
+
+        if __name__ == "__main__":
+            child = multiprocessing.get_context("spawn").Process(target=late, daemon=True)
+            child.start()
+            print(child.pid, flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait(timeout=10)
+    gone = _gone(pid, within=40)
+    if not gone:
+        os.kill(pid, signal.SIGKILL)
+    assert gone, "a child that armed its watchdog after its parent died lived on"
+
+
 def test_script_without_main_guard_fails_at_once_with_the_fix(tiny, tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(f"""

@@ -226,10 +226,12 @@ def _exit_with_parent(pdeathsig: bool):
     """Ends this worker when rank 0's process ends, whatever the main thread is doing: Linux's
     parent-death signal (a kernel SIGKILL: even a main thread stuck in C code dies), and a thread that
     waits on the parent's sentinel."""
+    parent = multiprocessing.parent_process()
     if pdeathsig and sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(1)  # rank 0 died before the signal was armed (while this process was still starting)
     if parent is not None:
         def watch():
             parent.join()
