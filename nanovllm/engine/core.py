@@ -73,12 +73,7 @@ class Resources:
         within a moment: its sockets close before its exit status is known), else ``e`` itself."""
         if self.workers is None or isinstance(e, (WorkerDiedError, KeyboardInterrupt, ValueError, TypeError)):
             return e
-        dead = self.workers.wait_for_death(DEATH_GRACE_S)
-        if not dead:
-            return e
-        rank, code = dead[0]
-        return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine has been "
-                               "shut down")
+        return self.workers.death_error(DEATH_GRACE_S) or e
 
 
 class EngineCore:
@@ -231,12 +226,16 @@ class EngineCore:
             self.scheduler.finish(seq, "stop")
         elif seq.is_finished:
             detok.flush()
+        holdback = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
+        self._stream_piece(seq, detok.take(holdback), [token_id])
+
+    def _stream_piece(self, seq: Sequence, text: str, token_ids: list[int]):
+        """Queues a piece for the stream() call that owns ``seq``'s request, if one does."""
         request = self.requests.get(seq.seq_id)
         if request is not None and request.stream is not None:
-            holdback = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
-            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq),
-                                   "text": detok.take(holdback), "token_ids": [token_id],
-                                   "finished": seq.is_finished, "finish_reason": seq.finish_reason})
+            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq), "text": text,
+                                   "token_ids": token_ids, "finished": seq.is_finished,
+                                   "finish_reason": seq.finish_reason})
 
     # ---- ending requests --------------------------------------------------------------------
     def fail(self, seq: Sequence, error: Exception):
@@ -247,9 +246,7 @@ class EngineCore:
         request.error = f"{type(error).__name__}: {error}"
         if not seq.is_finished:
             self.scheduler.finish(seq, "error")
-        if request.stream is not None:
-            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq), "text": "",
-                                   "token_ids": [], "finished": True, "finish_reason": seq.finish_reason})
+        self._stream_piece(seq, "", [])
 
     def abort(self, request: Request):
         """Ends the request's unfinished completions (finish_reason "abort") and forgets it (under the lock)."""

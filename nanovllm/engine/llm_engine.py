@@ -92,8 +92,11 @@ class LLMEngine:
                     index: int = 0, stream: deque | None = None) -> Request:
         """Admits one prompt: its sampling parameters are checked and copied now (later assignments to
         the caller's object do not reach it). ``stream``: the queue its pieces go to."""
-        prompt_ids = self._prompt_token_ids(index, prompt)
-        sampling_params = self._admitted(sampling_params)
+        return self._add(self._prompt_token_ids(index, prompt), self._admitted(sampling_params), index, stream)
+
+    def _add(self, prompt_ids: list[int], sampling_params: SamplingParams, index: int,
+             stream: deque | None) -> Request:
+        """Admits a checked prompt with checked (``_admitted``) sampling parameters."""
         seqs = []
         for i in range(sampling_params.n):
             sp = sampling_params if sampling_params.seed is None or i == 0 else \
@@ -240,10 +243,9 @@ class LLMEngine:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         if stream is not None:
             self._require_tokenizer("streaming")
-        for sp in sampling_params:
-            self._admitted(sp)
+        admitted = [self._admitted(sp) for sp in sampling_params]
         checked = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]
-        return [self.add_request(ids, sp, i, stream) for i, (ids, sp) in enumerate(zip(checked, sampling_params))]
+        return [self._add(ids, sp, i, stream) for i, (ids, sp) in enumerate(zip(checked, admitted))]
 
     def _prompt_token_ids(self, i: int, prompt) -> list[int]:
         if isinstance(prompt, dict):

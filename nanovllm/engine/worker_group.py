@@ -17,7 +17,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ import uuid
 from multiprocessing.shared_memory import SharedMemory
 
 from nanovllm.config import Config
-from nanovllm.utils.distributed import TPGroup
+from nanovllm.utils.distributed import TPGroup, free_port
 
 SEGMENT_PREFIX = "nanovllm-"
 SEGMENT_SIZE = 2 ** 20       # the first segment; a larger call moves to a larger one
@@ -38,12 +37,6 @@ MAIN_GUARD_HINT = ("workers are started with multiprocessing's 'spawn' method, w
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process ended while the engine needed it."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def remove_stale_segments():
@@ -73,19 +66,27 @@ def create_segment(name: str, size: int) -> SharedMemory:
     return SharedMemory(name=name)
 
 
+def header_size(world_size: int) -> int:  # the payload's length, then each worker's count of calls read
+    return 8 * (world_size + 1)
+
+
+def read_count_slot(rank: int) -> slice:  # 8 bytes of the header per worker rank
+    return slice(8 * rank, 8 * rank + 8)
+
+
 class CallChannel:
     """The shared-memory segment calls travel in. Header: the payload's length, then per worker rank the
     number of calls it has read; rank 0 writes a call only once every worker has read the one before."""
 
     def __init__(self, name: str, world_size: int, size: int | None = None):
         self.name, self.world_size = name, world_size
-        self.header = 8 * (world_size + 1)
+        self.header = header_size(world_size)
         self.shm = create_segment(name, max(size or SEGMENT_SIZE, self.header + 1))
         self.num_calls = 0
         self.moves = 0
 
     def _read_count(self, rank: int) -> int:
-        return int.from_bytes(self.shm.buf[8 * rank:8 * rank + 8], "little")
+        return int.from_bytes(self.shm.buf[read_count_slot(rank)], "little")
 
     def _move(self, payload_size: int):
         """A segment large enough for ``payload_size``; the old one is unlinked (every worker has read it)."""
@@ -175,7 +176,8 @@ class WorkerGroup:
             try:
                 doorbell.send_bytes(moved)
             except OSError:  # a broken pipe: the worker is gone
-                self.check_alive(wait_s=JOIN_TIMEOUT_S)
+                if error := self.death_error(JOIN_TIMEOUT_S):
+                    raise error from None
                 raise
 
     def dead(self) -> list[tuple[int, int | None]]:
@@ -191,11 +193,17 @@ class WorkerGroup:
             time.sleep(0.005)  # one has ended: its exit status follows within moments
         return dead
 
-    def check_alive(self, wait_s: float = 0.0):
+    def death_error(self, wait_s: float = 0.0) -> WorkerDiedError | None:
+        """The error naming a dead worker (waiting up to ``wait_s`` for one to die), or None."""
         if dead := (self.wait_for_death(wait_s) if wait_s else self.dead()):
             rank, code = dead[0]
-            raise WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine "
-                                  "has been shut down")
+            return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine "
+                                   "has been shut down")
+        return None
+
+    def check_alive(self):
+        if error := self.death_error():
+            raise error
 
     def close(self, graceful: bool):
         """Ends the workers: told to exit and joined (``graceful``, after a clean run), else killed at once
@@ -245,7 +253,7 @@ class CallReader:
     def __init__(self, doorbell, segment: str, rank: int, world_size: int):
         self.doorbell, self.rank = doorbell, rank
         self.shm = SharedMemory(name=segment)
-        self.header, self.num_calls = 8 * (world_size + 1), 0
+        self.header, self.num_calls = header_size(world_size), 0
 
     def read(self) -> tuple[str, tuple] | None:
         """The next call as (method name, args); None once rank 0 is gone."""
@@ -259,7 +267,7 @@ class CallReader:
         size = int.from_bytes(self.shm.buf[0:8], "little")
         call = pickle.loads(self.shm.buf[self.header:self.header + size])
         self.num_calls += 1
-        self.shm.buf[8 * self.rank:8 * self.rank + 8] = self.num_calls.to_bytes(8, "little")
+        self.shm.buf[read_count_slot(self.rank)] = self.num_calls.to_bytes(8, "little")
         return call
 
 

@@ -9,6 +9,7 @@ at construction. The values are per thread, so engines can be built in different
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,12 @@ import torch.distributed as dist
 
 # A collective waits this long for a peer that is alive but stuck (a dead peer is noticed within seconds).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class TPGroup:
@@ -67,10 +74,6 @@ class TPGroup:
         parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == dst else []
         self.backend.gather(parts, [x], options).wait()
         return parts[0] if self.rank == dst else None
-
-    def barrier(self):
-        # a tiny all-reduce: NCCL's barrier needs a device guess, this needs none
-        self.all_reduce(torch.zeros(1, device=torch.cuda.current_device() if self.device == "cuda" else "cpu"))
 
     def abort(self):
         """Ends the operations in flight without waiting for them (NCCL waits forever for a dead rank)."""
