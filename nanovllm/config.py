@@ -1,15 +1,18 @@
-"""Engine configuration: one dataclass, validated once in ``__post_init__``.
+"""Engine configuration: one frozen dataclass, validated and resolved once in ``__post_init__``.
 
 ``model`` is a checkpoint directory, a built-in architecture preset (random weights, see
 ``nanovllm.models.presets``), or a model shipped with the package: ``"nanovllm:demo"`` (a tiny Qwen3
 trained on Python's standard library, ``nanovllm.demo``), resolved to its directory first.
 
-Keyword names follow nano-vllm (and vLLM where nano-vllm has none). Values derived at
-start-up (``hf_config``, ``torch_dtype``, ``device``, ``eos_token_ids``, and
-``num_kvcache_blocks`` when it was left at -1) are filled in by the engine, visibly.
+Keyword names follow nano-vllm (and vLLM where nano-vllm has none). Resolving fills in every "auto"
+(``device``, ``dtype`` as ``torch_dtype``, ``attention_backend``, ``async_scheduling``), the model's
+``hf_config`` and ``model_class``, and caps ``max_model_len`` at the model's positions. What start-up
+measures later (``eos_token_ids``; ``num_kvcache_blocks`` when it was -1, and ``max_model_len`` when the
+cache holds less) comes in a new object (``derive``): a config is never changed once built.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -20,7 +23,7 @@ from transformers import AutoConfig, PretrainedConfig
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: str
     max_num_batched_tokens: int = 16384
@@ -44,10 +47,11 @@ class Config:
     async_scheduling: bool | None = None
     # KV-cache budget on CPU, in GiB per rank, when num_kvcache_blocks is not given.
     cpu_kvcache_space: float = 4.0
-    # Derived at start-up.
-    hf_config: PretrainedConfig | None = field(default=None, repr=False)
-    torch_dtype: torch.dtype | None = None
-    eos_token_ids: tuple[int, ...] = ()
+    # Resolved from the above.
+    hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
+    model_class: type | None = field(default=None, init=False, repr=False)
+    torch_dtype: torch.dtype | None = field(default=None, init=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> Config:
@@ -58,7 +62,7 @@ class Config:
                 if name in kwargs:
                     raise TypeError(f"pass {name} or its alias {alias}, not both")
                 kwargs[name] = kwargs.pop(alias)
-        public = {f.name for f in dataclasses.fields(cls) if f.name not in _DERIVED}
+        public = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(kwargs) - public)
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(public - {'model'})}")
@@ -68,29 +72,40 @@ class Config:
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a path to a local checkpoint or 'nanovllm:demo', got {self.model!r}")
         from nanovllm.demo import resolve_model
-        self.model = resolve_model(os.fspath(self.model))  # "nanovllm:demo" -> its directory
+        self._set(model=resolve_model(os.fspath(self.model)))  # "nanovllm:demo" -> its directory
         self._check_values()
-        self.hf_config = self._load_hf_config()
+        self._set(hf_config=self._load_hf_config())
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._set(device="cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available")
         if self.async_scheduling is None:
-            self.async_scheduling = self.device == "cuda"
+            self._set(async_scheduling=self.device == "cuda")
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible GPU(s)")
         from nanovllm.models import get_model_class
-        model_class = get_model_class(self.hf_config)  # an unsupported architecture fails here, before any process
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        model_class.check_config(self.hf_config, self.max_model_len)
-        self.torch_dtype = self._resolve_dtype()
+        # an unsupported architecture fails here, before any process starts
+        self._set(model_class=get_model_class(self.hf_config),
+                  max_model_len=min(self.max_model_len, self.hf_config.max_position_embeddings))
+        self.model_class.check_config(self.hf_config, self.max_model_len)
+        self._set(torch_dtype=self._resolve_dtype())
         self._check_tensor_parallel()
-        from nanovllm.layers.attention import select_backend
+        from nanovllm.layers.attention import resolve_backend
         from nanovllm.models.llama import head_dim_of
         # an unusable attention_backend fails here, naming what it does not support
-        select_backend(self.attention_backend, self.device, self.torch_dtype, self.kvcache_block_size,
-                       head_dim_of(self.hf_config), log=False)
+        self._set(attention_backend=resolve_backend(self.attention_backend, self.device, self.torch_dtype,
+                                                    self.kvcache_block_size, head_dim_of(self.hf_config)))
+
+    def _set(self, **values):
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def derive(self, **values) -> Config:
+        """A copy with what start-up found (``eos_token_ids``, ``num_kvcache_blocks``, ``max_model_len``)."""
+        config = copy.copy(self)
+        config._set(**values)
+        return config
 
     def _check_values(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
@@ -153,7 +168,6 @@ class Config:
                 raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={value}")
 
 
-_DERIVED = {"hf_config", "torch_dtype", "eos_token_ids"}
 _ALIASES = {"block_size": "kvcache_block_size"}  # vLLM's name -> ours
 
 

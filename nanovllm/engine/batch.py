@@ -54,7 +54,7 @@ def block_tables(seqs: list[Sequence]) -> np.ndarray:
 
 def build_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
     """Each sequence's scheduled tokens [num_cached_tokens, + num_scheduled_tokens). The LM head
-    projects each sequence's last position, and every position of a sequence that computes prompt
+    projects each sequence's last position, and every position of a sequence whose chunk gives prompt
     logprobs (``logits_indices``)."""
     starts = [seq.num_cached_tokens for seq in seqs]
     counts = [seq.num_scheduled_tokens for seq in seqs]
@@ -71,23 +71,25 @@ def build_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
     if cu_k[-1] > cu_q[-1]:  # part of the keys come from the cache
         step.block_tables = block_tables(seqs)
     step.logits_indices = np.concatenate([
-        np.arange(cu_q[i], cu_q[i + 1]) if seq.computes_prompt_logprobs else [cu_q[i + 1] - 1]
+        np.arange(cu_q[i], cu_q[i + 1]) if seq.num_prompt_logprob_rows else [cu_q[i + 1] - 1]
         for i, seq in enumerate(seqs)]).astype(np.int64)
     return step
 
 
-def build_decode(seqs: list[Sequence], block_size: int) -> StepInput:
-    """One token per sequence: its last (position len - 1, in its last block); a token still on the
-    device (async scheduling) is taken from its row of the previous step's samples (``prev_rows``)."""
+def build_decode(seqs: list[Sequence], block_size: int, inflight=None) -> StepInput:
+    """One token per sequence: its last (position len - 1, in its last block). A token still on the
+    device (async scheduling) is taken from its row of the in-flight step's samples (``prev_rows``;
+    ``inflight``: that step, with its ``seqs`` and the ``rows`` whose samples are next tokens)."""
     context_lens = np.array([seq.num_tokens for seq in seqs], dtype=np.int32)
     step = StepInput(
         is_prefill=False,
-        input_ids=np.array([seq.last_token for seq in seqs], dtype=np.int64),
+        input_ids=np.array([-1 if seq.num_pending_tokens else seq.token_ids[-1] for seq in seqs], dtype=np.int64),
         positions=(context_lens - 1).astype(np.int64),
         slot_mapping=np.array([seq.block_table[-1] * block_size + (n - 1) % block_size
                                for seq, n in zip(seqs, context_lens.tolist())], dtype=np.int32),
         block_tables=block_tables(seqs), context_lens=context_lens)
     if any(seq.num_pending_tokens for seq in seqs):
-        step.prev_rows = np.array([seq.inflight_row if seq.num_pending_tokens else -1 for seq in seqs],
+        row_of = {inflight.seqs[row].seq_id: row for row in inflight.rows}
+        step.prev_rows = np.array([row_of[seq.seq_id] if seq.num_pending_tokens else -1 for seq in seqs],
                                   dtype=np.int64)
     return step

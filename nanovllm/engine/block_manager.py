@@ -118,7 +118,7 @@ class BlockManager:
         """Register the blocks that are full, computed (or being computed) and whose token ids are
         all known (no token still pending on the device)."""
         first = seq.num_hashed_blocks
-        last = min(seq.num_cached_tokens, seq.num_resolved_tokens) // self.block_size
+        last = min(seq.num_cached_tokens, len(seq.token_ids)) // self.block_size
         if last <= first:
             return
         h = self.blocks[seq.block_table[first - 1]].hash if first > 0 else -1

@@ -86,6 +86,7 @@ class EngineCore:
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
         self.async_scheduling = config.async_scheduling  # fixed for the engine's life (the runner relies on it)
+        self.eos_token_ids = frozenset(config.eos_token_ids)
         self.lock = threading.Lock()  # one step (or request admission) at a time
 
     def add(self, request: Request):
@@ -118,7 +119,8 @@ class EngineCore:
         launched = None
         if seqs:
             block_size = self.config.kvcache_block_size
-            step = batch.build_prefill(seqs, block_size) if is_prefill else batch.build_decode(seqs, block_size)
+            step = batch.build_prefill(seqs, block_size) if is_prefill else \
+                batch.build_decode(seqs, block_size, self.inflight and self.inflight[0])
             output = self.guarded(self._launch, step, sampling)
             launched = self.scheduler.launched(seqs, is_prefill), output
         elif self.inflight is None and not done:
@@ -199,11 +201,10 @@ class EngineCore:
         alive = (lambda: not workers.dead()) if workers is not None and self.config.device == "cuda" else None
         token_ids, logprobs, prompt_logprobs = self.guarded(output.result, alive)
         for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs):
-            if seq.detokenizer is not None:
-                try:
-                    self._new_text(seq, token_id)
-                except Exception as e:
-                    self.fail(seq, e)
+            try:
+                self._check_stop(seq, token_id)
+            except Exception as e:  # the sequence's own text failed to decode
+                self.fail(seq, e)
         for seq in step.seqs if step.is_prefill else ():  # completions 1..n-1 start once 0's prompt is cached
             request = self.requests.get(seq.seq_id)
             if request is not None and request.waiting_siblings and \
@@ -213,21 +214,31 @@ class EngineCore:
                 request.waiting_siblings = []
         done.extend(seq for seq, finished in zip(step.seqs, finished_before) if not finished)
 
-    def _new_text(self, seq: Sequence, token_id: int):
-        """Feeds the new token to the sequence's detokenizer; finishes it on a stop string; queues the
+    def _check_stop(self, seq: Sequence, token_id: int):
+        """Whether ``token_id``, just appended, ends ``seq``, in vLLM's order: a stop token (EOS unless
+        ``ignore_eos``, or one of ``stop_token_ids``) once ``min_tokens`` are out; a stop string that the
+        new text completes (the text is cut there); ``max_tokens`` or ``max_model_len``. Then queues the
         text a stream may show (all but what could still turn out to begin a stop string)."""
-        detok = seq.detokenizer
-        delta = detok.add(token_id)
-        stops = seq.sampling_params.stop_strings
-        hit = detok.find_stop(stops, delta) if stops and not seq.is_finished else None
-        if hit:
+        sp, detok = seq.sampling_params, seq.detokenizer
+        delta = detok.add(token_id) if detok is not None else ""
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        stops = sp.stop_strings
+        reason = hit = None
+        if num_out >= sp.min_tokens and ((not sp.ignore_eos and token_id in self.eos_token_ids)
+                                         or token_id in sp.stop_token_ids):
+            reason = "stop"
+        elif stops and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
             at, stop = hit
-            detok.text = detok.text[:at + len(stop) if seq.sampling_params.include_stop_str_in_output else at]
-            self.scheduler.finish(seq, "stop")
-        elif seq.is_finished:
-            detok.flush()
-        holdback = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
-        self._stream_piece(seq, detok.take(holdback), [token_id])
+            detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
+            reason = "stop"
+        elif num_out >= sp.max_tokens or len(seq.token_ids) >= self.scheduler.max_model_len:
+            reason = "length"
+        if reason:
+            self.scheduler.finish(seq, reason)
+        if detok is not None:
+            if reason and not hit:
+                detok.flush()
+            self._stream_piece(seq, detok.take(0 if reason or not stops else max(map(len, stops)) - 1), [token_id])
 
     def _stream_piece(self, seq: Sequence, text: str, token_ids: list[int]):
         """Queues a piece for the stream() call that owns ``seq``'s request, if one does."""

@@ -31,9 +31,8 @@ from nanovllm.utils.loader import eos_token_ids, load_tokenizer
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         config = Config.from_kwargs(model, **kwargs)
-        self.config = config
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-        config.eos_token_ids = eos_token_ids(config.model, config.hf_config, self.tokenizer)
+        config = config.derive(eos_token_ids=eos_token_ids(config.model, config.hf_config, self.tokenizer))
         self._resources = resources = Resources()
         self._finalizer = weakref.finalize(self, resources.close)
         try:
@@ -49,8 +48,9 @@ class LLMEngine:
             if error is e:
                 raise
             raise error from e
-        config.num_kvcache_blocks = resources.runner.num_kvcache_blocks
-        self.core = EngineCore(config, resources, self._finalizer)
+        runner = resources.runner
+        self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
+        self.core = EngineCore(self.config, resources, self._finalizer)
 
     # ---- life cycle ------------------------------------------------------------------------
     @property
@@ -103,8 +103,7 @@ class LLMEngine:
                 dataclasses.replace(sampling_params, seed=(sampling_params.seed + i) % MAX_SEED)
             seq = Sequence(prompt_ids, sp, self.config.kvcache_block_size)
             if i == 0 and sp.prompt_logprobs is not None:  # one completion computes them for the request
-                seq.computes_prompt_logprobs = True
-                seq.prompt_logprobs = [None]  # the first prompt token has none
+                seq.prompt_logprobs = [None] * len(prompt_ids)
             if stream is not None or sp.stop_strings:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, sp.skip_special_tokens)
             seqs.append(seq)

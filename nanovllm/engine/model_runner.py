@@ -20,9 +20,8 @@ from nanovllm.engine.batch import StepInput, build_prefill
 from nanovllm.engine.cuda_graph import DecodeGraphs
 from nanovllm.engine.outputs import PromptLogprobsBatch, SampledTokens, SamplingInputs
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.attention import Attention, bind_backend
 from nanovllm.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
-from nanovllm.models import get_model_class
 from nanovllm.models.llama import head_dim_of
 from nanovllm.utils.context import get_context, set_context
 from nanovllm.utils.distributed import TPGroup, tensor_parallel
@@ -66,20 +65,22 @@ class ModelRunner:
 
     def _load_and_prepare(self, hf_config):
         with tensor_parallel(self.rank, self.world_size, self.group):
-            self.model = get_model_class(hf_config)(hf_config, max_model_len=self.config.max_model_len)
+            self.model = self.config.model_class(hf_config, max_model_len=self.config.max_model_len)
         if self.config.load_format == "dummy":
             load_dummy_weights(self.model, self.config.seed + self.rank)
         else:
             load_model(self.model, self.config.model)
         self.sampler = Sampler(self.config.seed)
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
-        self.attention_backend = select_backend(self.config.attention_backend, self.config.device, self.dtype,
-                                                self.block_size, self.head_dim, log=self.rank == 0)
+        self.attention_backend = bind_backend(self.config.attention_backend)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.attention_backend
         if self.is_cuda:
             self.warmup_model()
         self.allocate_kv_cache()
         if not self.enforce_eager:
-            max_num_blocks = (self.config.max_model_len + self.block_size - 1) // self.block_size
+            max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
             self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
                                        hf_config.hidden_size)
 
@@ -91,7 +92,8 @@ class ModelRunner:
 
     # ---- start-up ----------------------------------------------------------------------
     def warmup_model(self):
-        """One prefill at the largest batch, so that the KV sizing sees the peak activations."""
+        """One prefill at the largest batch, so that the KV sizing sees the peak activations: a step like
+        any other, whose slots of -1 store nothing into a throwaway cache of one block."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         max_num_batched_tokens, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
@@ -99,7 +101,10 @@ class ModelRunner:
         num_seqs = max(1, min(max_num_batched_tokens // seq_len, self.config.max_num_seqs))
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
-            seq.num_scheduled_tokens = seq_len  # no block tables: slots of -1, nothing stored
+            seq.num_scheduled_tokens = seq_len  # no block tables: slots of -1
+        dummy = torch.zeros(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype)
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = dummy
         self.run(build_prefill(seqs, self.block_size), self.prepare_sampling(seqs, True) if self.rank == 0 else None)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -138,13 +143,11 @@ class ModelRunner:
                              f"of {self.block_size} tokens, got {num_blocks} blocks): {remedy}, or set "
                              "num_kvcache_blocks")
         self.num_kvcache_blocks = num_blocks
-        capacity = num_blocks * self.block_size
-        if capacity < self.config.max_model_len:  # a sequence can never outgrow the whole cache
-            if self.rank == 0:
-                logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens "
-                               "(raise num_kvcache_blocks, cpu_kvcache_space or gpu_memory_utilization for more)",
-                               self.config.max_model_len, capacity, num_blocks, self.block_size)
-            self.config.max_model_len = capacity
+        self.max_model_len = min(self.config.max_model_len, num_blocks * self.block_size)
+        if self.max_model_len < self.config.max_model_len and self.rank == 0:  # a sequence never outgrows the cache
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens "
+                           "(raise num_kvcache_blocks, cpu_kvcache_space or gpu_memory_utilization for more)",
+                           self.config.max_model_len, self.max_model_len, num_blocks, self.block_size)
         # zeros, not empty: masked-out positions must not hold NaN bit patterns
         try:
             self.kv_cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, self.block_size,
@@ -152,11 +155,8 @@ class ModelRunner:
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({num_blocks * self._block_bytes()} "
                              f"bytes on {self.device}): lower num_kvcache_blocks (or leave it at -1)") from e
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer_id, module in enumerate(layers):
-            module.k_cache = self.kv_cache[0, layer_id]
-            module.v_cache = self.kv_cache[1, layer_id]
-            module.backend = self.attention_backend
+        for layer_id, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, layer_id], self.kv_cache[1, layer_id]
 
     # ---- a step's inputs on the device -------------------------------------------------------
     def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
@@ -234,17 +234,17 @@ class ModelRunner:
         """Which logits rows of a prefill give which prompt logprobs (rank 0); None when no sequence
         computes them. The logits at position p are the distribution of token p + 1, so a sequence's
         scheduled positions before its last prompt token give the logprobs of its prompt tokens."""
-        if not any(seq.computes_prompt_logprobs for seq in seqs):
+        counts = [seq.num_prompt_logprob_rows for seq in seqs]
+        if not any(counts):
             return None
         sample_rows, rows, targets, spans = [], [], [], []
         row = 0
-        for seq in seqs:
-            if seq.computes_prompt_logprobs:
+        for seq, count in zip(seqs, counts):
+            if count:
                 start = seq.num_cached_tokens
-                count = max(0, min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1) - start)
                 rows.extend(range(row, row + count))
                 targets.extend(seq.token_ids[start + 1:start + 1 + count])
-                spans.append((count, seq.sampling_params.prompt_logprobs))
+                spans.append((start + 1, count, seq.sampling_params.prompt_logprobs))
                 row += seq.num_scheduled_tokens
             else:
                 spans.append(None)
@@ -252,7 +252,7 @@ class ModelRunner:
             sample_rows.append(row - 1)
         return PromptLogprobsBatch(self._to_device(sample_rows, torch.int64), self._to_device(rows, torch.int64),
                                    self._to_device(targets, torch.int64), targets, spans,
-                                   max(span[1] for span in spans if span is not None))
+                                   max(span[2] for span in spans if span is not None))
 
     def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))

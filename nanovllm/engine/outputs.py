@@ -21,7 +21,7 @@ class PromptLogprobsBatch:
     rows: torch.Tensor            # [R] the logits rows whose next token is a prompt token
     target_ids: torch.Tensor      # [R] those prompt tokens
     targets: list[int]            # the same, on the host
-    spans: list[tuple[int, int] | None]  # per sequence: (how many of the rows are its own, its k), or None
+    spans: list[tuple[int, int, int] | None]  # per sequence: (its first prompt position, how many, k), or None
     num_top: int                  # the largest k
 
 
@@ -80,11 +80,11 @@ class SampledTokens:
         self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
 
     def result(self, alive: Callable[[], bool] | None = None
-               ) -> tuple[list[int], list[dict[int, float] | None], list[list[dict[int, float]] | None]]:
-        """(the sampled token ids, per sequence its {token id: logprob} for the sampled token and
-        its top k or None where not asked, per sequence the {token id: logprob} of each prompt token
-        this forward computed (the actual one and the top k) or None where not asked). ``alive``: see
-        ``wait_for_event``."""
+               ) -> tuple[list[int], list[dict[int, float] | None], list[tuple[int, list[dict]] | None]]:
+        """(the sampled token ids; per sequence its {token id: logprob} for the sampled token and its
+        top k, or None where not asked; per sequence (the first prompt position, the {token id: logprob}
+        of each prompt token from there that this forward computed: the actual one and the top k), or
+        None). ``alive``: see ``wait_for_event``."""
         if self.event is not None:
             wait_for_event(self.event, alive)
         token_ids = self.token_ids.tolist()
@@ -97,7 +97,7 @@ class SampledTokens:
         return [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i])
                 for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
 
-    def _prompt_logprobs(self, num_seqs: int) -> list[list[dict[int, float]] | None]:
+    def _prompt_logprobs(self, num_seqs: int) -> list[tuple[int, list[dict[int, float]]] | None]:
         if self.prompt is None:
             return [None] * num_seqs
         target, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs) if self.prompt_logprobs \
@@ -107,9 +107,9 @@ class SampledTokens:
             if span is None:
                 out.append(None)
                 continue
-            count, k = span
-            out.append([_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r], target[r])
-                        for r in range(row, row + count)])
+            first, count, k = span
+            out.append((first, [_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r], target[r])
+                                for r in range(row, row + count)]))
             row += count
         return out
 

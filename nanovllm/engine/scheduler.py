@@ -2,8 +2,8 @@
 otherwise decode every running sequence; when blocks run out, preempt the newest one.
 
 A step has three moments: ``schedule`` picks the sequences, ``launched`` books the forward once
-it is issued (each sequence that gets a token gains a PLACEHOLDER), and ``postprocess`` fills
-the placeholders in when the sampled tokens are read back. With async scheduling the next step
+it is issued (each sequence that gets a token counts one more pending token), and ``postprocess``
+appends the sampled tokens when they are read back. With async scheduling the next step
 is scheduled and launched between the last two, so the CPU works while the device runs.
 """
 from __future__ import annotations
@@ -31,11 +31,8 @@ class Scheduler:
     def __init__(self, config: Config):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.eos_token_ids = frozenset(config.eos_token_ids)
         self.enable_prefix_caching = config.enable_prefix_caching
-        # a sequence stops at max_model_len (which the model runner lowers to the cache's size), and never
-        # outgrows the whole cache (it could not be scheduled)
-        self.max_model_len = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size)
+        self.max_model_len = config.max_model_len  # no more than the whole cache holds
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -66,7 +63,7 @@ class Scheduler:
                 break  # preempted with a token in flight: its ids are not all known yet
             if not seq.block_table:
                 # prompt logprobs need every prompt position computed: no prompt from the cache (as vLLM)
-                use_cache = self.enable_prefix_caching and not seq.computes_prompt_logprobs
+                use_cache = self.enable_prefix_caching and seq.prompt_logprobs is None
                 if not self.block_manager.can_allocate(seq, use_cache):
                     break
                 self.block_manager.allocate(seq, use_cache)
@@ -126,29 +123,27 @@ class Scheduler:
     def launched(self, seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
         """Books the forward just issued for ``seqs``: their scheduled tokens count as cached (the
         device writes their K/V before any later forward reads it), and each sequence whose sampled
-        token is kept gains a placeholder for it."""
+        token is kept counts it as pending."""
         rows = []
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            if seq.num_cached_tokens >= seq.num_prompt_tokens:  # every prompt logprob is on its way
-                seq.computes_prompt_logprobs = False
             self.block_manager.hash_blocks(seq)  # now, so that the very next schedule can reuse them
             if seq.num_cached_tokens == seq.num_tokens:  # else a prefill chunk: its sample is not a next token
-                seq.append_placeholder()
-                seq.inflight_row = row
+                seq.num_pending_tokens += 1
                 rows.append(row)
         return ScheduledStep(seqs, is_prefill, rows)
 
     def postprocess(self, step: ScheduledStep, token_ids: list[int], logprobs: list[dict | None],
-                    prompt_logprobs: list[list[dict] | None] | None = None) -> list[tuple[Sequence, int]]:
-        """Fills in the step's sampled tokens (and prompt logprobs, per sequence of a prefill) and
-        finishes sequences; returns (sequence, token) for each sequence that gained a token. A sequence
-        that finished on an earlier token ignores this one (it was computed before that was known) and
-        never shows it."""
-        for seq, entries in zip(step.seqs, prompt_logprobs or ()):
-            if entries is not None:
-                seq.prompt_logprobs.extend(entries)
+                    prompt_logprobs: list[tuple[int, list[dict]] | None] | None = None) -> list[tuple[Sequence, int]]:
+        """Books the step's sampled tokens (and prompt logprobs: per sequence of a prefill, the first
+        position they are for and the entries); returns (sequence, token) for each sequence that gained a
+        token (the engine core decides which of them it ends). A sequence that finished on an earlier
+        token ignores this one (it was computed before that was known) and never shows it."""
+        for seq, computed in zip(step.seqs, prompt_logprobs or ()):
+            if computed is not None:
+                first, entries = computed
+                seq.prompt_logprobs[first:first + len(entries)] = entries
         advanced = []
         for row in step.rows:
             seq = step.seqs[row]
@@ -160,24 +155,11 @@ class Scheduler:
                 seq.logprobs.append(logprobs[row])
             advanced.append((seq, token_id))
             self.block_manager.hash_blocks(seq)  # a block whose last id was pending; before finish frees it
-            reason = self._finish_reason(seq, token_id)
-            if reason:
-                self.finish(seq, reason)
         return advanced
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        sp = seq.sampling_params
-        num_completion_tokens = seq.num_resolved_tokens - seq.num_prompt_tokens
-        if num_completion_tokens >= sp.min_tokens and (
-                (not sp.ignore_eos and token_id in self.eos_token_ids) or token_id in sp.stop_token_ids):
-            return "stop"
-        if num_completion_tokens == sp.max_tokens or seq.num_resolved_tokens == self.max_model_len:
-            return "length"
-        return None
-
     def finish(self, seq: Sequence, reason: str):
-        """Ends ``seq`` at its last resolved token (a token still in flight is dropped)."""
-        seq.drop_pending()
+        """Ends ``seq`` at its last known token (a token still in flight is dropped)."""
+        seq.num_pending_tokens = 0
         (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)  # waiting: preempted
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

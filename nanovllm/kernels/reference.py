@@ -15,9 +15,10 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped.
 
     Without data-dependent shapes: a skipped row writes row 0's value to row 0's slot, so
-    every duplicate write of a slot carries the same value."""
+    every duplicate write of a slot carries the same value (when every slot is -1, as in the warmup
+    forward, row 0's value goes to slot 0 of its throwaway cache)."""
     valid = slot_mapping >= 0
-    slots = torch.where(valid, slot_mapping, slot_mapping[:1]).long()
+    slots = torch.where(valid, slot_mapping, slot_mapping[:1]).clamp(min=0).long()
     keep = valid.view(-1, 1, 1)
     k_flat = k_cache.view(-1, *k_cache.shape[2:])
     v_flat = v_cache.view(-1, *v_cache.shape[2:])

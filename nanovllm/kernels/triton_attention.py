@@ -53,7 +53,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_ptr,
                                k_cache_ptr, v_cache_ptr, stride_t, eps, NUM_HEADS: tl.constexpr,
                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                               BLOCK_KV: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr):
+                               BLOCK_KV: tl.constexpr, NORM: tl.constexpr):
     """One token: its q and k heads (rows of one tile) get RMSNorm, then the rotate-half rotary
     embedding, written back in place; then its k and v heads go to the cache. Rounds where the
     separate ops round (norm output to the dtype, times the weight in the dtype; rotary in fp32)."""
@@ -82,45 +82,42 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
     o2 = (f2 * cos + f1 * sin).to(dtype)
     tl.store(ptr, o1, mask=mask)
     tl.store(ptr + HALF, o2, mask=mask)
-    if STORE:
-        slot = tl.load(slot_ptr + i).to(tl.int64)
-        if slot >= 0:
-            kv_row = rows[:, None] - NUM_HEADS
-            k_mask = mask & (kv_row >= 0)
-            k_ptr = k_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kv_row * HEAD_DIM + cols[None, :]
-            tl.store(k_ptr, o1, mask=k_mask)
-            tl.store(k_ptr + HALF, o2, mask=k_mask)
-            vr = tl.arange(0, BLOCK_KV)[:, None]
-            d = tl.arange(0, HEAD_DIM)[None, :]
-            v_mask = vr < NUM_KV_HEADS
-            v = tl.load(qkv_ptr + i.to(tl.int64) * stride_t + (NUM_HEADS + NUM_KV_HEADS + vr) * HEAD_DIM + d,
-                        mask=v_mask)
-            tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + vr * HEAD_DIM + d, v, mask=v_mask)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    if slot >= 0:
+        kv_row = rows[:, None] - NUM_HEADS
+        k_mask = mask & (kv_row >= 0)
+        k_ptr = k_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kv_row * HEAD_DIM + cols[None, :]
+        tl.store(k_ptr, o1, mask=k_mask)
+        tl.store(k_ptr + HALF, o2, mask=k_mask)
+        vr = tl.arange(0, BLOCK_KV)[:, None]
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        v_mask = vr < NUM_KV_HEADS
+        v = tl.load(qkv_ptr + i.to(tl.int64) * stride_t + (NUM_HEADS + NUM_KV_HEADS + vr) * HEAD_DIM + d,
+                    mask=v_mask)
+        tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + vr * HEAD_DIM + d, v, mask=v_mask)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor | None,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int):
     """The attention prologue in one kernel, for the output of the fused QKV projection
     qkv [N, (num_heads + 2 * num_kv_heads) * head_dim]: per-head RMSNorm of q and k (Qwen3; skipped
     when the weights are None), the rotate-half rotary embedding at ``positions`` from
     ``cos_sin_cache`` [max_position, head_dim] (cos then sin), both in place, then k and v stored at
-    ``slot_mapping`` (slot -1 skipped; nothing stored while the cache is empty). Returns the q, k, v
+    ``slot_mapping`` (slot -1 skipped). Returns the q, k, v
     views [N, heads, head_dim] of qkv. Same results as the separate ops (``RotaryEmbedding``,
     ``RMSNorm``, ``store_kvcache``), one launch instead of four."""
     n = qkv.size(0)
     assert head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1 and cos_sin_cache.is_contiguous()
     assert qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim
-    store = k_cache.numel() > 0 and slot_mapping is not None
     norm = q_weight is not None
     if n:
         _qk_norm_rope_store_kernel[(n,)](
-            qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv,
-            slot_mapping if store else positions, k_cache if store else qkv, v_cache if store else qkv,
-            qkv.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv, slot_mapping,
+            k_cache, v_cache, qkv.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            NORM=norm, STORE=store)
+            NORM=norm)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     return q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
 

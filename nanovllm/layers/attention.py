@@ -2,8 +2,9 @@
 
 The layer stores new K/V into the paged cache at ``slot_mapping``, then runs the prefill or
 decode kernel of the backend chosen once at start-up: our Triton kernels on CUDA, flash-attn
-when installed, or the PyTorch reference (any device, the test oracle). ``select_backend``
-picks the first that supports the device, dtype, block size and head_dim, and says why.
+when installed, or the PyTorch reference (any device, the test oracle). ``resolve_backend``
+picks the first that supports the device, dtype, block size and head_dim, and says why; each rank
+binds its kernels once (``bind_backend``).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import importlib
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,105 +24,90 @@ from nanovllm.utils.context import Context, get_context
 logger = logging.getLogger("nanovllm")
 
 
-class KernelModuleBackend:
-    """A backend whose kernels are one of our modules with ``reference.py``'s functions and signatures."""
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One backend's kernels, bound (their modules imported) when it is chosen."""
 
-    module = "nanovllm.kernels.reference"
-
-    @classmethod
-    def store_kvcache(cls, k, v, k_cache, v_cache, slot_mapping):
-        importlib.import_module(cls.module).store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-
-    @classmethod
-    def prefill(cls, q, k, v, k_cache, v_cache, ctx: Context, scale: float):
-        return importlib.import_module(cls.module).prefill_attention(
-            q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.block_tables, scale)
-
-    @classmethod
-    def decode(cls, q, k_cache, v_cache, ctx: Context, scale: float):
-        return importlib.import_module(cls.module).decode_attention(q, k_cache, v_cache, ctx.context_lens,
-                                                                    ctx.block_tables, scale)
+    name: str
+    store_kvcache: Callable  # (k, v, k_cache, v_cache, slot_mapping): slot -1 is skipped
+    prefill: Callable        # (q, k, v, k_cache, v_cache, ctx, scale) -> [N, num_heads, head_dim]
+    decode: Callable         # (q, k_cache, v_cache, ctx, scale) -> [B, num_heads, head_dim]
+    # Optional: q/k RMSNorm, rotary and the KV store in one kernel, with
+    # ``triton_attention.qk_norm_rope_store``'s signature (power-of-two head_dim).
+    qk_norm_rope_store: Callable | None = None
 
 
-class TorchBackend(KernelModuleBackend):
-    """Plain PyTorch paged attention: any device, dtype, block size and head_dim."""
+def _kernel_module_backend(name: str) -> AttentionBackend:
+    """"torch" (``kernels/reference.py``) or "triton" (``kernels/triton_attention.py``, same functions)."""
+    module = importlib.import_module("nanovllm.kernels." + ("triton_attention" if name == "triton" else "reference"))
 
-    name = "torch"
-
-    @staticmethod
-    def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
-        return []
-
-
-class TritonBackend(KernelModuleBackend):
-    """Our Triton kernels (imported on first use: triton ships for Linux only); on CPU only under
-    TRITON_INTERPRET=1, which the tests use."""
-
-    name = "triton"
-    module = "nanovllm.kernels.triton_attention"
-    HEAD_DIMS = (32, 64, 128)
-
-    @classmethod
-    def qk_norm_rope_store(cls, *args):
-        """q/k RMSNorm, rotary and the KV store in one kernel (``triton_attention.qk_norm_rope_store``)."""
-        return importlib.import_module(cls.module).qk_norm_rope_store(*args)
-
-    @staticmethod
-    def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
-        reasons = []
-        if importlib.util.find_spec("triton") is None:
-            reasons.append("triton is not installed")
-        if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            reasons.append(f"device is {device} (Triton runs on CUDA, or anywhere with TRITON_INTERPRET=1)")
-        if block_size & (block_size - 1) or not 16 <= block_size <= 256:
-            reasons.append(f"kvcache_block_size {block_size} (Triton: powers of two, 16-256)")
-        if head_dim not in TritonBackend.HEAD_DIMS:
-            reasons.append(f"head_dim {head_dim} (Triton: {', '.join(map(str, TritonBackend.HEAD_DIMS))})")
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            reasons.append(f"dtype {dtype}")
-        return reasons
-
-
-class FlashAttnBackend:
-    """flash-attn 2: varlen prefill (paged when part of the keys are cached) and paged decode."""
-
-    name = "flash-attn"
-
-    @staticmethod
-    def unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
-        reasons = []
-        if importlib.util.find_spec("flash_attn") is None:
-            reasons.append("flash_attn is not installed")
-        if device != "cuda":
-            reasons.append(f"device is {device}")
-        if dtype not in (torch.bfloat16, torch.float16):
-            reasons.append(f"dtype {dtype} (flash-attn: bf16, fp16)")
-        if block_size % 256:
-            reasons.append(f"kvcache_block_size {block_size} (flash-attn paged KV: multiples of 256)")
-        if head_dim % 8 or head_dim > 256:
-            reasons.append(f"head_dim {head_dim}")
-        if not reasons and (error := _flash_attn_probe(dtype, head_dim)):
-            reasons.append(f"this flash-attn build has no {dtype} head_dim {head_dim} kernel ({error})")
-        return reasons
-
-    store_kvcache = TritonBackend.store_kvcache
-    qk_norm_rope_store = TritonBackend.qk_norm_rope_store
-
-    @staticmethod
     def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
-        from flash_attn import flash_attn_varlen_func
+        return module.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                        ctx.max_seqlen_q, ctx.block_tables, scale)
+
+    def decode(q, k_cache, v_cache, ctx: Context, scale: float):
+        return module.decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
+
+    return AttentionBackend(name, module.store_kvcache, prefill, decode,
+                            module.qk_norm_rope_store if name == "triton" else None)
+
+
+def _flash_attn_backend() -> AttentionBackend:
+    """flash-attn 2: varlen prefill (paged when part of the keys are cached) and paged decode. It has no
+    KV-store kernel: ours (Triton) write the cache, so this backend needs triton too."""
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    triton = _kernel_module_backend("triton")
+
+    def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
         if ctx.block_tables is not None:
             k, v = k_cache, v_cache
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
                                       max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
                                       softmax_scale=scale, causal=True, block_table=ctx.block_tables)
 
-    @staticmethod
     def decode(q, k_cache, v_cache, ctx: Context, scale: float):
-        from flash_attn import flash_attn_with_kvcache
         out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
                                       block_table=ctx.block_tables, softmax_scale=scale, causal=True)
         return out.squeeze(1)
+
+    return AttentionBackend("flash-attn", triton.store_kvcache, prefill, decode, triton.qk_norm_rope_store)
+
+
+TRITON_HEAD_DIMS = (32, 64, 128)
+
+
+def _triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
+    """Our Triton kernels (triton ships for Linux only); on CPU only under TRITON_INTERPRET=1 (the tests)."""
+    reasons = []
+    if importlib.util.find_spec("triton") is None:
+        reasons.append("triton is not installed")
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        reasons.append(f"device is {device} (Triton runs on CUDA, or anywhere with TRITON_INTERPRET=1)")
+    if block_size & (block_size - 1) or not 16 <= block_size <= 256:
+        reasons.append(f"kvcache_block_size {block_size} (Triton: powers of two, 16-256)")
+    if head_dim not in TRITON_HEAD_DIMS:
+        reasons.append(f"head_dim {head_dim} (Triton: {', '.join(map(str, TRITON_HEAD_DIMS))})")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        reasons.append(f"dtype {dtype}")
+    return reasons
+
+
+def _flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
+    reasons = []
+    for package in ("flash_attn", "triton"):  # triton: for the KV store
+        if importlib.util.find_spec(package) is None:
+            reasons.append(f"{package} is not installed")
+    if device != "cuda":
+        reasons.append(f"device is {device}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(f"dtype {dtype} (flash-attn: bf16, fp16)")
+    if block_size % 256:
+        reasons.append(f"kvcache_block_size {block_size} (flash-attn paged KV: multiples of 256)")
+    if head_dim % 8 or head_dim > 256:
+        reasons.append(f"head_dim {head_dim}")
+    if not reasons and (error := _flash_attn_probe(dtype, head_dim)):
+        reasons.append(f"this flash-attn build has no {dtype} head_dim {head_dim} kernel ({error})")
+    return reasons
 
 
 @functools.cache
@@ -136,44 +124,50 @@ def _flash_attn_probe(dtype: torch.dtype, head_dim: int) -> str:
     return ""
 
 
-# "auto" tries them in this order: fastest first (our Triton kernels beat flash-attn 2.8.3 at every
-# measured shape on an H200: docs/PERFORMANCE.md), then flash-attn for what Triton does not cover
-# (e.g. blocks of 512), then the reference.
-BACKENDS = {b.name: b for b in (TritonBackend, FlashAttnBackend, TorchBackend)}
+# name -> (why it cannot run a configuration, what binds its kernels). "auto" tries them in this order:
+# fastest first (our Triton kernels beat flash-attn 2.8.3 at every measured shape on an H200:
+# docs/PERFORMANCE.md), then flash-attn for what Triton does not cover (e.g. blocks of 512), then the
+# PyTorch reference (any device, dtype, block size and head_dim; the test oracle).
+BACKENDS: dict[str, tuple[Callable[..., list[str]], Callable[[], AttentionBackend]]] = {
+    "triton": (_triton_unsupported, functools.partial(_kernel_module_backend, "triton")),
+    "flash-attn": (_flash_attn_unsupported, _flash_attn_backend),
+    "torch": (lambda *shape: [], functools.partial(_kernel_module_backend, "torch")),
+}
 
 
-def select_backend(name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int,
-                   log: bool = True):
-    """The backend called ``name``, or with "auto" the first in BACKENDS that supports the shapes;
-    the choice and why the others were passed over are logged (by rank 0)."""
-    candidates = [BACKENDS[name]] if name != "auto" else \
-        [b for b in BACKENDS.values() if device == "cuda" or b is not TritonBackend]  # the interpreter: on request only
+def resolve_backend(name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+    """The backend called ``name``, or with "auto" the first in BACKENDS that supports the configuration
+    (Triton's interpreter only on request); the choice and why the others were passed over are logged."""
+    candidates = [name] if name != "auto" else [b for b in BACKENDS if device == "cuda" or b != "triton"]
     skipped = []
     for backend in candidates:
-        reasons = backend.unsupported(device, dtype, block_size, head_dim)
+        reasons = BACKENDS[backend][0](device, dtype, block_size, head_dim)
         if not reasons:
             why = "; ".join(f"{b} skipped: {r}" for b, r in skipped) or f"attention_backend={name!r}"
-            if log:
-                logger.info("attention backend: %s (%s)", backend.name, why)
+            logger.info("attention backend: %s (%s)", backend, why)
             return backend
-        skipped.append((backend.name, ", ".join(reasons)))
+        skipped.append((backend, ", ".join(reasons)))
     raise ValueError(f"attention_backend={name!r} does not support this configuration: {skipped[-1][1]}")
+
+
+def bind_backend(name: str) -> AttentionBackend:
+    return BACKENDS[name][1]()
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        # Set by the model runner: views of its KV-cache tensor, and the backend.
+        # Set by the model runner: views of its KV-cache tensor, and the bound backend.
         self.k_cache = self.v_cache = torch.tensor([])
-        self.backend = TorchBackend
+        self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
         # q [N, num_heads, head_dim]; k, v [N, num_kv_heads, head_dim] -> [N, num_heads, head_dim];
         # kv_stored: the caller's fused prologue (qk_norm_rope_store) already wrote k, v into the cache
         ctx = get_context()
         k_cache, v_cache = self.k_cache, self.v_cache
-        if k_cache.numel() and not kv_stored:  # no cache during the warmup forward that sizes it
+        if not kv_stored:
             self.backend.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_prefill:
             return self.backend.prefill(q, k, v, k_cache, v_cache, ctx, self.scale)

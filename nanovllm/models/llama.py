@@ -49,7 +49,7 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         norm = hasattr(self, "q_norm")
-        fused = getattr(self.attn.backend, "qk_norm_rope_store", None)
+        fused = self.attn.backend.qk_norm_rope_store  # the backend's optional prologue
         if fused is not None and self.head_dim & (self.head_dim - 1) == 0:  # one kernel: norm, rotary, KV store
             q, k, v = fused(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight if norm else None,
                             self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
