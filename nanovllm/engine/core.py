@@ -79,13 +79,10 @@ class Resources:
 class EngineCore:
     def __init__(self, config: Config, resources: Resources, shutdown):
         """``shutdown()`` frees ``resources`` (the engine's finalizer)."""
-        self.config = config
-        self.resources = resources
-        self.shutdown = shutdown
+        self.config, self.resources, self.shutdown = config, resources, shutdown
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
-        self.async_scheduling = config.async_scheduling  # fixed for the engine's life (the runner relies on it)
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.lock = threading.Lock()  # one step (or request admission) at a time
 
@@ -128,7 +125,7 @@ class EngineCore:
         if self.inflight is not None:
             self._finish_inflight(done)
         self.inflight = launched
-        if not self.async_scheduling and launched is not None:
+        if not self.config.async_scheduling and launched is not None:
             self._finish_inflight(done)
         return done, num_tokens
 
@@ -181,14 +178,13 @@ class EngineCore:
                 try:
                     runner.prepare_sampling([seq], is_prefill)
                 except Exception as e:
-                    errors[seq.seq_id] = e
+                    errors[seq] = e
             if not errors:
                 raise
-        for seq in seqs:
-            if seq.seq_id in errors:
-                self.fail(seq, errors[seq.seq_id])
-                done.append(seq)
-        seqs = [seq for seq in seqs if seq.seq_id not in errors]
+        for seq, error in errors.items():
+            self.fail(seq, error)
+        done.extend(errors)
+        seqs = [seq for seq in seqs if seq not in errors]
         return seqs, runner.prepare_sampling(seqs, is_prefill) if seqs else None
 
     def _finish_inflight(self, done: list[Sequence]):

@@ -1,17 +1,11 @@
-"""Runs the model on one device (one rank of a tensor-parallel group).
-
-Owns device set-up, model loading, the warmup forward that sizes the KV cache, the one preallocated
-KV tensor with per-layer views, a step's tensors (``step_tensors``, from the ``batch.StepInput`` rank 0
-built), the forward (decode through ``cuda_graph.DecodeGraphs`` on CUDA), and sampling on rank 0.
-With tensor parallelism every rank runs one; rank 0's engine sends each step to the others
-(``worker_group``); their collectives go through the engine's own ``TPGroup``.
-"""
+"""Runs the model on one device, one per tensor-parallel rank: loading, the warmup forward that sizes
+the KV cache, the one preallocated KV tensor with per-layer views, a ``batch.StepInput``'s tensors, the
+forward (decode through ``cuda_graph.DecodeGraphs`` on CUDA), and, on rank 0, sampling."""
 from __future__ import annotations
 
 import logging
 import threading
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,23 +23,17 @@ from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger("nanovllm")
 
-
 # torch's default dtype is process-wide: engines built in different threads take turns
 _BUILD_LOCK = threading.Lock()
 
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int, group: TPGroup | None = None):
-        self.config = config
+        self.config, self.rank, self.group = config, rank, group
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
-        self.world_size = config.tensor_parallel_size
-        self.rank = rank
-        self.group = group
         self.is_cuda = config.device == "cuda"
-        self.async_scheduling = config.async_scheduling
         self.prev_sampled: torch.Tensor | None = None   # the last forward's sampled tokens, on the device
-        self.enforce_eager = config.enforce_eager or not self.is_cuda
         self.graphs: DecodeGraphs | None = None   # captured at the end of start-up (CUDA, not eager)
         if self.is_cuda:
             torch.cuda.set_device(rank)
@@ -53,7 +41,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.head_dim = head_dim_of(hf_config)
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
-            // self.world_size
+            // config.tensor_parallel_size
         with _BUILD_LOCK:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.dtype)
@@ -64,7 +52,7 @@ class ModelRunner:
                 torch.set_default_dtype(default_dtype)
 
     def _load_and_prepare(self, hf_config):
-        with tensor_parallel(self.rank, self.world_size, self.group):
+        with tensor_parallel(self.rank, self.config.tensor_parallel_size, self.group):
             self.model = self.config.model_class(hf_config, max_model_len=self.config.max_model_len)
         if self.config.load_format == "dummy":
             load_dummy_weights(self.model, self.config.seed + self.rank)
@@ -79,7 +67,7 @@ class ModelRunner:
         if self.is_cuda:
             self.warmup_model()
         self.allocate_kv_cache()
-        if not self.enforce_eager:
+        if self.is_cuda and not self.config.enforce_eager:
             max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
             self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
                                        hf_config.hidden_size)
@@ -90,7 +78,6 @@ class ModelRunner:
             torch.cuda.synchronize()
         self.graphs = None
 
-    # ---- start-up ----------------------------------------------------------------------
     def warmup_model(self):
         """One prefill at the largest batch, so that the KV sizing sees the peak activations: a step like
         any other, whose slots of -1 store nothing into a throwaway cache of one block."""
@@ -110,9 +97,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
 
     def _block_bytes(self) -> int:
-        hf_config = self.config.hf_config
-        return (2 * hf_config.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim
-                * self.dtype.itemsize)
+        return 2 * self.config.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim \
+            * self.dtype.itemsize
 
     def _num_kvcache_blocks(self) -> int:
         config = self.config
@@ -131,7 +117,6 @@ class ModelRunner:
         return min(budget, config.max_num_seqs * blocks_per_seq)
 
     def allocate_kv_cache(self):
-        hf_config = self.config.hf_config
         num_blocks = self._num_kvcache_blocks()
         if self.group is not None:  # every rank must hold the same number of blocks
             t = torch.tensor([num_blocks], device=self.device)
@@ -150,7 +135,7 @@ class ModelRunner:
                            self.config.max_model_len, self.max_model_len, num_blocks, self.block_size)
         # zeros, not empty: masked-out positions must not hold NaN bit patterns
         try:
-            self.kv_cache = torch.zeros(2, hf_config.num_hidden_layers, num_blocks, self.block_size,
+            self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
                                         self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({num_blocks * self._block_bytes()} "
@@ -158,37 +143,27 @@ class ModelRunner:
         for layer_id, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, layer_id], self.kv_cache[1, layer_id]
 
-    # ---- a step's inputs on the device -------------------------------------------------------
-    def _to_device(self, values, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype, device="cpu", pin_memory=self.is_cuda)
-        return t.to(self.device, non_blocking=True)
-
-    def _array(self, a: np.ndarray | None) -> torch.Tensor | None:
-        """A host array on the device, through pinned memory, without waiting."""
-        if a is None:
+    def _to_device(self, values, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """Host values (a list or an array) on the device, through pinned memory, without waiting."""
+        if values is None:
             return None
-        t = torch.from_numpy(a)
+        t = torch.as_tensor(values, dtype=dtype)
         return (t.pin_memory() if self.is_cuda else t).to(self.device, non_blocking=True)
 
     def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(input ids, positions, the attention context's fields) of a step. A decode input still on the
         device (``prev_rows`` >= 0) is gathered from the last forward's sampled tokens."""
-        context = dict(slot_mapping=self._array(step.slot_mapping), block_tables=self._array(step.block_tables))
-        if step.is_prefill:
-            context.update(cu_seqlens_q=self._array(step.cu_seqlens_q), cu_seqlens_k=self._array(step.cu_seqlens_k),
-                           max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k,
-                           logits_indices=self._array(step.logits_indices))
-        else:
-            context["context_lens"] = self._array(step.context_lens)
-        input_ids = self._array(step.input_ids)
+        arrays = ("slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_indices", "context_lens")
+        context = {name: self._to_device(getattr(step, name)) for name in arrays}
+        context.update(max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k)
+        input_ids = self._to_device(step.input_ids)
         if step.prev_rows is not None:
-            rows = self._array(step.prev_rows)
+            rows = self._to_device(step.prev_rows)
             input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
-        return input_ids, self._array(step.positions), context
+        return input_ids, self._to_device(step.positions), context
 
     def prepare_sampling(self, seqs: list[Sequence], is_prefill: bool) -> SamplingInputs:
-        """Rank 0's inputs for sampling a step of ``seqs`` (the engine builds them before it sends the step
-        to the other ranks)."""
+        """Rank 0's inputs for sampling a step of ``seqs``."""
         return SamplingInputs(self.prepare_sample(seqs), self.prepare_prompt_logprobs(seqs) if is_prefill else None,
                               [seq.sampling_params.logprobs for seq in seqs])
 
@@ -196,6 +171,10 @@ class ModelRunner:
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """The batch's sampling parameters; each optional stage only when some request uses it."""
         params = [seq.sampling_params for seq in seqs]
+
+        def column(name: str, dtype=torch.float32) -> torch.Tensor:
+            return self._to_device([getattr(sp, name) for sp in params], dtype)
+
         # a temperature below SAMPLING_EPS is greedy (1 / T would overflow the logits)
         batch = SamplingBatch(self._to_device([0.0 if sp.is_greedy else sp.temperature for sp in params],
                                               torch.float32))
@@ -204,13 +183,12 @@ class ModelRunner:
         vocab_size = self.config.hf_config.vocab_size
         if any(sp.needs_top_k_top_p for sp in params):
             batch.top_k = self._to_device([sp.top_k if sp.top_k > 0 else vocab_size for sp in params], torch.int64)
-            batch.top_p = self._to_device([sp.top_p for sp in params], torch.float32)
+            batch.top_p = column("top_p")
         if any(sp.min_p > 0 for sp in params):
-            batch.min_p = self._to_device([sp.min_p for sp in params], torch.float32)
+            batch.min_p = column("min_p")
         if any(sp.needs_penalties for sp in params):
-            batch.presence_penalty = self._to_device([sp.presence_penalty for sp in params], torch.float32)
-            batch.frequency_penalty = self._to_device([sp.frequency_penalty for sp in params], torch.float32)
-            batch.repetition_penalty = self._to_device([sp.repetition_penalty for sp in params], torch.float32)
+            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = (
+                column(name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
             batch.output_ids = self._padded([seq.completion_token_ids for seq in seqs], vocab_size)
             batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1
                                              else [] for seq, sp in zip(seqs, params)], vocab_size)
@@ -223,9 +201,11 @@ class ModelRunner:
             ids = sorted(set().union(*banned))
             batch.banned_ids = self._to_device(ids, torch.int64)
             batch.banned_rows = self._to_device([[i in row for i in ids] for row in banned], torch.bool)
+        for seq, f in zip(seqs, final):
+            if f and seq.sampling_params.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
         if any(sp.seed is not None for sp in params):
-            batch.generators = [self._generator(seq) if f and seq.sampling_params.seed is not None else None
-                                for seq, f in zip(seqs, final)]
+            batch.generators = [seq.generator if f else None for seq, f in zip(seqs, final)]
         logprobs = [sp.logprobs for sp in params if sp.logprobs is not None]
         batch.num_logprobs = max(logprobs) if logprobs else -1
         return batch
@@ -258,12 +238,6 @@ class ModelRunner:
         width = max(1, max(len(r) for r in rows))
         return self._to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        if seq.generator is None:
-            seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
-        return seq.generator
-
-    # ---- forward -------------------------------------------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool):
         if is_prefill or self.graphs is None or input_ids.size(0) > self.graphs.max_batch_size:
@@ -286,7 +260,7 @@ class ModelRunner:
                     prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
                     logits = logits[prompt.sample_rows]
                 token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
-        if self.async_scheduling:
+        if self.config.async_scheduling:
             if self.group is not None:
                 if self.rank != 0:
                     token_ids = torch.empty(step.num_seqs, dtype=torch.int64, device=self.device)
