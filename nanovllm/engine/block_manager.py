@@ -76,17 +76,14 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
-        """Whether the free blocks cover what ``seq`` needs beyond the cached blocks other sequences hold
-        (a cached block that is free still takes a free block)."""
-        hits = self.cached_prefix(seq) if use_prefix_cache else []
-        shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
-        return self.num_free_blocks >= seq.num_blocks - shared
-
-    def allocate(self, seq: Sequence, use_prefix_cache: bool = True):
-        """Give ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix."""
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
+        """Gives ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix, if the free
+        blocks cover what it needs beyond the cached blocks other sequences hold (a cached block that is
+        free still takes a free block). Returns whether it did."""
         assert not seq.block_table
         hits = self.cached_prefix(seq) if use_prefix_cache else []
+        if self.num_free_blocks < seq.num_blocks - sum(1 for block_id in hits if self.blocks[block_id].ref_count):
+            return False
         for block_id in hits:
             self._reuse_block(block_id)
             seq.block_table.append(block_id)
@@ -95,6 +92,7 @@ class BlockManager:
         self.num_cache_hits += len(hits)
         for _ in range(seq.num_blocks - len(hits)):
             seq.block_table.append(self._allocate_block())
+        return True
 
     def deallocate(self, seq: Sequence):
         for block_id in reversed(seq.block_table):
@@ -106,13 +104,13 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_hashed_blocks = 0
         seq.block_table.clear()
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether the token that ``seq``'s next forward computes has a slot (or one is free)."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks >= 1
-
-    def may_append(self, seq: Sequence):
+    def allocate_slot(self, seq: Sequence) -> bool:
+        """Makes sure the token that ``seq``'s next forward computes has a slot; False when no block is free."""
         if len(seq.block_table) < seq.num_blocks:
+            if not self.num_free_blocks:
+                return False
             seq.block_table.append(self._allocate_block())
+        return True
 
     def hash_blocks(self, seq: Sequence):
         """Register the blocks that are full, computed (or being computed) and whose token ids are

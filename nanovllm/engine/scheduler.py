@@ -64,9 +64,8 @@ class Scheduler:
             if not seq.block_table:
                 # prompt logprobs need every prompt position computed: no prompt from the cache (as vLLM)
                 use_cache = self.enable_prefix_caching and seq.prompt_logprobs is None
-                if not self.block_manager.can_allocate(seq, use_cache):
+                if not self.block_manager.allocate(seq, use_cache):
                     break
-                self.block_manager.allocate(seq, use_cache)
                 if seq.num_prefix_cached_tokens is None:  # first admission (not a recomputation)
                     seq.num_prefix_cached_tokens = seq.num_cached_tokens
             num_tokens = seq.num_tokens - seq.num_cached_tokens
@@ -89,7 +88,7 @@ class Scheduler:
             if self._ends_in_flight(seq):
                 visited.append(seq)  # stays running until its last token is read back
                 continue
-            while not self.block_manager.can_append(seq):
+            while not self.block_manager.allocate_slot(seq):
                 if self.running:
                     self.preempt(self.running.pop())
                 elif ending := next((s for s in reversed(visited) if self._ends_in_flight(s)), None):
@@ -99,7 +98,6 @@ class Scheduler:
                     self.preempt(seq)
                     break
             else:
-                self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
                 visited.append(seq)
