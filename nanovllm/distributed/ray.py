@@ -1,9 +1,6 @@
-"""Data parallelism on Ray: one engine per actor (per GPU, or per group of ``tensor_parallel_size``
-GPUs), a list of prompts spread over the actors in chunks, outputs in prompt order. A chunk whose
-actor dies is retried on another. The same code runs on a laptop (``ray.init()``) and on a
-multi-node cluster (``ray.init(address="auto")``). For Ray Data pipelines, ``LLMPredictor`` is a
-callable class for ``Dataset.map_batches``. Needs the optional extra: ``pip install -e ".[ray]"``.
-"""
+"""Data parallelism on Ray (``pip install -e ".[ray]"``): one engine per actor (per GPU, or per
+``tensor_parallel_size`` GPUs), prompts spread over the actors in chunks, outputs in prompt order; a chunk whose
+actor dies is retried on another. ``LLMPredictor`` is a callable class for Ray Data's ``Dataset.map_batches``."""
 from __future__ import annotations
 
 import ray
@@ -13,14 +10,7 @@ from tqdm.auto import tqdm
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
-
-@ray.remote
-class EngineActor:
-    def __init__(self, model: str, engine_kwargs: dict):
-        self.llm = LLM(model, **engine_kwargs)
-
-    def generate(self, prompts: list, params: list[SamplingParams]) -> list[dict]:
-        return self.llm.generate(prompts, params, use_tqdm=False)
+EngineActor = ray.remote(LLM)  # one engine per actor
 
 
 class DataParallelLLM:
@@ -37,7 +27,7 @@ class DataParallelLLM:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
         options = {"num_gpus": tp} if on_gpu else {"num_cpus": 1}
-        self.actors = [EngineActor.options(**options).remote(model, engine_kwargs) for _ in range(num_replicas)]
+        self.actors = [EngineActor.options(**options).remote(model, **engine_kwargs) for _ in range(num_replicas)]
         self.retries = 0  # chunks retried after their actor died, over this object's life
 
     def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -49,28 +39,25 @@ class DataParallelLLM:
         chunks = [range(i, min(i + chunk_size, len(prompts))) for i in range(0, len(prompts), chunk_size)]
         todo, idle, running = list(reversed(chunks)), list(self.actors), {}
         outputs: list[dict | None] = [None] * len(prompts)
-        pbar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm)
-        while todo or running:
-            while todo and idle:
-                actor, chunk = idle.pop(), todo.pop()
-                ref = actor.generate.remote([prompts[i] for i in chunk], [params[i] for i in chunk])
-                running[ref] = (actor, chunk)
-            if not running:
-                raise RuntimeError("every engine actor has died; nothing left to run the remaining prompts")
-            [ref], _ = ray.wait(list(running), num_returns=1)
-            actor, chunk = running.pop(ref)
-            try:
-                results = ray.get(ref)
-            except RayActorError:  # the actor is gone: its chunk goes back to the queue for another
-                self.actors.remove(actor)
-                todo.append(chunk)
-                self.retries += 1
-                continue
-            for i, out in zip(chunk, results):
-                outputs[i] = out
-            idle.append(actor)
-            pbar.update(len(chunk))
-        pbar.close()
+        with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as pbar:
+            while todo or running:
+                while todo and idle:
+                    actor, chunk = idle.pop(), todo.pop()
+                    ref = actor.generate.remote([prompts[i] for i in chunk], [params[i] for i in chunk], use_tqdm=False)
+                    running[ref] = (actor, chunk)
+                if not running:
+                    raise RuntimeError("every engine actor has died; nothing left to run the remaining prompts")
+                [ref], _ = ray.wait(list(running), num_returns=1)
+                actor, chunk = running.pop(ref)
+                try:
+                    outputs[chunk.start:chunk.stop] = ray.get(ref)
+                except RayActorError:  # the actor is gone: its chunk goes back to the queue for another
+                    self.actors.remove(actor)
+                    todo.append(chunk)
+                    self.retries += 1
+                    continue
+                idle.append(actor)
+                pbar.update(len(chunk))
         return outputs
 
     def shutdown(self):

@@ -1,18 +1,11 @@
-"""Tensor parallelism's processes: rank 0's ``WorkerGroup`` (it spawns one worker per rank > 0, sends
-them each call, watches them and shuts them down) and ``worker_main``, the loop a worker runs.
-
-A call (a method name and its arguments, pickled) travels in a shared-memory segment; a doorbell byte on
-a pipe per worker says it is there. The pipes make every wait on a peer end when the peer dies: a worker
-whose rank 0 is gone reads EOF, and rank 0 ringing a dead worker gets a broken pipe. A worker also exits
-when its parent process ends, whatever its main thread is doing (a watchdog thread, and Linux's
-parent-death signal). Rank 0 names a dead worker (``WorkerDiedError``) instead of waiting for it.
-"""
+"""Tensor parallelism's processes: rank 0's ``WorkerGroup`` spawns a worker per rank > 0, sends it each call,
+watches it and shuts it down; ``worker_main`` is the loop a worker runs. Every wait on a peer ends when it dies: a
+worker whose rank 0 is gone reads EOF, and rank 0 ringing a dead worker gets a broken pipe (``WorkerDiedError``)."""
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import glob
-import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
@@ -30,31 +23,20 @@ from nanovllm.utils.distributed import TPGroup, free_port
 SEGMENT_PREFIX = "nanovllm-"
 SEGMENT_SIZE = 2 ** 20       # the first segment; a larger call moves to a larger one
 JOIN_TIMEOUT_S = 5.0         # a worker told to exit gets this long before it is killed
-MAIN_GUARD_HINT = ("workers are started with multiprocessing's 'spawn' method, which imports your main script "
-                   "again: if the script creates the LLM at import time, put that code under "
-                   "`if __name__ == \"__main__\":`")
+MAIN_GUARD_HINT = ("workers are started with multiprocessing's 'spawn' method, which imports your main script again: "
+                   "if the script creates the LLM at import time, put that code under `if __name__ == \"__main__\":`")
 
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process ended while the engine needed it."""
 
 
-def remove_stale_segments():
-    """Shared-memory segments of engines whose process is gone (killed before it could unlink them)."""
-    for path in glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*"):
-        pid = os.path.basename(path).split("-")[1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
 def create_segment(name: str, size: int) -> SharedMemory:
     """A new segment whose memory is reserved now: with /dev/shm full this raises a clear error, where
     a plain ``SharedMemory(create=True)`` succeeds and the first write to it kills the process (SIGBUS)."""
-    path = f"/dev/shm/{name}"
     if not os.path.isdir("/dev/shm"):
         return SharedMemory(name=name, create=True, size=size)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fd = os.open(path := f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
@@ -66,50 +48,48 @@ def create_segment(name: str, size: int) -> SharedMemory:
     return SharedMemory(name=name)
 
 
-def header_size(world_size: int) -> int:  # the payload's length, then each worker's count of calls read
-    return 8 * (world_size + 1)
-
-
-def read_count_slot(rank: int) -> slice:  # 8 bytes of the header per worker rank
-    return slice(8 * rank, 8 * rank + 8)
-
-
 class CallChannel:
-    """The shared-memory segment calls travel in. Header: the payload's length, then per worker rank the
+    """The shared-memory segment calls (pickled) travel in, announced by a doorbell byte on a pipe per worker: rank 0
+    creates it and writes, each worker attaches and reads. Header: the payload's length, then per worker rank the
     number of calls it has read; rank 0 writes a call only once every worker has read the one before."""
 
-    def __init__(self, name: str, world_size: int, size: int | None = None):
-        self.name, self.world_size = name, world_size
-        self.header = header_size(world_size)
-        self.shm = create_segment(name, max(size or SEGMENT_SIZE, self.header + 1))
-        self.num_calls = 0
-        self.moves = 0
+    def __init__(self, name: str, world_size: int, rank: int):
+        self.name, self.rank, self.header = name, rank, 8 * (world_size + 1)
+        self.slots = [slice(8 * r, 8 * r + 8) for r in range(world_size)]  # 0: the length; r: worker r's count
+        self.shm = create_segment(name, max(SEGMENT_SIZE, self.header + 1)) if rank == 0 else SharedMemory(name=name)
+        self.num_calls = self.moves = 0
 
-    def _read_count(self, rank: int) -> int:
-        return int.from_bytes(self.shm.buf[read_count_slot(rank)], "little")
-
-    def _move(self, payload_size: int):
-        """A segment large enough for ``payload_size``; the old one is unlinked (every worker has read it)."""
-        size = 1 << (self.header + payload_size - 1).bit_length()
-        self.moves += 1
-        old, self.shm = self.shm, create_segment(f"{self.name}-{self.moves}", size)
-        old.close()
-        with contextlib.suppress(FileNotFoundError):
-            old.unlink()
-
-    def write(self, payload: bytes, check_alive) -> bytes:
+    def write(self, payload: bytes, death_error) -> bytes:
         """Writes the next call; returns what the doorbells must carry (the new segment's name, if it moved)."""
-        while any(self._read_count(rank) != self.num_calls for rank in range(1, self.world_size)):
-            check_alive()  # normally never reached: a worker reads a call right after it is rung
+        while any(int.from_bytes(self.shm.buf[slot], "little") != self.num_calls for slot in self.slots[1:]):
+            if error := death_error():  # normally never reached: a worker reads a call right after it is rung
+                raise error
             time.sleep(1e-4)
         moved = b""
-        if self.header + len(payload) > self.shm.size:
-            self._move(len(payload))
+        if self.header + len(payload) > self.shm.size:  # to a larger segment (every worker has read this one)
+            self.close()
+            self.moves += 1
+            self.shm = create_segment(f"{self.name}-{self.moves}", 1 << (self.header + len(payload) - 1).bit_length())
             moved = self.shm.name.encode()
-        self.shm.buf[0:8] = len(payload).to_bytes(8, "little")
+        self.shm.buf[self.slots[0]] = len(payload).to_bytes(8, "little")
         self.shm.buf[self.header:self.header + len(payload)] = payload
         self.num_calls += 1
         return moved
+
+    def read(self, doorbell) -> tuple[str, tuple] | None:
+        """A worker's next call as (method name, args), once its doorbell rings; None once rank 0 is gone."""
+        try:
+            moved = doorbell.recv_bytes()
+        except EOFError:
+            return None
+        if moved:  # the call did not fit: it is in a new, larger segment
+            self.shm.close()
+            self.shm = SharedMemory(name=moved.decode())
+        size = int.from_bytes(self.shm.buf[self.slots[0]], "little")
+        call = pickle.loads(self.shm.buf[self.header:self.header + size])
+        self.num_calls += 1
+        self.shm.buf[self.slots[self.rank]] = self.num_calls.to_bytes(8, "little")
+        return call
 
     def close(self):
         self.shm.close()
@@ -122,8 +102,12 @@ class WorkerGroup:
 
     def __init__(self, config: Config):
         self.config, self.world_size = config, config.tensor_parallel_size
-        remove_stale_segments()
-        self.channel = CallChannel(f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", self.world_size)
+        for path in glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*"):  # left by engines killed before they unlinked them
+            pid = os.path.basename(path).split("-")[1]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        self.channel = CallChannel(f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", self.world_size, 0)
         self.port = free_port()
         self.group: TPGroup | None = None
         self.closed = False
@@ -162,16 +146,14 @@ class WorkerGroup:
                                   f"{MAIN_GUARD_HINT}")
 
     def _watch(self):
-        """With NCCL a collective waits forever for a dead rank: abort the group as soon as one dies
-        (gloo raises by itself)."""
+        """With NCCL a collective waits forever for a dead rank: abort the group once one dies (gloo raises)."""
         multiprocessing.connection.wait([p.sentinel for p in self.processes])
         if not self.closed and self.group is not None and self.config.device == "cuda":
             self.group.abort()
 
     def call(self, method: str, *args):
         """Sends ``method(*args)`` to every worker (rank 0 runs it itself)."""
-        moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL),
-                                   self.check_alive)
+        moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL), self.death_error)
         for doorbell in self.doorbells:
             try:
                 doorbell.send_bytes(moved)
@@ -183,27 +165,19 @@ class WorkerGroup:
     def dead(self) -> list[tuple[int, int | None]]:
         return [(rank, p.exitcode) for rank, p in enumerate(self.processes, 1) if not p.is_alive()]
 
-    def wait_for_death(self, timeout: float) -> list[tuple[int, int | None]]:
-        """The dead workers, waiting up to ``timeout`` for one to die: a peer's sockets close (and
-        collectives fail), and its sentinel is ready, a moment before its exit status can be read."""
-        deadline = time.monotonic() + timeout
+    def death_error(self, wait_s: float = 0.0) -> WorkerDiedError | None:
+        """The error naming a dead worker, or None. Waits up to ``wait_s`` for one to die: a peer's sockets
+        close (and collectives fail), and its sentinel is ready, a moment before its exit status can be read."""
+        deadline = time.monotonic() + wait_s
         while not (dead := self.dead()) and (left := deadline - time.monotonic()) > 0:
             if not multiprocessing.connection.wait([p.sentinel for p in self.processes], left):
                 break  # none ended within the time
             time.sleep(0.005)  # one has ended: its exit status follows within moments
-        return dead
-
-    def death_error(self, wait_s: float = 0.0) -> WorkerDiedError | None:
-        """The error naming a dead worker (waiting up to ``wait_s`` for one to die), or None."""
-        if dead := (self.wait_for_death(wait_s) if wait_s else self.dead()):
-            rank, code = dead[0]
-            return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine "
-                                   "has been shut down")
-        return None
-
-    def check_alive(self):
-        if error := self.death_error():
-            raise error
+        if not dead:
+            return None
+        rank, code = dead[0]
+        return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine "
+                               "has been shut down")
 
     def close(self, graceful: bool):
         """Ends the workers: told to exit and joined (``graceful``, after a clean run), else killed at once
@@ -218,8 +192,7 @@ class WorkerGroup:
             for p in self.processes:
                 p.join(max(0.0, deadline - time.monotonic()))
         for p in self.processes:
-            if p.is_alive():
-                p.kill()
+            p.kill()  # a no-op on one that has exited
         for p in self.processes:
             p.join()
         if self.group is not None and self.config.device == "cuda":
@@ -231,9 +204,8 @@ class WorkerGroup:
 
 
 def _exit_with_parent(pdeathsig: bool):
-    """Ends this worker when rank 0's process ends, whatever the main thread is doing: Linux's
-    parent-death signal (a kernel SIGKILL: even a main thread stuck in C code dies), and a thread that
-    waits on the parent's sentinel."""
+    """Ends this worker when rank 0's process ends, whatever its main thread is doing: Linux's parent-death
+    signal (a kernel SIGKILL: even a main thread stuck in C code dies), and a thread on the parent's sentinel."""
     parent = multiprocessing.parent_process()
     if pdeathsig and sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):
@@ -247,51 +219,25 @@ def _exit_with_parent(pdeathsig: bool):
         threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
-class CallReader:
-    """A worker's end of the channel: waits for the doorbell, reads the call, acknowledges it."""
-
-    def __init__(self, doorbell, segment: str, rank: int, world_size: int):
-        self.doorbell, self.rank = doorbell, rank
-        self.shm = SharedMemory(name=segment)
-        self.header, self.num_calls = header_size(world_size), 0
-
-    def read(self) -> tuple[str, tuple] | None:
-        """The next call as (method name, args); None once rank 0 is gone."""
-        try:
-            moved = self.doorbell.recv_bytes()
-        except EOFError:
-            return None
-        if moved:  # the call did not fit: it is in a new, larger segment
-            self.shm.close()
-            self.shm = SharedMemory(name=moved.decode())
-        size = int.from_bytes(self.shm.buf[0:8], "little")
-        call = pickle.loads(self.shm.buf[self.header:self.header + size])
-        self.num_calls += 1
-        self.shm.buf[read_count_slot(self.rank)] = self.num_calls.to_bytes(8, "little")
-        return call
-
-
 def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pdeathsig: bool):
     """A worker process: join the group, build this rank's ModelRunner, then run rank 0's calls until
     "exit". It leaves by ``os._exit`` (no interpreter teardown that could wait on a broken group)."""
     _exit_with_parent(pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it shuts the workers down
-    code = 0
+    code = 1  # unless rank 0 says "exit": an error, or rank 0 is gone
     try:
         from nanovllm.engine.model_runner import ModelRunner
         # attached before joining the group: rank 0 sends nothing (nor moves the segment) before every rank joined
-        reader = CallReader(doorbell, segment, rank, config.tensor_parallel_size)
+        channel = CallChannel(segment, config.tensor_parallel_size, rank)
         runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
-        while (call := reader.read()) is not None:
+        while (call := channel.read(doorbell)) is not None:
             method, args = call
             getattr(runner, method)(*args)
             if method == "exit":
+                code = 0
                 break
-        else:
-            code = 1  # rank 0 is gone
     except BaseException:
         traceback.print_exc()
-        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,5 +1,4 @@
-"""``compile_on_cuda``: torch.compile for the small fused ops when they run on CUDA, as nano-vllm
-does (one kernel instead of several); on CPU the plain function runs (compiling buys nothing there)."""
+"""``compile_on_cuda``: the small fused ops torch.compiled on CUDA (one kernel, not several); plain on CPU."""
 from __future__ import annotations
 
 import functools
@@ -8,16 +7,11 @@ import torch
 
 
 def compile_on_cuda(fn):
-    compiled = None
+    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))  # at the first call on CUDA
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        nonlocal compiled
-        first = next(a for a in args if isinstance(a, torch.Tensor))
-        if not first.is_cuda:
-            return fn(*args, **kwargs)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True)
-        return compiled(*args, **kwargs)
+        on_cuda = next(a for a in args if isinstance(a, torch.Tensor)).is_cuda
+        return (compiled() if on_cuda else fn)(*args, **kwargs)
 
     return wrapper

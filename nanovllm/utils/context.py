@@ -1,9 +1,6 @@
-"""The attention context: what one forward's attention layers need besides the activations.
-
-Set only through ``set_context`` (a context manager that always resets it, even when the
-forward raises), read with ``get_context()``. It is per thread: engines in different threads run their
-forwards independently.
-"""
+"""The attention context: what one forward's attention layers need besides the activations. Set only through
+``set_context`` (a context manager that always resets it, even when the forward raises), read with
+``get_context()``; per thread, so that engines in different threads run their forwards independently."""
 from __future__ import annotations
 
 import threading
@@ -28,22 +25,16 @@ class Context:
 
 
 _EMPTY = Context()
-
-
-class _State(threading.local):
-    context = _EMPTY
-
-
-_STATE = _State()
+_STATE = threading.local()  # .context: this thread's, while a set_context block runs
 
 
 def get_context() -> Context:
-    return _STATE.context
+    return getattr(_STATE, "context", _EMPTY)
 
 
 @contextmanager
 def set_context(is_prefill: bool, **fields):
-    assert _STATE.context is _EMPTY, "attention contexts do not nest"
+    assert get_context() is _EMPTY, "attention contexts do not nest"
     _STATE.context = Context(is_prefill, **fields)
     try:
         yield _STATE.context

@@ -1,8 +1,6 @@
-"""Loads a Hugging Face safetensors checkpoint (one file or shards) into a model, each
-parameter through its ``weight_loader`` (which checks the whole tensor's shape, takes this rank's
-shard and packs q/k/v and gate/up); ``load_dummy_weights`` fills them with random values instead
-(vLLM's ``load_format="dummy"``), for benchmarks without a checkpoint. ``load_tokenizer`` refuses a
-directory without tokenizer files up front."""
+"""Loads a Hugging Face safetensors checkpoint (one file or shards) into a model, each parameter through its
+``weight_loader`` (which checks the whole tensor's shape, takes this rank's shard and packs q/k/v and gate/up);
+``load_dummy_weights`` fills random values instead (vLLM's ``load_format="dummy"``), for benchmarks."""
 from __future__ import annotations
 
 import glob
@@ -29,9 +27,8 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The files ``model.safetensors.index.json`` maps tensors to when it exists (a repository may
-    ship the same weights again under other names, e.g. Mistral's consolidated.safetensors), else
-    every ``*.safetensors`` file."""
+    """The files ``model.safetensors.index.json`` maps tensors to when it exists (a repository may ship the same
+    weights again under other names, e.g. Mistral's consolidated.safetensors), else every ``*.safetensors`` file."""
     index = os.path.join(path, INDEX_FILE)
     if not os.path.exists(index):
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -50,59 +47,38 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def _packed_target(name: str, packed: dict) -> tuple[str, str | int | None]:
-    """(parameter name, shard id) of a checkpoint tensor: q/k/v and gate/up go to their packed parameter."""
+def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
+    """(parameter name, weight_loader's extra arguments) of a tensor: q/k/v and gate/up go to their packed one."""
     for ckpt_name, (packed_name, shard_id) in packed.items():
         if f".{ckpt_name}." in name:
-            return name.replace(ckpt_name, packed_name), shard_id
-    return name, None
-
-
-def _unreadable(file: str, e: Exception) -> ValueError:
-    return ValueError(f"checkpoint file {file!r} is not a readable safetensors file (truncated or an "
-                      f"interrupted download?): {e}")
+            return name.replace(ckpt_name, packed_name), (shard_id,)
+    return name, ()
 
 
 def load_model(model: nn.Module, path: str):
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
+    loaded: set[int] = set()  # ids: a tied parameter counts as loaded under any of its names
     for file in checkpoint_files(path):
         try:
-            f = safe_open(file, "pt", "cpu")
+            with safe_open(file, "pt", "cpu") as f:
+                for name in f.keys():
+                    if name.endswith(SKIPPED_TENSORS):
+                        continue
+                    target, shard_args = _packed_target(name, packed)
+                    if target not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} matches no "
+                                         f"parameter of {type(model).__name__}")
+                    param = params[target]
+                    try:
+                        getattr(param, "weight_loader", _default_weight_loader)(param, f.get_tensor(name), *shard_args)
+                    except ValueError as e:
+                        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+                    loaded.add(id(param))
         except (SafetensorError, OSError) as e:
-            raise _unreadable(file, e) from None
-        with f:
-            for name in f.keys():
-                if name.endswith(SKIPPED_TENSORS):
-                    continue
-                target, shard_id = _packed_target(name, packed)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} matches no "
-                                     f"parameter of {type(model).__name__}")
-                try:
-                    tensor = f.get_tensor(name)
-                except (SafetensorError, OSError) as e:
-                    raise _unreadable(file, e) from None
-                _load_tensor(params[target], tensor, shard_id, name)
-                loaded.add(target)
-    _check_all_loaded(model, loaded)
-
-
-def _load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard_id, name: str):
-    loader = getattr(param, "weight_loader", _default_weight_loader)
-    try:
-        loader(param, tensor, *(() if shard_id is None else (shard_id,)))
-    except ValueError as e:
-        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
-
-
-def _check_all_loaded(model: nn.Module, loaded: set[str]):
-    # a tied parameter counts as loaded under any of its names
-    names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(p), []).append(name)
-    missing = [names[0] for names in names_of.values() if not loaded.intersection(names)]
+            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file (truncated or an "
+                             f"interrupted download?): {e}") from None
+    missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
     if missing:
         raise ValueError(f"checkpoint has no weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
@@ -122,7 +98,6 @@ def load_tokenizer(path: str):
     """``AutoTokenizer.from_pretrained(path)``, refusing at once a local directory without tokenizer
     files (transformers would build a vocabulary of one token, and generation would fail later)."""
     from transformers import AutoTokenizer
-
     remedy = "pass tokenizer=<dir> or skip_tokenizer_init=True to run on token ids"
     if os.path.isdir(path) and not any(glob.glob(os.path.join(glob.escape(path), p)) for p in TOKENIZER_FILES):
         raise ValueError(f"{path!r} has no tokenizer files (any of {', '.join(TOKENIZER_FILES)}): {remedy}")
@@ -133,15 +108,12 @@ def load_tokenizer(path: str):
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
-    """Every EOS id of a checkpoint: generation_config.json's (else config.json's; one or a list) and the
-    tokenizer's."""
-    ids: set[int] = set()
-    path = os.path.join(model_dir, "generation_config.json")
+    """Every EOS id of a checkpoint: generation_config.json's (else config.json's; one or a list), the tokenizer's."""
     eos = getattr(hf_config, "eos_token_id", None)
-    if os.path.isfile(path):
+    if os.path.isfile(path := os.path.join(model_dir, "generation_config.json")):
         with open(path) as f:
             eos = json.load(f).get("eos_token_id", eos)
-    ids.update([eos] if isinstance(eos, int) else eos or [])
+    ids = {eos} if isinstance(eos, int) else set(eos or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
