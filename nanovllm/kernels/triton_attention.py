@@ -1,13 +1,11 @@
 """Paged attention in Triton: the KV store, varlen causal prefill and split-KV decode.
 
-Same functions and layouts as ``reference.py`` (the oracle): caches are one layer's views
-``[num_blocks, block_size, num_kv_heads, head_dim]`` and a token at logical position p lives at
-slot ``block_table[p // block_size] * block_size + p % block_size``. Key tiles gather their
-slots token by token, so any power-of-two block size works with any tile size. Decode packs the
-query heads of one KV head into the rows of a single ``tl.dot``, so every K/V tile is read once
-for its whole group, and splits long contexts over several programs (merged by log-sum-exp)
-when batch x kv_heads is too small to fill the GPU. Nothing here reads device values on the
-host during decode, so the decode path can be captured in a CUDA Graph.
+Same functions and cache layout (slots from block tables) as ``reference.py``, the oracle. Key tiles
+gather their slots token by token, so any power-of-two block size works with any tile size. Decode
+packs the query heads of one KV head into the rows of a single ``tl.dot``, so every K/V tile is read
+once for its whole group, and splits long contexts over several programs (merged by log-sum-exp) when
+batch x kv_heads is too small to fill the GPU. Nothing here reads device values on the host during
+decode, so the decode path can be captured in a CUDA Graph.
 """
 from __future__ import annotations
 
@@ -54,9 +52,8 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
                                k_cache_ptr, v_cache_ptr, stride_t, eps, NUM_HEADS: tl.constexpr,
                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                                BLOCK_KV: tl.constexpr, NORM: tl.constexpr):
-    """One token: its q and k heads (rows of one tile) get RMSNorm, then the rotate-half rotary
-    embedding, written back in place; then its k and v heads go to the cache. Rounds where the
-    separate ops round (norm output to the dtype, times the weight in the dtype; rotary in fp32)."""
+    """One token, its q and k heads the rows of one tile. Rounds where the separate ops round (norm
+    output to the dtype, times the weight in the dtype; rotary in fp32)."""
     i = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.arange(0, BLOCK_H)                       # q heads, then k heads
@@ -101,13 +98,11 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int):
-    """The attention prologue in one kernel, for the output of the fused QKV projection
-    qkv [N, (num_heads + 2 * num_kv_heads) * head_dim]: per-head RMSNorm of q and k (Qwen3; skipped
-    when the weights are None), the rotate-half rotary embedding at ``positions`` from
-    ``cos_sin_cache`` [max_position, head_dim] (cos then sin), both in place, then k and v stored at
-    ``slot_mapping`` (slot -1 skipped). Returns the q, k, v
-    views [N, heads, head_dim] of qkv. Same results as the separate ops (``RotaryEmbedding``,
-    ``RMSNorm``, ``store_kvcache``), one launch instead of four."""
+    """The attention prologue in one launch instead of four, for qkv [N, (num_heads + 2 * num_kv_heads) *
+    head_dim] from the fused QKV projection: per-head RMSNorm of q and k (Qwen3; skipped when the weights are
+    None), then the rotate-half rotary embedding at ``positions`` (``cos_sin_cache`` [max_position, head_dim]:
+    cos then sin), both in place, then k and v stored at ``slot_mapping`` (slot -1 skipped). Returns the
+    q, k, v views [N, heads, head_dim] of qkv: the results of ``RMSNorm``, ``RotaryEmbedding``, ``store_kvcache``."""
     n = qkv.size(0)
     assert head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1 and cos_sin_cache.is_contiguous()
     assert qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim
@@ -118,8 +113,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
             k_cache, v_cache, qkv.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
             NORM=norm)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return q.view(n, num_heads, head_dim), k.view(n, num_kv_heads, head_dim), v.view(n, num_kv_heads, head_dim)
+    return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
 # ---- prefill ------------------------------------------------------------------------------------
@@ -208,14 +202,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     same N new tokens. With ``block_tables`` every key (cached prefix and new) is read from the cache."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(1)
-    num_seqs = cu_seqlens_q.numel() - 1
     paged = block_tables is not None
     cfg = config or _prefill_config(head_dim, q.dtype, max_seqlen_q, paged)
     out = torch.empty_like(q) if out is None else out
     if num_tokens == 0:
         return out
     bt = block_tables if paged else cu_seqlens_q  # any int32 tensor: not read when not paged
-    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_seqs, num_heads)
+    grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), cu_seqlens_q.numel() - 1, num_heads)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, bt, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1), bt.stride(0),
@@ -300,8 +293,7 @@ def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_s
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    work = batch * num_kv_heads
-    return max(1, min(max_splits, triton.cdiv(2 * _NUM_SMS[index], work)))
+    return max(1, min(max_splits, triton.cdiv(2 * _NUM_SMS[index], batch * num_kv_heads)))
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, batch: int) -> dict:

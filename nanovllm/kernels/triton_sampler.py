@@ -1,14 +1,12 @@
 """Sampling of plain batches (each row only a temperature; 0 = greedy) in two small Triton kernels.
 
-A Gumbel-max draw, ``argmax(logits / T + G)`` with G = -log(-log U), picks token i with
-probability softmax(logits / T)_i, the same distribution as the PyTorch path's
-``argmax(softmax(logits / T) / E)`` with E ~ Exp(1) (-log E is a Gumbel variable). Here the
-uniforms come from a counter-based generator (Philox) inside the kernel, so the LM head's logits
-are read once, as they are (bf16), and no float32 copy, [B, V] noise or softmax is written:
-one pass over B x V instead of about six. The first kernel reduces chunks of 4 x QUARTER logits
-per program (one Philox call gives the four uniforms of four positions); the second picks each
-row's best chunk. Ties go to the lowest token id, as ``torch.argmax``; a greedy row (T = 0) is
-exactly ``logits.argmax(-1)``.
+A Gumbel-max draw, ``argmax(logits / T + G)`` with G = -log(-log U), picks token i with probability
+softmax(logits / T)_i, as the PyTorch path's ``argmax(softmax(logits / T) / E)`` (E ~ Exp(1); -log E
+is a Gumbel variable). The uniforms come from Philox inside the kernel, so the logits are read once,
+as they are (bf16), and no float32 copy, [B, V] noise or softmax is written: one pass over B x V
+instead of about six. The first kernel reduces chunks of 4 x QUARTER logits per program (one Philox
+call gives the uniforms of four positions); the second picks each row's best chunk. Ties go to the
+lowest token id, as ``torch.argmax``; a greedy row (T = 0) is exactly ``logits.argmax(-1)``.
 """
 from __future__ import annotations
 

@@ -9,15 +9,12 @@ from nanovllm.utils.compile import compile_on_cuda
 
 @compile_on_cuda
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    f = x.float()
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 @compile_on_cuda
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual)"""
     residual = x + residual
     return rms_norm.__wrapped__(residual, weight, eps), residual
 

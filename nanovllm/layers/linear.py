@@ -1,10 +1,7 @@
-"""Linear layers sharded for tensor parallelism, each parameter with its own ``weight_loader``
-that copies this rank's shard of a checkpoint tensor.
-
-Column-parallel layers split the output features (no communication); row-parallel layers
-split the input features and all-reduce their output. QKV and gate/up are packed into one
-column-parallel matmul; their loaders place each checkpoint tensor at its offset.
-"""
+"""Linear layers sharded for tensor parallelism. Column-parallel layers split the output features (no
+communication; q/k/v and gate/up are each packed into one matmul); row-parallel layers split the input
+features and all-reduce their output. Each parameter's ``weight_loader`` checks a checkpoint tensor's
+whole shape, then copies this rank's shard of it (a packed part at its offset)."""
 from __future__ import annotations
 
 import torch
@@ -22,11 +19,10 @@ def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+    def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp()
         self.tp_group = get_tp_group()
-        self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -43,32 +39,16 @@ class LinearBase(nn.Module):
         size = loaded.size(dim) // self.tp_size
         return loaded.narrow(dim, self.tp_rank * size, size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        dim = self.tp_dim if self.tp_dim is not None and param.dim() > self.tp_dim else None  # a row bias is whole
-        full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(param.shape))
-        param.data.copy_(self._shard(loaded, dim, full))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
-
-
-class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        tp_size = get_tp()[1]
-        super().__init__(input_size, output_size // tp_size, bias, 0)
-
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs in one matmul (gate and up)."""
+class MergedColumnParallelLinear(LinearBase):
+    """Column-parallel ``output_sizes`` in one matmul (gate and up); checkpoint part ``shard_id`` at its offset."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes) // get_tp()[1], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -77,27 +57,26 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul; each rank holds its heads of each."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one matmul (shard ids "q", "k", "v"); each rank holds its heads of each."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp_size = get_tp()[1]
-        self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = num_kv_heads // tp_size
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads // tp_size, num_kv_heads // tp_size
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        full = (size * self.tp_size, *param.shape[1:])
-        param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
+        super().weight_loader(param, loaded, "qkv".index(shard_id))
 
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        tp_size = get_tp()[1]
-        super().__init__(input_size // tp_size, output_size, bias, 1)
+        super().__init__(input_size // get_tp()[1], output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        dim = 1 if param.dim() == 2 else None  # the bias is whole on every rank
+        full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(param.shape))
+        param.data.copy_(self._shard(loaded, dim, full))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, on rank 0, before the sum over ranks

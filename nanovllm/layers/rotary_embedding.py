@@ -9,21 +9,12 @@ from torch import nn
 
 from nanovllm.utils.compile import compile_on_cuda
 
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
-    """Llama 3.1's scaling: long wavelengths divided by ``factor``, short ones kept, a smooth blend between."""
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelen > old_len / low, inv_freq / factor, torch.where(wavelen < old_len / high, inv_freq,
-                                                                               blended))
 
 
 class RotaryEmbedding(nn.Module):
@@ -33,8 +24,14 @@ class RotaryEmbedding(nn.Module):
         rope_type = (scaling or {}).get("rope_type", "default")
         if rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "llama3":  # long wavelengths divided by ``factor``, short ones kept, a smooth blend between
+            factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+            old_len = scaling["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv_freq
+            smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+            blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+            inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
+                                   torch.where(wavelen < old_len / high, inv_freq, blended))
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         # [max_position, head_dim]: cos then sin, each for half of the head
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
@@ -47,15 +44,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(head_dim: int, max_position: int, hf_config) -> RotaryEmbedding:
-    """Builds the rotary embedding from a transformers config (``rope_parameters`` in
-    transformers 5, ``rope_theta``/``rope_scaling`` before), with a table for positions 0 to
-    ``max_position - 1``; one module serves every layer that shares the configuration."""
+    """The table for positions 0 to ``max_position - 1`` from a transformers config (``rope_parameters``
+    in transformers 5, ``rope_theta``/``rope_scaling`` before); one module serves every layer."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
     if params["rope_type"] not in SUPPORTED_ROPE:
         raise ValueError(f"rope_type {params['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
     base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     return RotaryEmbedding(head_dim, max_position, base, params)
-
-
-SUPPORTED_ROPE = ("default", "linear", "llama3")

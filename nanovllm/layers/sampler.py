@@ -4,8 +4,8 @@ Order (vLLM's): raw logprobs are taken first; then penalties, the min_tokens ban
 temperature, top-k / top-p / min-p, and a Gumbel-max draw (argmax p / E with E ~ Exp(1)). Each
 optional stage runs only when a request in the batch asks for it, so a plain batch pays for none.
 Seeded requests draw their noise from their own generator: the same seed gives the same tokens
-whatever else is in the batch. On CUDA a batch of temperatures only (bench.py's) is sampled by one
-Triton pass over the logits instead (``Sampler``).
+whatever else is in the batch. On CUDA a plain batch (temperatures only, bench.py's) takes one
+Triton pass over the logits instead (``kernels/triton_sampler.py``, keyed by a seed and a draw counter).
 """
 from __future__ import annotations
 
@@ -49,19 +49,15 @@ class SamplingBatch:
 
     @property
     def is_plain(self) -> bool:
-        return all(getattr(self, f) is None for f in ("top_k", "top_p", "min_p", "presence_penalty",
-                                                      "repetition_penalty", "banned_ids", "generators")) \
-            and self.num_logprobs < 0
+        return self.num_logprobs < 0 and all(getattr(self, f) is None for f in (
+            "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators"))
 
 
 @compile_on_cuda
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    # logits [B, V] float32; temperatures [B]; noise [B, V] ~ Exp(1)
-    greedy = logits.argmax(dim=-1)
-    safe_t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
-    probs = torch.softmax(logits / safe_t.unsqueeze(1), dim=-1)
-    sampled = (probs / noise.clamp_min(1e-20)).argmax(dim=-1)
-    return torch.where(temperatures > 0, sampled, greedy)
+    # logits [B, V] float32; temperatures [B] (0 = greedy); noise [B, V] ~ Exp(1)
+    probs = torch.softmax(logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None], dim=-1)
+    return torch.where(temperatures > 0, (probs / noise.clamp_min(1e-20)).argmax(dim=-1), logits.argmax(dim=-1))
 
 
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -84,14 +80,12 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     keep = torch.ones_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
-        ranks = torch.arange(logits.size(1), device=logits.device)
-        keep &= ranks[None, :] < top_k[:, None]
+        keep &= torch.arange(logits.size(1), device=logits.device)[None, :] < top_k[:, None]
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
-    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(~keep, float("-inf")))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -100,10 +94,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler(nn.Module):
-    """On CUDA a plain batch (temperatures only) takes the one-pass Triton kernel
-    (``nanovllm.kernels.triton_sampler``), keyed by ``seed`` and a draw counter; every other batch
-    the PyTorch stages above, with noise from the engine's generator."""
-
     def __init__(self, seed: int = 0):
         super().__init__()
         self.seed = seed & 0x7FFFFFFF
@@ -124,18 +114,15 @@ class Sampler(nn.Module):
         if b.presence_penalty is not None:
             logits = apply_penalties(logits, b)
         if b.banned_ids is not None:
-            banned = logits[:, b.banned_ids]
-            logits[:, b.banned_ids] = torch.where(b.banned_rows, float("-inf"), banned)
-        safe_t = torch.where(b.temperatures > 0, b.temperatures, 1.0)[:, None]
-        scaled = logits / safe_t
+            logits[:, b.banned_ids] = torch.where(b.banned_rows, float("-inf"), logits[:, b.banned_ids])
+        scaled = logits / torch.where(b.temperatures > 0, b.temperatures, 1.0)[:, None]
         if b.top_k is not None or b.top_p is not None:
             scaled = apply_top_k_top_p(scaled, b.top_k, b.top_p)
         if b.min_p is not None:
             scaled = apply_min_p(scaled, b.min_p)
-        if b.generators is not None:
-            for row, g in enumerate(b.generators):
-                if g is not None:
-                    noise[row].exponential_(1, generator=g)
+        for row, g in enumerate(b.generators or ()):
+            if g is not None:
+                noise[row].exponential_(1, generator=g)
         sampled = (torch.softmax(scaled, dim=-1) / noise.clamp_min(1e-20)).argmax(dim=-1)
         token_ids = torch.where(b.temperatures > 0, sampled, logits.argmax(dim=-1))
         if raw_logprobs is None:

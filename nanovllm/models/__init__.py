@@ -1,19 +1,36 @@
-"""Model registry, keyed by the checkpoint's ``config.json`` ``architectures``."""
+"""Model registry, keyed by the checkpoint's ``config.json`` ``architectures``: every family is the
+Llama decoder (``llama.py``) with its own ``DecoderOptions``."""
 from __future__ import annotations
 
 from torch import nn
+from transformers import PretrainedConfig
 
-from nanovllm.models.llama import LlamaForCausalLM
-from nanovllm.models.mistral import MistralForCausalLM
-from nanovllm.models.qwen2 import Qwen2ForCausalLM
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.llama import DecoderOptions, LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: biases on q, k and v (not on o, not in the MLP)."""
+
+    @staticmethod
+    def options(config: PretrainedConfig) -> DecoderOptions:
+        return DecoderOptions(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: RMSNorm over each head of q and k; biases as ``attention_bias``."""
+
+    @staticmethod
+    def options(config: PretrainedConfig) -> DecoderOptions:
+        bias = getattr(config, "attention_bias", False)
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's options; ``check_config`` refuses a sliding window shorter than max_model_len."""
+
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
+    cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
 
 
 def get_model_class(hf_config) -> type[nn.Module]:

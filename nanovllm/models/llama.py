@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -57,14 +57,12 @@ class DecoderAttention(nn.Module):
                             self.num_heads, self.num_kv_heads, self.head_dim)
             o = self.attn(q, k, v, kv_stored=True)
         else:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(-1, self.num_heads, self.head_dim)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            q, k, v = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split(
+                [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-            o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+            o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -76,10 +74,9 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
                                                        bias=options.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -114,22 +111,15 @@ class DecoderModel(nn.Module):
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return self.norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama 2 / 3.x (``attention_bias`` on q/k/v/o, ``mlp_bias``); the other families subclass it
-    and change ``options``."""
+    """Llama 2 / 3.x (``attention_bias`` on q/k/v/o, ``mlp_bias``); the other families override ``options``."""
 
     # checkpoint name -> (packed parameter name, shard id)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
@@ -143,14 +133,11 @@ class LlamaForCausalLM(nn.Module):
         window = getattr(config, "sliding_window", None)
         if window and getattr(config, "use_sliding_window", True) and window < max_model_len:
             raise ValueError(f"the model's sliding_window={window} is shorter than max_model_len={max_model_len}, "
-                             "and nanovllm's attention has no sliding window: pass max_model_len <= "
-                             f"{window}")
+                             f"and nanovllm's attention has no sliding window: pass max_model_len <= {window}")
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):
-        """``max_model_len`` (default: the config's max_position_embeddings) sizes the rotary table."""
         super().__init__()
-        if max_model_len is None:
-            max_model_len = config.max_position_embeddings
+        max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
         if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
         self.model = DecoderModel(config, self.options(config), max_model_len)
