@@ -147,7 +147,7 @@ class ModelRunner:
         """Host values (a list or an array) on the device, through pinned memory, without waiting."""
         if values is None:
             return None
-        t = torch.as_tensor(values, dtype=dtype)
+        t = torch.as_tensor(values, dtype=dtype, device="cpu")  # on the host even under a device context
         return (t.pin_memory() if self.is_cuda else t).to(self.device, non_blocking=True)
 
     def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
