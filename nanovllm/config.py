@@ -1,15 +1,8 @@
-"""Engine configuration: one frozen dataclass, validated and resolved once in ``__post_init__``.
-
-``model`` is a checkpoint directory, a built-in architecture preset (random weights, see
-``nanovllm.models.presets``), or a model shipped with the package: ``"nanovllm:demo"`` (a tiny Qwen3
-trained on Python's standard library, ``nanovllm.demo``), resolved to its directory first.
-
-Keyword names follow nano-vllm (and vLLM where nano-vllm has none). Resolving fills in every "auto"
-(``device``, ``dtype`` as ``torch_dtype``, ``attention_backend``, ``async_scheduling``), the model's
-``hf_config`` and ``model_class``, and caps ``max_model_len`` at the model's positions. What start-up
-measures later (``eos_token_ids``; ``num_kvcache_blocks`` when it was -1, and ``max_model_len`` when the
-cache holds less) comes in a new object (``derive``): a config is never changed once built.
-"""
+"""Engine configuration: a frozen dataclass, validated and resolved once in ``__post_init__`` (every "auto",
+``hf_config``, ``model_class``; ``max_model_len`` capped at the model's positions); what start-up measures later
+comes in a new object (``derive``). ``model`` is a checkpoint directory, an architecture preset (random weights,
+``nanovllm.models.presets``) or ``"nanovllm:demo"`` (a tiny Qwen3 shipped with the package, ``nanovllm.demo``).
+Keyword names are nano-vllm's (vLLM's where nano-vllm has none)."""
 from __future__ import annotations
 
 import copy
@@ -19,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
+
+from nanovllm.sampling_params import check_int
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,11 +37,9 @@ class Config:
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     enable_prefix_caching: bool = True
     tokenizer: str | None = None       # a tokenizer directory other than the model's
-    # Schedule and launch step N+1 while the device runs step N (the sampled token reaches the next
-    # forward on the device). None: on for CUDA, off for CPU (where nothing runs asynchronously).
+    # Launch step N+1 while the device runs step N (its sampled tokens stay on the device). None: on for CUDA only.
     async_scheduling: bool | None = None
-    # KV-cache budget on CPU, in GiB per rank, when num_kvcache_blocks is not given.
-    cpu_kvcache_space: float = 4.0
+    cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, when num_kvcache_blocks is not given
     # Resolved from the above.
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
@@ -63,8 +56,7 @@ class Config:
                     raise TypeError(f"pass {name} or its alias {alias}, not both")
                 kwargs[name] = kwargs.pop(alias)
         public = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(kwargs) - public)
-        if unknown:
+        if unknown := sorted(set(kwargs) - public):
             raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(public - {'model'})}")
         return cls(model, **kwargs)
 
@@ -90,29 +82,32 @@ class Config:
                   max_model_len=min(self.max_model_len, self.hf_config.max_position_embeddings))
         self.model_class.check_config(self.hf_config, self.max_model_len)
         self._set(torch_dtype=self._resolve_dtype())
-        self._check_tensor_parallel()
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(self.hf_config, name, None) or self.hf_config.num_attention_heads
+            if value % self.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
+                                 f"{name}={value}")
         from nanovllm.layers.attention import resolve_backend
         from nanovllm.models.llama import head_dim_of
         # an unusable attention_backend fails here, naming what it does not support
         self._set(attention_backend=resolve_backend(self.attention_backend, self.device, self.torch_dtype,
                                                     self.kvcache_block_size, head_dim_of(self.hf_config)))
 
-    def _set(self, **values):
+    def _set(self, **values) -> Config:
         for name, value in values.items():
             object.__setattr__(self, name, value)
+        return self
 
     def derive(self, **values) -> Config:
         """A copy with what start-up found (``eos_token_ids``, ``num_kvcache_blocks``, ``max_model_len``)."""
-        config = copy.copy(self)
-        config._set(**values)
-        return config
+        return copy.copy(self)._set(**values)
 
     def _check_values(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
                      "kvcache_block_size"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("num_kvcache_blocks", self.num_kvcache_blocks, minimum=-1)
-        _check_int("seed", self.seed, minimum=0)
+            check_int(name, getattr(self, name), lo=1)
+        check_int("num_kvcache_blocks", self.num_kvcache_blocks, lo=-1)
+        check_int("seed", self.seed, lo=0)
         if self.num_kvcache_blocks == 0:
             raise ValueError("num_kvcache_blocks must be -1 (size automatically) or >= 1, got 0")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -121,13 +116,12 @@ class Config:
             raise ValueError(f"cpu_kvcache_space must be > 0 GiB, got {self.cpu_kvcache_space!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
-        if self.attention_backend not in ("auto", "flash-attn", "triton", "torch"):
-            raise ValueError("attention_backend must be 'auto', 'flash-attn', 'triton' or 'torch', "
-                             f"got {self.attention_backend!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        for name, choices in (("device", ("auto", "cuda", "cpu")),
+                              ("attention_backend", ("auto", "flash-attn", "triton", "torch")),
+                              ("load_format", ("auto", "safetensors", "dummy"))):
+            if getattr(self, name) not in choices:
+                listed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
+                raise ValueError(f"{name} must be {listed}, got {getattr(self, name)!r}")
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -156,23 +150,8 @@ class Config:
         if self.device == "cpu":
             return torch.float32
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
-        if isinstance(dtype, str):
-            dtype = _DTYPES.get(dtype, None)
+        dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype  # a name, in config.json
         return dtype if dtype in _DTYPES.values() else torch.bfloat16
-
-    def _check_tensor_parallel(self):
-        tp, cfg = self.tensor_parallel_size, self.hf_config
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        for name, value in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads", num_kv_heads)):
-            if value % tp:
-                raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={value}")
 
 
 _ALIASES = {"block_size": "kvcache_block_size"}  # vLLM's name -> ours
-
-
-def _check_int(name: str, value, minimum: int):
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")

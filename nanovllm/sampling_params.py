@@ -1,10 +1,6 @@
-"""Per-request sampling parameters, with vLLM's field names and meanings.
-
-Defaults are nano-vllm's where the two differ (``temperature=1.0``, ``max_tokens=64``). Fields may be
-assigned after construction (vLLM's ``sp = llm.get_default_sampling_params(); sp.top_k = 5``): nothing
-is derived at construction, and the engine checks (``verify``) and copies (``clone``) the object when a
-request is admitted, so a later assignment never reaches a running request.
-"""
+"""Per-request sampling parameters, with vLLM's names and meanings (nano-vllm's defaults where the two differ:
+``temperature=1.0``, ``max_tokens=64``). Fields may be assigned after construction: the engine checks (``verify``)
+and copies (``clone``) the object when a request is admitted, so a later assignment never reaches a running one."""
 from __future__ import annotations
 
 import copy
@@ -12,22 +8,19 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-# Temperatures below this are greedy (as in vLLM): 1 / T would overflow the logits.
-SAMPLING_EPS = 1e-5
+SAMPLING_EPS = 1e-5  # temperatures below it are greedy (as in vLLM): 1 / T would overflow the logits
 MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
 
 
 @dataclass
 class SamplingParams:
-    """``temperature=0`` is greedy. Penalties follow vLLM: ``presence_penalty`` and
-    ``frequency_penalty`` over the generated tokens (subtracted from the logits),
-    ``repetition_penalty`` over prompt and generated tokens (logits divided when positive,
-    multiplied when negative). ``logprobs=k`` returns the sampled token's logprob and the top k,
-    from the raw model distribution (before temperature and penalties). ``prompt_logprobs=k`` does the
-    same for every prompt token after the first (the logprob of the actual prompt token and the top k
-    at its position); such a request computes its whole prompt, never taking it from the prefix cache.
-    ``n`` completions of one prompt share its KV blocks through the prefix cache; with a ``seed``,
-    completion i uses (seed + i) mod 2**64."""
+    """``temperature=0`` is greedy. Penalties follow vLLM: ``presence_penalty`` and ``frequency_penalty``
+    over the generated tokens (subtracted from the logits), ``repetition_penalty`` over prompt and generated
+    tokens (logits divided when positive, multiplied when negative). ``logprobs=k`` returns the sampled
+    token's logprob and the top k, from the raw model distribution (before temperature and penalties);
+    ``prompt_logprobs=k`` the same for every prompt token after the first (the actual token's and the top k
+    at its position; such a request computes its whole prompt, never taking it from the prefix cache).
+    ``n`` completions of one prompt share its KV blocks; with a ``seed``, completion i uses (seed + i) mod 2**64."""
 
     n: int = 1
     temperature: float = 1.0
@@ -48,9 +41,6 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
-    def __post_init__(self):
-        self.verify()
-
     def __setattr__(self, name: str, value):
         super().__setattr__(name, value)
         for derived in _DERIVED:  # read again from the fields on next use (the sampler reads them every step)
@@ -59,23 +49,21 @@ class SamplingParams:
     def verify(self) -> None:
         """Raises ``ValueError``/``TypeError`` naming the first bad field; normalizes ``stop_token_ids``
         to a list and ``temperature`` to a float."""
-        _number("temperature", self.temperature, lo=0.0)
-        _number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
-        _number("min_p", self.min_p, lo=0.0, hi=1.0)
-        _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
-        _integer("n", self.n, lo=1)
-        _integer("top_k", self.top_k, lo=-1)
-        _integer("max_tokens", self.max_tokens, lo=1)
-        _integer("min_tokens", self.min_tokens, lo=0)
+        check_number("temperature", self.temperature, lo=0.0)
+        check_number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        check_number("min_p", self.min_p, lo=0.0, hi=1.0)
+        check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        check_int("n", self.n, lo=1)
+        check_int("top_k", self.top_k, lo=-1)
+        check_int("max_tokens", self.max_tokens, lo=1)
+        check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.seed is not None:
-            _integer("seed", self.seed, lo=0, hi=MAX_SEED - 1)
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                _integer(name, getattr(self, name), lo=0)
+        for name, hi in (("seed", MAX_SEED - 1), ("logprobs", None), ("prompt_logprobs", None)):
+            if getattr(self, name) is not None:  # None: unset
+                check_int(name, getattr(self, name), lo=0, hi=hi)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -89,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
         self.temperature = float(self.temperature)
+
+    __post_init__ = verify  # at construction, and again when a request is admitted
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -116,20 +106,18 @@ class SamplingParams:
                     or self.seed is not None or self.logprobs is not None)
 
 
-_DERIVED = ("stop_strings", "is_greedy", "needs_penalties", "needs_top_k_top_p", "is_plain")
+_DERIVED = tuple(name for name, value in vars(SamplingParams).items() if isinstance(value, cached_property))
 
 
-def _number(name: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False):
+def check_number(name: str, value, lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or (lo is not None and (value < lo or (lo_open and value == lo))) or \
-            (hi is not None and value > hi):
-        bounds = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, " \
-            f"{f'{hi}]' if hi is not None else 'inf)'}"
+    if not (math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi):
+        bounds = f"{'(' if lo_open else '['}{lo}, {hi}{']' if hi < math.inf else ')'}"
         raise ValueError(f"{name} must be in {bounds}, got {value!r}")
 
 
-def _integer(name: str, value, lo: int, hi: int | None = None):
+def check_int(name: str, value, lo: int, hi: int | None = None):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):

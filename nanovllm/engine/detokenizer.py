@@ -14,25 +14,25 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0  # how much of text take() has handed out
 
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
+    def _unread(self) -> str:
+        """The text of the tokens from read_offset on (decoded after those from prefix_offset, for spacing)."""
+        start, decode = self.prefix_offset, self.tokenizer.decode
+        before = decode(self.tokens[start:self.read_offset], skip_special_tokens=self.skip_special_tokens)
+        return decode(self.tokens[start:], skip_special_tokens=self.skip_special_tokens)[len(before):]
 
     def add(self, token_id: int) -> str:
         """Appends one completion token; returns the text it completes ("" while a character is open)."""
         self.tokens.append(token_id)
-        before = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        after = self._decode(self.tokens[self.prefix_offset:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        delta = self._unread()
+        if not delta or delta.endswith("\ufffd"):
             return ""
-        delta = after[len(before):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an unfinished character decodes as U+FFFD)."""
-        rest = self._decode(self.tokens[self.prefix_offset:])[len(self._decode(
-            self.tokens[self.prefix_offset:self.read_offset])):]
+        rest = self._unread()
         self.prefix_offset = self.read_offset = len(self.tokens)
         self.text += rest
         return rest

@@ -1,17 +1,13 @@
-"""The engine's public API: ``generate``, ``stream``, ``chat``, ``add_request``/``step``, and its life
-cycle; every prompt and sampling parameter is checked here before it is admitted. The step loop itself
-is the engine core's (``core.EngineCore``); tensor-parallel workers are the ``WorkerGroup``'s.
-
-``generate``/``stream`` calls wait for their own requests only, one step at a time under the core's
-lock, so calls from several threads, a ``generate`` inside a ``stream`` loop, and interleaved streams
-take turns; a stream's pieces wait in its own queue. A stream left early aborts its unfinished requests.
-"""
+"""The engine's public API (``generate``, ``stream``, ``chat``, ``add_request``/``step``) and life cycle; every
+prompt and sampling parameter is checked here before it is admitted. The step loop is ``core.EngineCore``'s:
+calls wait for their own requests only, one step at a time under its lock, so threads, a ``generate`` inside a
+``stream`` loop and interleaved streams take turns."""
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -21,7 +17,6 @@ from nanovllm.engine.core import EngineCore, Request, Resources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.outputs import request_output
-from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
@@ -36,11 +31,9 @@ class LLMEngine:
         self._resources = resources = Resources()
         self._finalizer = weakref.finalize(self, resources.close)
         try:
-            group = None
             if config.tensor_parallel_size > 1:
                 resources.workers = WorkerGroup(config)
-                group = resources.workers.connect()
-            resources.runner = ModelRunner(config, 0, group)
+            resources.runner = ModelRunner(config, 0, resources.workers.connect() if resources.workers else None)
         except BaseException as e:
             resources.healthy = False
             error = resources.named(e)
@@ -53,30 +46,17 @@ class LLMEngine:
         self.core = EngineCore(self.config, resources, self._finalizer)
 
     # ---- life cycle ------------------------------------------------------------------------
-    @property
-    def model_runner(self) -> ModelRunner | None:
-        """Rank 0's runner (None once the engine is shut down)."""
-        return self._resources.runner
-
-    @property
-    def workers(self) -> WorkerGroup | None:
-        return self._resources.workers
-
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.core.scheduler
-
-    @property
-    def requests(self) -> dict[int, Request]:
-        return self.core.requests
+    model_runner = property(lambda self: self._resources.runner, doc="Rank 0's runner (None once shut down).")
+    workers = property(lambda self: self._resources.workers, doc="The tensor-parallel workers, or None.")
+    scheduler = property(lambda self: self.core.scheduler)
+    requests = property(lambda self: self.core.requests, doc="{seq_id: its Request}, for the admitted requests.")
 
     def is_finished(self) -> bool:
         return self.core.is_finished()
 
     def exit(self):
-        """Shuts the engine down and frees its processes, shared memory and device memory; safe to call
-        twice, and after a failure (then dead or stuck workers are killed, not waited for). Also runs
-        when the engine is garbage-collected, and at interpreter exit."""
+        """Frees the engine's processes, shared memory and device memory (also when it is garbage-collected and
+        at interpreter exit); safe to call twice, and after a failure (dead or stuck workers are killed)."""
         self._finalizer()
 
     shutdown = exit
@@ -94,19 +74,16 @@ class LLMEngine:
         the caller's object do not reach it). ``stream``: the queue its pieces go to."""
         return self._add(self._prompt_token_ids(index, prompt), self._admitted(sampling_params), index, stream)
 
-    def _add(self, prompt_ids: list[int], sampling_params: SamplingParams, index: int,
-             stream: deque | None) -> Request:
+    def _add(self, prompt_ids: list[int], params: SamplingParams, index: int, stream: deque | None) -> Request:
         """Admits a checked prompt with checked (``_admitted``) sampling parameters."""
-        seqs = []
-        for i in range(sampling_params.n):
-            sp = sampling_params if sampling_params.seed is None or i == 0 else \
-                dataclasses.replace(sampling_params, seed=(sampling_params.seed + i) % MAX_SEED)
-            seq = Sequence(prompt_ids, sp, self.config.kvcache_block_size)
-            if i == 0 and sp.prompt_logprobs is not None:  # one completion computes them for the request
-                seq.prompt_logprobs = [None] * len(prompt_ids)
-            if stream is not None or sp.stop_strings:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, sp.skip_special_tokens)
-            seqs.append(seq)
+        completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
+                       for i in range(params.n)]
+        seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
+        if params.prompt_logprobs is not None:  # one completion computes them for the request
+            seqs[0].prompt_logprobs = [None] * len(prompt_ids)
+        if stream is not None or params.stop_strings:
+            for seq in seqs:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         request = Request(index, prompt_ids, seqs, waiting_siblings=seqs[1:], stream=stream)
         self.core.add(request)
         return request
@@ -165,13 +142,11 @@ class LLMEngine:
             self.core.release(requests)
         return [request_output(r, self.tokenizer) for r in requests]
 
-    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-               ) -> Iterator[dict]:
-        """Yields new text as it is produced: dicts with ``index`` (the prompt's), ``output_index``
-        (which of its n completions), ``text`` (the new text; a token that ends inside a UTF-8
-        character, or text that may begin a stop string, waits for the next), ``token_ids`` (the new
-        token), and ``finished`` / ``finish_reason`` on a completion's last piece. Leaving the loop early
-        aborts the requests that have not finished."""
+    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[dict]:
+        """Yields new text as it is produced: dicts with ``index`` (the prompt's), ``output_index`` (which of its
+        n completions), ``text`` (the new text; a token that ends inside a UTF-8 character, or text that may begin
+        a stop string, waits for the next), ``token_ids`` (the new token), and ``finished`` / ``finish_reason`` on
+        a completion's last piece. Leaving the loop early aborts the requests that have not finished."""
         queue: deque = deque()
         requests = self._add_requests(prompts, sampling_params, stream=queue)
         try:
@@ -189,11 +164,10 @@ class LLMEngine:
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
              chat_template_content_format: str = "auto", lora_request=None, mm_processor_kwargs=None) -> list[dict]:
-        """``generate`` on one conversation (a list of {"role", "content"} messages) or a list of them,
-        each rendered by the tokenizer's chat template (or ``chat_template``), with vLLM's keywords and
-        meanings: ``chat_template_kwargs`` become template variables (e.g. ``{"enable_thinking": False}``),
-        ``add_generation_prompt`` opens the assistant's turn, ``continue_final_message`` leaves the last
-        message open for the model to continue, ``tools`` are passed to the template."""
+        """``generate`` on a conversation (a list of {"role", "content"} messages) or a list of them, rendered by
+        the tokenizer's chat template (or ``chat_template``), with vLLM's keywords: ``chat_template_kwargs`` become
+        template variables (``{"enable_thinking": False}``), ``tools`` go to the template, ``add_generation_prompt``
+        opens the assistant's turn, ``continue_final_message`` leaves the last message open."""
         for name, value in (("lora_request", lora_request), ("mm_processor_kwargs", mm_processor_kwargs)):
             if value is not None:
                 raise ValueError(f"{name} is not supported by nanovllm (no LoRA, no multimodal models)")
@@ -207,34 +181,28 @@ class LLMEngine:
             raise TypeError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
         if self.tokenizer is None or not (chat_template or self.tokenizer.chat_template):
             raise ValueError("chat needs a tokenizer with a chat template (or chat_template=...)")
-        conversations = messages
-        if isinstance(messages, list) and messages and isinstance(messages[0], dict):
-            conversations = [messages]  # one conversation
+        single = isinstance(messages, list) and messages and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
         if not isinstance(conversations, list) or not all(
                 isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations):
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of "
                             f"them, got {messages!r:.80}")
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=chat_template, tools=tools,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}))
-            # the template writes the special tokens (BOS and the like) itself
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        options = dict(chat_template=chat_template, tools=tools, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, **options) for c in conversations]
+        # the template writes the special tokens (BOS and the like) itself
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)} for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _add_requests(self, prompts, sampling_params, stream: deque | None = None) -> list[Request]:
         """Checks every prompt and every sampling parameter before admitting any."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
-                                                isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
-        sampling_params = SamplingParams() if sampling_params is None else sampling_params
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or \
                 not all(isinstance(sp, SamplingParams) for sp in sampling_params):
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
@@ -262,15 +230,15 @@ class LLMEngine:
             else:
                 raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            prompt = self._encode(prompt)
+            self._require_tokenizer("string prompts (pass token ids instead)")
+            prompt = self.tokenizer.encode(prompt)
         elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
             raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, got {prompt!r:.80}")
         if not prompt:
             raise ValueError(f"prompt {i} is empty")
-        vocab_size = self.config.hf_config.vocab_size
+        config, vocab_size = self.config, self.config.hf_config.vocab_size
         if bad := [t for t in prompt if not 0 <= t < vocab_size]:
             raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-        config = self.config
         if len(prompt) >= config.max_model_len:
             capacity = config.num_kvcache_blocks * config.kvcache_block_size
             cache = f" (the whole KV cache holds {capacity} tokens)" if capacity == config.max_model_len else ""
@@ -281,7 +249,3 @@ class LLMEngine:
     def _require_tokenizer(self, what: str):
         if self.tokenizer is None:
             raise ValueError(f"{what} need a tokenizer, but the engine has skip_tokenizer_init=True")
-
-    def _encode(self, prompt: str) -> list[int]:
-        self._require_tokenizer("string prompts (pass token ids instead)")
-        return self.tokenizer.encode(prompt)

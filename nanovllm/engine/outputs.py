@@ -34,21 +34,18 @@ class SamplingInputs:
     num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
 
 
-def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float
-                   ) -> dict[int, float]:
+def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float) -> dict[int, float]:
     """vLLM's logprobs entry: the top k {token id: logprob}, and the chosen (or actual) token's."""
     return {**dict(zip(top_ids[:k], top_values[:k])), token: logprob}
 
 
 def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
                    check_every_s: float = 0.05) -> None:
-    """Returns once ``event`` (a ``torch.cuda.Event``, or anything with ``query``/``synchronize``) has
-    completed. With ``alive`` (tensor parallelism on CUDA) it polls instead of blocking and raises as
-    soon as ``alive()`` is False: a forward whose collectives wait for a dead NCCL rank never ends,
-    and a blocked ``synchronize`` would wait with it."""
+    """Returns once ``event`` (a ``torch.cuda.Event``, or anything with ``query``/``synchronize``) has completed.
+    With ``alive`` (tensor parallelism on CUDA) it polls instead of blocking and raises as soon as ``alive()`` is
+    False: a forward whose collectives wait for a dead NCCL rank never ends, nor would a blocked ``synchronize``."""
     if alive is None:
-        event.synchronize()
-        return
+        return event.synchronize()
     next_check = time.monotonic() + check_every_s
     while not event.query():
         if time.monotonic() >= next_check:
@@ -59,59 +56,43 @@ def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float
 
 
 class SampledTokens:
-    """One forward's sampled tokens (and logprobs) on their way to the host. The device-to-host
-    copies start at once (into pinned memory, behind the sampler on the stream); ``result`` waits
-    for them, so the CPU can schedule and launch the next forward first."""
+    """One forward's sampled tokens (and logprobs) on their way to the host: the copies into pinned memory start at
+    once (behind the sampler on the stream); ``result`` waits for them, so the CPU can launch the next forward first."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
                  prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None):
-        self.num_logprobs = num_logprobs
-        self.prompt = prompt
-        self.event = None
+        self.num_logprobs, self.prompt, self.event = num_logprobs, prompt, None
         tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
         if token_ids.is_cuda:
-            host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) for t in tensors]
-            for h, t in zip(host, tensors):
-                h.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-            tensors = host
+            tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
+                       for t in tensors]
+            self.event = torch.cuda.current_stream().record_event()
         n = 3 if logprobs else 0
         self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
 
     def result(self, alive: Callable[[], bool] | None = None
                ) -> tuple[list[int], list[dict[int, float] | None], list[tuple[int, list[dict]] | None]]:
-        """(the sampled token ids; per sequence its {token id: logprob} for the sampled token and its
-        top k, or None where not asked; per sequence (the first prompt position, the {token id: logprob}
-        of each prompt token from there that this forward computed: the actual one and the top k), or
-        None). ``alive``: see ``wait_for_event``."""
+        """(the sampled token ids; per sequence, {token id: logprob} of the sampled token and its top k, or None
+        where not asked; per sequence, (its first prompt position, such an entry, of the actual token and the top k,
+        for each prompt token from there that this forward computed), or None). ``alive``: see ``wait_for_event``."""
         if self.event is not None:
             wait_for_event(self.event, alive)
         token_ids = self.token_ids.tolist()
-        return token_ids, self._logprobs(token_ids), self._prompt_logprobs(len(token_ids))
-
-    def _logprobs(self, token_ids: list[int]) -> list[dict[int, float] | None]:
-        if self.logprobs is None:
-            return [None] * len(token_ids)
-        sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
-        return [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i])
-                for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
-
-    def _prompt_logprobs(self, num_seqs: int) -> list[tuple[int, list[dict[int, float]]] | None]:
-        if self.prompt is None:
-            return [None] * num_seqs
-        target, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs) if self.prompt_logprobs \
-            else ([], [], [])
-        out, row = [], 0
-        for span in self.prompt.spans:
-            if span is None:
-                out.append(None)
-                continue
-            first, count, k = span
-            out.append((first, [_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r], target[r])
-                                for r in range(row, row + count)]))
-            row += count
-        return out
+        logprobs, prompt_logprobs = [None] * len(token_ids), [None] * len(token_ids)
+        if self.logprobs is not None:
+            sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
+            logprobs = [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i])
+                        for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
+        if self.prompt is not None:
+            target, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs)
+            row = 0
+            for i, span in enumerate(self.prompt.spans):
+                if span is not None:
+                    first, count, k = span
+                    prompt_logprobs[i] = (first, [_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r],
+                                                                 target[r]) for r in range(row, row + count)])
+                    row += count
+        return token_ids, logprobs, prompt_logprobs
 
 
 def completion_output(seq: Sequence, tokenizer) -> dict:
@@ -130,9 +111,8 @@ def completion_output(seq: Sequence, tokenizer) -> dict:
 
 
 def request_output(request, tokenizer) -> dict:
-    """The nano-vllm fields (``text``, ``token_ids``: completion 0) and vLLM's: ``finish_reason``,
-    ``prompt_token_ids``, ``num_cached_tokens``, ``logprobs`` and ``prompt_logprobs`` (when asked),
-    ``metrics`` and ``outputs`` (all n completions); ``error`` when a completion ended in one."""
+    """nano-vllm's fields (``text``, ``token_ids``: completion 0) and vLLM's: ``finish_reason``, ``prompt_token_ids``,
+    ``num_cached_tokens``, ``metrics``, ``outputs`` (all n); ``logprobs``, ``prompt_logprobs``, ``error`` if present."""
     completions = [completion_output(seq, tokenizer) for seq in request.seqs]
     first = request.seqs[0]
     first_tokens = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
