@@ -1,11 +1,7 @@
-"""The engine core: the step loop (schedule -> launch -> read back) and the state it owns: the requests,
-the step in flight, the ranks' resources.
-
-With async scheduling the next step is scheduled and launched before the one in flight is read back;
-run synchronously, each step is read back at once. Penalty batches wait for the step in flight (they
-read every generated token); completions 1..n-1 of a request are released once completion 0's prompt
-is cached. Every step runs under the core's lock, so the API's calls from several threads take turns.
-"""
+"""The engine core: the step loop (schedule -> launch -> read back) and what it owns: the requests, the
+step in flight, the ranks' resources. With async scheduling the next step is launched before the one in
+flight is read back; run synchronously, each step is read back at once. Every step runs under the core's
+lock, so the API's calls from several threads take turns."""
 from __future__ import annotations
 
 import logging
@@ -68,12 +64,18 @@ class Resources:
             if self.workers is not None:
                 self.workers.close(graceful=self.healthy)
 
-    def named(self, e: BaseException) -> BaseException:
-        """The error to raise for ``e``: a ``WorkerDiedError`` naming the rank when a worker died (or dies
-        within a moment: its sockets close before its exit status is known), else ``e`` itself."""
-        if self.workers is None or isinstance(e, (WorkerDiedError, KeyboardInterrupt, ValueError, TypeError)):
-            return e
-        return self.workers.death_error(DEATH_GRACE_S) or e
+    def fail(self, e: BaseException, shutdown):
+        """After a failure part-way (start-up, a step): marks the ranks out of step, shuts the engine down
+        (``shutdown``) and raises ``e``, or the ``WorkerDiedError`` naming a worker that died (or dies within
+        a moment: its sockets close before its exit status is known)."""
+        self.healthy = False
+        error = e
+        if self.workers is not None and not isinstance(e, (WorkerDiedError, KeyboardInterrupt, ValueError, TypeError)):
+            error = self.workers.death_error(DEATH_GRACE_S) or e
+        shutdown()
+        if error is e:
+            raise e
+        raise error from e
 
 
 class EngineCore:
@@ -94,7 +96,6 @@ class EngineCore:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.inflight is None
 
-    # ---- one step ---------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
         """Schedules and launches one forward, and reads back the results of the one before it
         (async scheduling) or of this one. Returns the sequences whose results were read (or that
@@ -154,12 +155,7 @@ class EngineCore:
         try:
             return fn(*args)
         except BaseException as e:
-            self.resources.healthy = False
-            error = self.resources.named(e)
-            self.shutdown()
-            if error is e:
-                raise
-            raise error from e
+            self.resources.fail(e, self.shutdown)
 
     def _launch(self, step: batch.StepInput, sampling: SamplingInputs) -> SampledTokens:
         if self.resources.workers is not None:

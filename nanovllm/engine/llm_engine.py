@@ -35,12 +35,7 @@ class LLMEngine:
                 resources.workers = WorkerGroup(config)
             resources.runner = ModelRunner(config, 0, resources.workers.connect() if resources.workers else None)
         except BaseException as e:
-            resources.healthy = False
-            error = resources.named(e)
-            self._finalizer()
-            if error is e:
-                raise
-            raise error from e
+            resources.fail(e, self._finalizer)
         runner = resources.runner
         self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
         self.core = EngineCore(self.config, resources, self._finalizer)
