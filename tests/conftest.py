@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints (built offline) and transformers as the oracle."""
+"""Shared fixtures and helpers: tiny random checkpoints (built offline) and transformers as the oracle."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny_model import build_tiny_qwen3
+from tiny_model import build_tiny_model, build_tiny_qwen3
 
 # One near-tie rule everywhere: at the first position where nanovllm and
 # transformers differ, a top-2 logit gap below this in transformers means the rest is not compared.
@@ -45,6 +45,26 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny(checkpoints) -> str:
     return checkpoints["gqa2"]
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+FAMILIES = {  # name: (architecture, build_tiny_model overrides)
+    "qwen2_biases": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama3_rope_tied": ("llama", dict(head_dim=32, tie_word_embeddings=True, rope_theta=500000.0,
+                                       rope_scaling=LLAMA3_ROPE)),
+    "llama_linear_rope_all_biases": ("llama", dict(head_dim=32, attention_bias=True, mlp_bias=True,
+                                                   num_key_value_heads=4, rope_scaling=dict(rope_type="linear",
+                                                                                            factor=2.0))),
+    "mistral": ("mistral", dict(head_dim=32, sliding_window=None, num_key_value_heads=1)),
+}
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    """One tiny checkpoint of every supported family but Qwen3 (test_models.py, test_tensor_parallel.py)."""
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_tiny_model(str(root / name), arch, **kw) for name, (arch, kw) in FAMILIES.items()}
 
 
 # An explicit cache size (honoured on every device): on a GPU, engines that live side by side
@@ -130,6 +150,38 @@ def assert_no_leaks(llm) -> None:
     assert llm.is_finished()
     assert len(bm.free_block_ids) == len(bm.blocks) and not bm.used_block_ids
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def run_engine(path: str, prompts, sampling_params, **kw):
+    """(outputs, engine) of one generate on a fresh engine (ENGINE's settings, then ``kw``), checked for
+    leaked blocks; the engine is shut down."""
+    from nanovllm import LLM
+    llm = LLM(path, **{**ENGINE, **kw})
+    try:
+        outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+        assert_no_leaks(llm)
+        return outputs, llm
+    finally:
+        llm.exit()
+
+
+def token_ids_of(outputs) -> list[list[int]]:
+    return [o["token_ids"] for o in outputs]
+
+
+def assert_prompt_logprobs(model, prompt: list[int], entries: list, k: int, tol: float = 1e-4):
+    """vLLM's format (None for the first token, then {token id: logprob} of the actual token and the
+    top k) with transformers' log_softmax of the full sequence's logits (float32) as the reference."""
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for pos in range(1, len(prompt)):
+        entry, expected = entries[pos], ref[pos - 1]
+        assert prompt[pos] in entry and len(entry) in (k, k + 1), (pos, entry)
+        kth = float(expected.topk(k).values[-1]) if k else float("inf")
+        for t, lp in entry.items():
+            assert lp == pytest.approx(float(expected[t]), abs=tol), (pos, t)
+            assert t == prompt[pos] or lp >= kth - tol, f"position {pos}: {t} is not in the top {k}"
 
 
 def edited_checkpoint(src: str, dst, **config_changes) -> str:

@@ -1,17 +1,22 @@
-"""The user-facing API: outputs, stopping, seeded sampling, and errors that name the bad value."""
+"""Specification of the public API: generate, stream, chat, add_request/step and the outputs' fields, the
+LLM's life cycle (exit, shutdown, the context manager), and its input validation: a bad prompt, engine
+keyword or argument is refused with a ValueError or TypeError that names it, and the engine stays usable."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 
 import pytest
-import torch
-from conftest import ENGINE, assert_no_leaks, edited_checkpoint, random_prompts
+from conftest import ENGINE, assert_no_leaks, random_prompts, token_ids_of
 
 from nanovllm import LLM, SamplingParams
 
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
+
+# ---- generate and its outputs --------------------------------------------------------------------
 def test_outputs_in_prompt_order_and_text(llm, oracle, tiny):
     prompts = ["Hello, Nano-vLLM.", "a", "The quick brown fox jumps over the lazy dog " * 3]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 17, 9)]
@@ -29,48 +34,179 @@ def test_token_id_prompt_and_single_params(llm):
     assert [len(o["token_ids"]) for o in out] == [3, 3]
 
 
-def test_stops_on_every_eos_id(tiny, oracle, tmp_path):
-    prompt = random_prompts(1, 10, 10, seed=11)[0]
-    ref, _ = oracle.greedy(tiny, prompt, 32)
-    stop_token = ref[5]
-    ckpt = tmp_path / "eos"
-    shutil.copytree(tiny, ckpt)
-    with open(ckpt / "generation_config.json", "w") as f:
-        json.dump({"eos_token_id": [stop_token, 300]}, f)
-    engine = LLM(str(ckpt), **ENGINE)
+def test_output_fields(llm, oracle, tiny):
+    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")  # 44 tokens
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out["token_ids"] == oracle.greedy(tiny, prompt, 6)[0]
+    assert out["finish_reason"] == "length" and out["prompt_token_ids"] == prompt
+    assert out["outputs"] == [{"text": out["text"], "token_ids": out["token_ids"], "finish_reason": "length"}]
+    assert 0 < out["metrics"]["time_to_first_token"] <= out["metrics"]["total_time"]
+    again = llm.generate([{"prompt": "The quick brown fox jumps over the lazy dog."}],
+                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert again["token_ids"] == out["token_ids"] and again["num_cached_tokens"] == 32  # two full blocks hit
+
+
+# ---- streams -------------------------------------------------------------------------------------
+def test_stream_yields_the_generated_text(llm):
+    prompts = ["Hello", "streaming works"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    final = llm.generate(prompts, sp, use_tqdm=False)
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    finished = []
+    for chunk in llm.stream(prompts, sp):
+        pieces[chunk["index"]].append(chunk["text"])
+        if chunk["finished"]:
+            finished.append((chunk["index"], chunk["finish_reason"]))
+    assert sorted(finished) == [(0, "length"), (1, "length")]
+    for i in (0, 1):
+        assert "".join(pieces[i]) == final[i]["text"]
+    assert llm.is_finished() and not llm.requests
+
+
+def test_leaving_a_stream_early_aborts_its_requests(llm):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for _ in llm.stream(random_prompts(3, 5, 10, seed=76), sp):
+        break
+    assert not llm.requests and llm.is_finished()
+    assert_no_leaks(llm)
+
+    def body():
+        for _ in llm.stream(random_prompts(3, 5, 10, seed=77), sp):
+            raise KeyError("user code fails inside the loop")
+
+    with pytest.raises(KeyError):
+        body()
+    gc.collect()
+    assert not llm.requests and llm.is_finished()
+    assert len(llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 8
+
+
+def test_generate_inside_a_stream_loop_and_interleaved_streams(llm):
+    prompts = random_prompts(2, 5, 10, seed=78)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = llm.generate(prompts + [[5, 6, 7]], sp, use_tqdm=False)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    inner = None
+    for piece in llm.stream(prompts, sp):
+        tokens[piece["index"]] += piece["token_ids"]
+        if inner is None:
+            inner = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
+    assert [tokens[0], tokens[1]] == token_ids_of(ref[:2]) and inner["token_ids"] == ref[2]["token_ids"]
+
+    a, b = llm.stream(prompts[:1], sp), llm.stream(prompts[1:], sp)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    live = {"a": a, "b": b}
+    while live:
+        for name, it in list(live.items()):
+            piece = next(it, None)
+            if piece is None:
+                del live[name]
+            else:
+                got[name] += piece["token_ids"]
+    assert [got["a"], got["b"]] == token_ids_of(ref[:2])
+    assert_no_leaks(llm)
+
+
+def test_streamed_text_with_a_stop_string_equals_generate(llm):
+    for seed in range(80, 86):
+        prompt = random_prompts(1, 10, 10, seed=seed)[0]
+        ref_ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)[0]["token_ids"]
+        start = next((i for i in range(2, 36) if all(32 <= t < 127 for t in ref_ids[i:i + 4])), None)
+        if start is None:
+            continue
+        stop = bytes(ref_ids[start:start + 4]).decode()
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+        final = llm.generate([prompt], sp, use_tqdm=False)[0]
+        pieces = [p["text"] for p in llm.stream([prompt], sp)]
+        assert final["finish_reason"] == "stop" and "".join(pieces) == final["text"], (pieces, final["text"])
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "hi there"}]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    out = llm.chat(messages, sp, use_tqdm=False)
+    ids = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ref = llm.generate([ids], sp, use_tqdm=False)
+    assert out[0]["token_ids"] == ref[0]["token_ids"]
+    assert len(llm.chat([messages, messages], sp, use_tqdm=False)) == 2
+
+
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}[nothink]{% endif %}"
+            "{% if tools %}[tools:{{ tools | length }}]{% endif %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _chat_prompt(llm, messages, **kw) -> str:
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, chat_template=TEMPLATE, **kw)
+    return llm.tokenizer.decode(out[0]["prompt_token_ids"])
+
+
+def test_chat_keywords_keep_their_meaning(llm):
+    messages = [{"role": "user", "content": "hi"}]
+    assert _chat_prompt(llm, messages) == "<user>hi<assistant>"
+    assert _chat_prompt(llm, messages, chat_template_kwargs={"enable_thinking": False}) == \
+        "<user>hi[nothink]<assistant>"
+    assert _chat_prompt(llm, messages, add_generation_prompt=False) == "<user>hi"
+    assert _chat_prompt(llm, messages, tools=[{"type": "function", "function": {"name": "f"}}]) == \
+        "<user>hi[tools:1]<assistant>"
+    partial = messages + [{"role": "assistant", "content": "Hel"}]
+    assert _chat_prompt(llm, partial, add_generation_prompt=False, continue_final_message=True).endswith("Hel")
+    with pytest.raises(TypeError, match="temperature"):
+        llm.chat(messages, temperature=0)  # a keyword chat does not take is refused by name
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(partial, continue_final_message=True)
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.chat(messages, lora_request=object())
+
+
+# ---- life cycle ----------------------------------------------------------------------------------
+def test_context_manager_shutdown_alias_and_idempotent_exit(tiny):
+    with LLM(tiny, **ENGINE) as llm:
+        assert len(llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0]["token_ids"]) == 8
+    assert llm.model_runner is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2]], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    llm.exit()
+    other = LLM(tiny, **ENGINE)
+    assert LLM.shutdown is LLM.exit
+    other.shutdown()
+    assert other.model_runner is None
+
+
+# ---- engine keywords -----------------------------------------------------------------------------
+def test_vllm_engine_keywords(tiny):
+    engine = LLM(tiny, block_size=16, enable_prefix_caching=False, max_model_len=256, num_kvcache_blocks=64, seed=3)
     try:
-        assert set(engine.config.eos_token_ids) == {stop_token, 300, engine.tokenizer.eos_token_id}
-        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
-        ignored = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                                  use_tqdm=False)[0]
+        assert engine.config.kvcache_block_size == 16
+        prompt = list(range(40))
+        engine.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+        engine.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert engine.scheduler.block_manager.num_cache_hits == 0
     finally:
         engine.exit()
-    assert out["token_ids"] == ref[:ref.index(stop_token) + 1]
-    assert ignored["token_ids"] == ref
+    with pytest.raises(TypeError, match="not both"):
+        LLM(tiny, block_size=16, kvcache_block_size=16)
 
 
-def test_stops_at_max_model_len(tiny):
-    engine = LLM(tiny, kvcache_block_size=16, max_model_len=40, num_kvcache_blocks=64)
+def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
+    ckpt = tmp_path / "notok"
+    shutil.copytree(tiny, ckpt, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
+    engine = LLM(str(ckpt), skip_tokenizer_init=True, **ENGINE)
     try:
-        out = engine.generate([list(range(30))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
-                              use_tqdm=False)[0]
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+        assert out["text"] == "" and len(out["token_ids"]) == 3
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            engine.generate(["text"], SamplingParams(), use_tqdm=False)
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            engine.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
     finally:
         engine.exit()
-    assert len(out["token_ids"]) == 10 and out["finish_reason"] == "length"
-
-
-def test_seeded_sampling_is_reproducible(tiny):
-    prompts = random_prompts(6, 5, 30, seed=12)
-    sp = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
-    runs = []
-    for seed in (0, 0, 1):
-        engine = LLM(tiny, **ENGINE, seed=seed)
-        try:
-            runs.append([o["token_ids"] for o in engine.generate(prompts, sp, use_tqdm=False)])
-        finally:
-            engine.exit()
-    assert runs[0] == runs[1]
-    assert runs[0] != runs[2]
 
 
 def test_unknown_keyword_is_named(tiny):
@@ -98,23 +234,38 @@ def test_bad_model_dir(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_missing_weights(tiny, tmp_path):
-    ckpt = tmp_path / "noweights"
-    shutil.copytree(tiny, ckpt, ignore=shutil.ignore_patterns("*.safetensors*"))
-    with pytest.raises(ValueError, match="safetensors"):
-        LLM(str(ckpt))
+def test_attention_backend_choice_is_checked_up_front(tiny):
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        LLM(tiny, attention_backend="xformers")
+    with pytest.raises(ValueError, match=r"attention_backend='flash-attn' does not support.*kvcache_block_size 16"):
+        LLM(tiny, device="cpu", kvcache_block_size=16, attention_backend="flash-attn")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(temperature=-1), "temperature"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature="hot"), "temperature"),
-])
-def test_bad_sampling_params(kwargs, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        SamplingParams(**kwargs)
+def test_auto_backend_on_cpu_is_the_reference(llm):
+    assert llm.model_runner.attention_backend.name == ("triton" if llm.config.device == "cuda" else "torch")
 
 
+def test_kv_budget_too_small_for_one_block(tiny):
+    with pytest.raises(ValueError, match="no memory left for the KV cache.*cpu_kvcache_space"):
+        LLM(tiny, device="cpu", cpu_kvcache_space=1e-9)
+
+
+def test_prompt_larger_than_the_kv_cache(tiny, caplog):
+    engine = LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=2)
+    try:
+        # max_model_len is lowered to what the cache holds, and says so (vLLM refuses such a start instead)
+        assert engine.config.max_model_len == 32
+        assert "max_model_len lowered from 1024 to 32" in caplog.text
+        with pytest.raises(ValueError, match=r"max_model_len=32 \(the whole KV cache holds 32 tokens\)"):
+            engine.generate([[5] * 40], SamplingParams(), use_tqdm=False)
+        out = engine.generate([[5] * 20], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                              use_tqdm=False)[0]
+    finally:
+        engine.exit()
+    assert len(out["token_ids"]) == 12  # stops when the sequence fills the whole cache
+
+
+# ---- bad prompts and arguments -------------------------------------------------------------------
 @pytest.mark.parametrize("prompts, params, match", [
     ([[]], None, "empty"),
     ([[1, 2, 999]], None, "outside the vocabulary"),
@@ -133,6 +284,12 @@ def test_bad_prompts_leave_engine_usable(llm, prompts, params, match):
     assert len(llm.generate(["ok"], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]) <= 2
 
 
+def test_wrong_sampling_params_type(llm):
+    with pytest.raises(TypeError, match="sampling_params must be"):
+        llm.generate(["a"], {"temperature": 0}, use_tqdm=False)
+
+
+# ---- the example script and the package ----------------------------------------------------------
 def test_example_runs_without_arguments(tmp_path):
     import subprocess
     import sys
@@ -144,77 +301,12 @@ def test_example_runs_without_arguments(tmp_path):
     assert "greedy (temperature 0)" in proc.stdout and "sampled (temperature 0.8" in proc.stdout
 
 
-def test_prompt_larger_than_the_kv_cache(tiny, caplog):
-    engine = LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=2)
-    try:
-        # max_model_len is lowered to what the cache holds, and says so (vLLM refuses such a start instead)
-        assert engine.config.max_model_len == 32
-        assert "max_model_len lowered from 1024 to 32" in caplog.text
-        with pytest.raises(ValueError, match=r"max_model_len=32 \(the whole KV cache holds 32 tokens\)"):
-            engine.generate([[5] * 40], SamplingParams(), use_tqdm=False)
-        out = engine.generate([[5] * 20], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                              use_tqdm=False)[0]
-    finally:
-        engine.exit()
-    assert len(out["token_ids"]) == 12  # stops when the sequence fills the whole cache
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_unsupported_architecture(tiny, tmp_path):
-    ckpt = tmp_path / "arch"
-    shutil.copytree(tiny, ckpt)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
-    (ckpt / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: .*'LlamaForCausalLM'.*'Qwen3ForCausalLM'"):
-        LLM(str(ckpt))
-
-
-def test_running_sequences_capped_by_max_num_seqs(tiny):
-    engine = LLM(tiny, **{**ENGINE, "max_num_seqs": 3})
-    try:
-        for prompt in random_prompts(7, 3, 20, seed=13):
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-        while not engine.is_finished():
-            engine.step()
-            assert len(engine.scheduler.running) <= 3
-        assert_no_leaks(engine)
-    finally:
-        engine.exit()
-
-
-def test_weights_not_matching_config_name_the_tensor(tiny, tmp_path):
-    ckpt = edited_checkpoint(tiny, tmp_path / "shapes", intermediate_size=lambda n: 2 * n)
-    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d\.mlp\.(gate|up|down)_proj\.weight'"):
-        LLM(ckpt, device="cpu")
-
-
-def test_attention_backend_choice_is_checked_up_front(tiny):
-    with pytest.raises(ValueError, match="attention_backend must be"):
-        LLM(tiny, attention_backend="xformers")
-    with pytest.raises(ValueError, match=r"attention_backend='flash-attn' does not support.*kvcache_block_size 16"):
-        LLM(tiny, device="cpu", kvcache_block_size=16, attention_backend="flash-attn")
-
-
-def test_auto_backend_on_cpu_is_the_reference(llm):
-    assert llm.model_runner.attention_backend.name == ("triton" if llm.config.device == "cuda" else "torch")
-
-
-def test_kv_budget_too_small_for_one_block(tiny):
-    with pytest.raises(ValueError, match="no memory left for the KV cache.*cpu_kvcache_space"):
-        LLM(tiny, device="cpu", cpu_kvcache_space=1e-9)
-
-
-def test_checkpoint_tensor_with_unknown_name_is_named(tiny, tmp_path):
-    from safetensors.torch import load_file, save_file
-    ckpt = tmp_path / "names"
-    shutil.copytree(tiny, ckpt)
-    weights = load_file(str(ckpt / "model.safetensors"))
-    weights["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
-    save_file(weights, str(ckpt / "model.safetensors"))
-    with pytest.raises(ValueError, match="'model.layers.0.mlp.extra_proj.weight'.*matches no parameter"):
-        LLM(str(ckpt), device="cpu")
-
-
-def test_wrong_sampling_params_type(llm):
-    with pytest.raises(TypeError, match="sampling_params must be"):
-        llm.generate(["a"], {"temperature": 0}, use_tqdm=False)
+def test_build_system_supports_the_license_string():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)
+    assert isinstance(project["project"]["license"], str)  # PEP 639: setuptools >= 77
+    assert "setuptools>=77" in project["build-system"]["requires"]

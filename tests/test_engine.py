@@ -1,29 +1,25 @@
-"""Greedy output equals transformers' token for token, with each engine feature forced on."""
+"""Specification of the engine end to end: greedy output equals transformers' token for token with each
+feature forced on (prefix caching, chunked prefill, preemption, a large batch, the Triton backend), n > 1
+completions sharing their prompt's blocks, and async scheduling giving the same outputs as the
+synchronous loop."""
 from __future__ import annotations
 
 import pytest
-from conftest import CHECKPOINTS, ENGINE, assert_matches_oracle, assert_no_leaks, random_prompts
+from conftest import CHECKPOINTS, ENGINE, assert_matches_oracle, assert_no_leaks, random_prompts, run_engine
 
 from nanovllm import LLM, SamplingParams
 
 N = 32
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 
 
-def run(path, prompts, **kw):
-    llm = LLM(path, **{**ENGINE, **kw})
-    try:
-        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert_no_leaks(llm)
-        return outputs, llm
-    finally:
-        llm.exit()
-
-
+# ---- greedy output against transformers, each feature forced on ----------------------------------
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_greedy_matches_transformers(checkpoints, oracle, name):
     prompts = random_prompts(16, 3, 70, seed=1)  # lengths cross 16-token block boundaries
-    outputs, _ = run(checkpoints[name], prompts)
+    outputs, _ = run_engine(checkpoints[name], prompts, GREEDY)
     assert_matches_oracle(oracle, checkpoints[name], prompts, outputs, N)
 
 
@@ -47,7 +43,7 @@ def test_prefix_cache_hits(tiny, oracle):
 @pytest.mark.parametrize("budget", [7, 40])
 def test_chunked_prefill(tiny, oracle, budget):
     prompts = random_prompts(16, 3, 70, seed=4)
-    outputs, _ = run(tiny, prompts, max_num_batched_tokens=budget)
+    outputs, _ = run_engine(tiny, prompts, GREEDY, max_num_batched_tokens=budget)
     assert_matches_oracle(oracle, tiny, prompts, outputs, N)
 
 
@@ -64,34 +60,10 @@ def test_preemption(tiny, oracle):
     assert_matches_oracle(oracle, tiny, prompts, outputs, N)
 
 
-def test_tensor_parallel_gloo(checkpoints, oracle):
-    path = checkpoints["gqa4_hd128_sharded"]
-    prompts = random_prompts(16, 3, 70, seed=6)
-    outputs, _ = run(path, prompts, tensor_parallel_size=2, device="cpu")
-    assert_matches_oracle(oracle, path, prompts, outputs, N)
-
-
 def test_large_batch(tiny, oracle):
     prompts = random_prompts(160, 2, 40, seed=7)
-    outputs, _ = run(tiny, prompts, max_num_seqs=64)
+    outputs, _ = run_engine(tiny, prompts, GREEDY, max_num_seqs=64)
     assert_matches_oracle(oracle, tiny, prompts, outputs, N)
-
-
-def test_two_engines_in_one_process(checkpoints, oracle):
-    a, b = checkpoints["gqa2"], checkpoints["gqa1_tied"]
-    prompts = random_prompts(4, 3, 30, seed=8)
-    llm_a = LLM(a, **ENGINE)
-    llm_b = LLM(b, **ENGINE, tensor_parallel_size=2, device="cpu")  # side by side with a TP engine
-    try:
-        out_a = llm_a.generate(prompts, GREEDY, use_tqdm=False)
-        out_b = llm_b.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        llm_b.exit()
-        llm_a.exit()
-    assert_matches_oracle(oracle, a, prompts, out_a, N)
-    assert_matches_oracle(oracle, b, prompts, out_b, N)
-    out_again, _ = run(b, prompts, tensor_parallel_size=2, device="cpu")  # one after another
-    assert [o["token_ids"] for o in out_again] == [o["token_ids"] for o in out_b]
 
 
 def test_triton_backend(checkpoints, oracle):
@@ -111,3 +83,201 @@ def test_triton_backend(checkpoints, oracle):
     finally:
         llm.exit()
     assert_matches_oracle(oracle, path, prompts, outputs, 12)
+
+
+# ---- n > 1 ---------------------------------------------------------------------------------------
+def test_n_completions_share_the_prompt_blocks(llm):
+    prompt = random_prompts(1, 70, 70, seed=46)[0]  # 4 full blocks of 16, then 6 tokens
+    hits = llm.scheduler.block_manager.num_cache_hits
+    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert llm.scheduler.block_manager.num_cache_hits - hits >= 3 * 4  # completions 1-3 reuse all 4 full blocks
+    assert len(out["outputs"]) == 4 and out["token_ids"] == out["outputs"][0]["token_ids"]
+    assert len({tuple(o["token_ids"]) for o in out["outputs"]}) > 1
+    greedy = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len({tuple(o["token_ids"]) for o in greedy["outputs"]}) == 1
+    assert_no_leaks(llm)
+
+
+# ---- async scheduling -----------------------------------------------------------------------------
+# Step N+1 is scheduled and launched before step N's tokens are read; the outputs are those of the
+# synchronous loop: every stop condition ends a sequence on the same token, and the token computed in
+# flight after it never shows. On CPU the forward is synchronous, but the engine's bookkeeping
+# (placeholders, the device-side hand-over of sampled tokens, dropped in-flight tokens, TP broadcast) is
+# the same code as on CUDA.
+# 24 blocks of 16 tokens for 14 requests of up to ~110 tokens: preemption; a 48-token budget: chunked prefill
+SQUEEZED = {**ENGINE, "num_kvcache_blocks": 24, "max_num_batched_tokens": 48}
+
+
+def _engine(path, async_scheduling, **kw):
+    llm = LLM(path, **{**SQUEEZED, **kw}, async_scheduling=async_scheduling)
+    assert llm.config.async_scheduling is async_scheduling
+    return llm
+
+
+PROMPTS = random_prompts(14, 8, 60, seed=31)
+
+
+def _stops(llm) -> tuple[list[int], list[str]]:
+    """Stop ids and stop strings that greedy decoding of their prompts meets part-way through."""
+    probe = llm.generate([PROMPTS[i] for i in (2, 3, 4, 11, 12)],
+                         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    stop_ids = [out["token_ids"][k] for out, k in zip(probe, (9, 3, 14))]
+    stop_strs = [next(chr(t) for t in out["token_ids"][k:] if chr(t).isalnum() and t < 128)
+                 for out, k in zip(probe[3:], (6, 4))]
+    return stop_ids, stop_strs
+
+
+def _workload(stop_ids: list[int], stop_strs: list[str]):
+    g = dict(temperature=0)
+    params = [
+        SamplingParams(**g, max_tokens=40, ignore_eos=True),
+        SamplingParams(**g, max_tokens=7, ignore_eos=True),
+        SamplingParams(**g, max_tokens=40, stop_token_ids=[stop_ids[0]]),        # stops mid-run
+        SamplingParams(**g, max_tokens=40, stop_token_ids=[stop_ids[1]], min_tokens=6),
+        SamplingParams(**g, max_tokens=40, stop_token_ids=[stop_ids[2]], logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=6, n=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=7, max_tokens=25, ignore_eos=True, logprobs=2),
+        SamplingParams(**g, n=2, max_tokens=40, stop_token_ids=[stop_ids[0]]),
+        SamplingParams(temperature=0.9, seed=9, max_tokens=15, ignore_eos=True),
+        SamplingParams(**g, max_tokens=1, ignore_eos=True),
+        SamplingParams(**g, max_tokens=40, stop=[stop_strs[0], "never seen"]),  # stop strings
+        SamplingParams(**g, max_tokens=40, stop=[stop_strs[1]], include_stop_str_in_output=True),
+        SamplingParams(**g, max_tokens=40, ignore_eos=True),
+    ]
+    return PROMPTS, params
+
+
+# penalties read every generated token, so a batch that has them waits for the step in flight
+PENALTIES = [SamplingParams(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3, seed=8, max_tokens=20,
+                            ignore_eos=True),
+             SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=9, max_tokens=15, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+
+
+def _comparable(outputs: list[dict]) -> list[dict]:
+    """Everything but the timings; logprobs rounded (a row's float sums depend on its batch)."""
+    def rounded(logprobs):
+        return [{t: round(v, 3) for t, v in d.items()} for d in logprobs]
+    out = []
+    for o in outputs:
+        o = {k: v for k, v in o.items() if k != "metrics"}
+        o["outputs"] = [{**c, "logprobs": rounded(c["logprobs"])} if "logprobs" in c else c for c in o["outputs"]]
+        if "logprobs" in o:
+            o["logprobs"] = rounded(o["logprobs"])
+        out.append(o)
+    return out
+
+
+def test_async_matches_sync_on_a_mixed_workload(tiny):
+    sync = _engine(tiny, False)
+    try:
+        prompts, params = _workload(*_stops(sync))
+        expected = _comparable(sync.generate(prompts, params, use_tqdm=False))
+        expected_penalties = _comparable(sync.generate(PROMPTS[:3], PENALTIES, use_tqdm=False))
+    finally:
+        sync.exit()
+    reasons = [out["finish_reason"] for out in expected]
+    assert reasons[2] == reasons[4] == reasons[11] == reasons[12] == "stop" and reasons[0] == "length"
+
+    llm = _engine(tiny, True)
+    steps_with_two_in_flight = []
+    original_run = llm.model_runner.run
+
+    def spy_run(step, sampling=None):
+        if llm.core.inflight is not None:
+            steps_with_two_in_flight.append(step.prev_rows is not None)
+        return original_run(step, sampling)
+
+    llm.model_runner.run = spy_run
+    try:
+        assert _workload(*_stops(llm))[1] == params  # the same probe, so the same prefix-cache state
+        got = _comparable(llm.generate(prompts, params, use_tqdm=False))
+        assert _comparable(llm.generate(PROMPTS[:3], PENALTIES, use_tqdm=False)) == expected_penalties
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert llm.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
+    assert any(steps_with_two_in_flight), "no step was launched while the previous one was in flight"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"request {i} ({params[i]}) differs with async scheduling"
+
+
+def test_async_stream_matches_sync(tiny):
+    prompts = ["Hello there", "async", "streams the same text"]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, stop=["a"]),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=9, ignore_eos=True)]
+    pieces = {}
+    for mode in (False, True):
+        llm = _engine(tiny, mode)
+        try:
+            pieces[mode] = sorted((p["index"], p["text"], tuple(p["token_ids"]), p["finished"])
+                                  for p in llm.stream(prompts, params))
+            assert_no_leaks(llm)
+        finally:
+            llm.exit()
+    assert pieces[True] == pieces[False]
+
+
+def test_penalty_batch_whose_sequences_all_stop_in_flight(tiny):
+    """A penalties batch waits for the step in flight; if that step finishes every sequence of the
+    batch, nothing is launched and the run goes on (it used to raise)."""
+    prompt = [5, 17, 33, 2, 9, 100]
+    outs = {}
+    for mode in (False, True):
+        llm = _engine(tiny, mode)
+        try:
+            ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                        presence_penalty=0.5), use_tqdm=False)[0]["token_ids"]
+            sp = SamplingParams(temperature=0, max_tokens=10, presence_penalty=0.5, stop_token_ids=[ref[3]])
+            outs[mode] = llm.generate([prompt], sp, use_tqdm=False)
+            assert_no_leaks(llm)
+        finally:
+            llm.exit()
+    assert outs[False][0]["token_ids"] == ref[:4] and outs[False][0]["finish_reason"] == "stop"
+    assert _comparable(outs[True]) == _comparable(outs[False])
+
+
+def test_step_reports_each_finished_sequence_once(tiny):
+    """A sequence that stops on a token was already launched into the next step: step() still reports
+    it finished once."""
+    llm = _engine(tiny, True)
+    try:
+        prompts = random_prompts(6, 5, 30, seed=33)
+        probe = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        for i, (prompt, out) in enumerate(zip(prompts, probe)):
+            llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[out["token_ids"][i]]),
+                            index=i)
+        finished = []
+        while not llm.is_finished():
+            finished += [seq_id for seq_id, _ in llm.step()[0]]
+        assert len(finished) == len(set(finished)) == 6
+    finally:
+        llm.exit()
+
+
+def test_prefix_cache_registers_blocks_of_short_and_overlapping_requests(tiny):
+    """Blocks are registered when their forward is launched (so the next schedule can use them) and
+    before a sequence that ends on that step frees them: a max_tokens=1 request caches its prompt,
+    and prompts sharing a prefix admitted in consecutive steps find it, in both modes alike."""
+    base = random_prompts(1, 48, 48, seed=34)[0]  # 3 full blocks of 16
+    for mode in (False, True):
+        llm = _engine(tiny, mode, max_num_batched_tokens=64)
+        try:
+            one = SamplingParams(temperature=0, max_tokens=1)
+            llm.generate([base + [7]], one, use_tqdm=False)
+            assert llm.generate([base + [7]], one, use_tqdm=False)[0]["num_cached_tokens"] == 48
+            hits = llm.scheduler.block_manager.num_cache_hits
+            llm.generate([base[:40] + [9] * 10], SamplingParams(temperature=0.8, n=3, max_tokens=1, seed=1),
+                         use_tqdm=False)
+            assert llm.scheduler.block_manager.num_cache_hits - hits == 2 + 2 * 3  # 2 from base, 3 per sibling
+            other = random_prompts(1, 48, 48, seed=35)[0]
+            outs = llm.generate([other + [1, 2], other + [3, 4, 5], other + [6]],
+                                SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+            assert [o["num_cached_tokens"] for o in outs] == [0, 0, 48], mode  # the third is admitted a step later
+            assert_no_leaks(llm)
+        finally:
+            llm.exit()

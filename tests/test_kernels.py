@@ -65,6 +65,16 @@ def test_store_kvcache():
         assert (flat_k[untouched] == 123).all() and (flat_v[untouched] == 123).all()
 
 
+def test_store_kvcache_skips_padding():
+    k_cache = torch.zeros(3, 2, 1, 4)
+    v_cache = torch.zeros(3, 2, 1, 4)
+    k = torch.randn(3, 1, 4)
+    reference.store_kvcache(k, -k, k_cache, v_cache, torch.tensor([5, -1, 0], dtype=torch.int32))
+    flat = k_cache.view(6, 1, 4)
+    assert torch.equal(flat[5], k[0]) and torch.equal(flat[0], k[2])
+    assert flat[1:5].abs().sum() == 0 and torch.equal(v_cache.view(6, 1, 4)[5], -k[0])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("heads,norm", [((4, 2, 64), True), ((6, 3, 32), True), ((8, 8, 128), False)],
                          ids=["H4-KV2-D64-norm", "H6-KV3-D32-norm", "H8-KV8-D128-rope-only"])

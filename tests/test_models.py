@@ -1,33 +1,35 @@
-"""Every supported family (Qwen3, Qwen2/2.5, Llama 2/3.x, Mistral) from tiny random checkpoints:
-greedy output equal to transformers' token for token on CPU, one with TP=2 on gloo."""
+"""Specification of the model families and checkpoint loading: every supported family (Qwen3, Qwen2/2.5,
+Llama 2/3.x, Mistral) from tiny random checkpoints gives transformers' greedy output token for token on
+CPU; the presets build; one rotary table per model; and checkpoints as they come: sharded with an index
+(and foreign files beside), with old rotary buffers, wrong shapes (under tensor parallelism too), damaged
+files, unknown tensors, no weights, no tokenizer, an unsupported architecture. The loader tests build
+and load models directly (no engine)."""
 from __future__ import annotations
 
+import glob
+import json
+import os
+import re
+import shutil
+
 import pytest
-from conftest import assert_matches_oracle, assert_no_leaks, random_prompts
-from tiny_model import build_tiny_model
+import torch
+from conftest import FAMILIES, assert_matches_oracle, assert_no_leaks, edited_checkpoint, random_prompts
+from safetensors.torch import load_file, save_file
+from tiny_model import build_tiny_model, build_tiny_qwen3
+from transformers import AutoConfig
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.rotary_embedding import get_rope
+from nanovllm.models import MODEL_REGISTRY, get_model_class
+from nanovllm.models.llama import head_dim_of
+from nanovllm.utils import loader
+from nanovllm.utils.distributed import tensor_parallel
 
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64)
-FAMILIES = {  # name: (architecture, build_tiny_model overrides)
-    "qwen2_biases": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),
-    "llama3_rope_tied": ("llama", dict(head_dim=32, tie_word_embeddings=True, rope_theta=500000.0,
-                                       rope_scaling=LLAMA3_ROPE)),
-    "llama_linear_rope_all_biases": ("llama", dict(head_dim=32, attention_bias=True, mlp_bias=True,
-                                                   num_key_value_heads=4, rope_scaling=dict(rope_type="linear",
-                                                                                            factor=2.0))),
-    "mistral": ("mistral", dict(head_dim=32, sliding_window=None, num_key_value_heads=1)),
-}
 N = 32
 
 
-@pytest.fixture(scope="module")
-def family_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {name: build_tiny_model(str(root / name), arch, **kw) for name, (arch, kw) in FAMILIES.items()}
-
-
+# ---- every family against transformers -----------------------------------------------------------
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_matches_transformers(family_checkpoints, oracle, name):
     """Also with the engine's features on: prefix-cache hits (a second wave sharing the first's
@@ -48,18 +50,6 @@ def test_family_matches_transformers(family_checkpoints, oracle, name):
     assert_matches_oracle(oracle, path, prompts + again, outputs, N)
 
 
-def test_llama_tensor_parallel(family_checkpoints, oracle):
-    path = family_checkpoints["llama_linear_rope_all_biases"]
-    prompts = random_prompts(8, 3, 60, seed=71)
-    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512, device="cpu",
-              tensor_parallel_size=2)
-    try:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.exit()
-    assert_matches_oracle(oracle, path, prompts, outputs, N)
-
-
 def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
     path = build_tiny_model(str(tmp_path / "mistral"), "mistral", head_dim=32, sliding_window=128)
     with pytest.raises(ValueError, match="sliding_window=128 is shorter than max_model_len=512"):
@@ -73,6 +63,16 @@ def test_unsupported_rope_type_is_named(tmp_path):
                             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256))
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
         LLM(path, device="cpu", num_kvcache_blocks=16)
+
+
+def test_unsupported_architecture(tiny, tmp_path):
+    ckpt = tmp_path / "arch"
+    shutil.copytree(tiny, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: .*'LlamaForCausalLM'.*'Qwen3ForCausalLM'"):
+        LLM(str(ckpt))
 
 
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"])
@@ -89,3 +89,232 @@ def test_presets_build_their_architecture(preset):
     params = sum(p.numel() for p in model.parameters()) / 1e9
     expected = {"qwen3-0.6b": 0.60, "qwen3-8b": 8.19, "llama-3.2-1b": 1.24, "llama-3.1-8b": 8.03, "qwen2.5-7b": 7.62}
     assert params == pytest.approx(expected[preset], abs=0.02), params
+
+
+# ---- models built and loaded directly ------------------------------------------------------------
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> str:
+    return build_tiny_qwen3(str(tmp_path_factory.mktemp("ckpt") / "sharded"), max_shard_size="100KB")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    """Every bias, and a vocabulary that TP=2 does not split evenly (the last rank pads a row)."""
+    return build_tiny_model(str(tmp_path_factory.mktemp("ckpt") / "llama"), "llama", head_dim=32, vocab_size=321,
+                            attention_bias=True, mlp_bias=True)
+
+
+def _build(path: str, rank: int = 0, size: int = 1, max_model_len: int | None = None):
+    config = AutoConfig.from_pretrained(path)
+    with tensor_parallel(rank, size):
+        cls = get_model_class(config)
+        return cls(config) if max_model_len is None else cls(config, max_model_len)
+
+
+def _loaded(path, rank: int = 0, size: int = 1):
+    model = _build(str(path), rank, size)
+    loader.load_model(model, str(path))
+    return model
+
+
+def _assert_same_weights(model, reference):
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+def _copy(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_one_rotary_table_of_max_model_len_rows(tiny):
+    config = AutoConfig.from_pretrained(tiny)
+    model = _build(tiny, max_model_len=100)
+    rope = model.model.rotary_emb
+    assert all(layer.self_attn.rotary_emb is rope for layer in model.model.layers)
+    assert [n for n, _ in model.named_buffers(remove_duplicate=False) if "cos_sin" in n] == \
+        ["model.rotary_emb.cos_sin_cache"] + [f"model.layers.{i}.self_attn.rotary_emb.cos_sin_cache"
+                                              for i in range(config.num_hidden_layers)]
+    assert len({b.data_ptr() for n, b in model.named_buffers(remove_duplicate=False) if "cos_sin" in n}) == 1
+    # the same rows as a table of max_position_embeddings: the same rotations
+    full = get_rope(head_dim_of(config), config.max_position_embeddings, config).cos_sin_cache
+    assert rope.cos_sin_cache.shape == (100, head_dim_of(config))
+    assert torch.equal(rope.cos_sin_cache, full[:100])
+    assert _build(tiny).model.rotary_emb.cos_sin_cache.shape[0] == config.max_position_embeddings
+
+
+@pytest.mark.parametrize("cls", list(MODEL_REGISTRY.values()), ids=list(MODEL_REGISTRY))
+@pytest.mark.parametrize("bad", [0, -1, "512", 1.5])
+def test_every_family_takes_max_model_len(tiny, cls, bad):
+    config = AutoConfig.from_pretrained(tiny)
+    assert cls(config, 48).model.layers[1].self_attn.rotary_emb.cos_sin_cache.shape[0] == 48
+    with pytest.raises(ValueError, match=f"max_model_len must be a positive int, got {re.escape(repr(bad))}"):
+        cls(config, bad)
+
+
+# ---- checkpoints as they come --------------------------------------------------------------------
+def test_index_names_the_files_to_load(sharded, tmp_path):
+    """Mistral-7B-v0.3 ships consolidated.safetensors (Mistral's names) beside the indexed HF shards."""
+    ckpt = _copy(sharded, tmp_path / "mistral_style")
+    assert os.path.exists(os.path.join(ckpt, INDEX)) and len(glob.glob(os.path.join(ckpt, "*.safetensors"))) > 1
+    save_file({"layers.0.attention.wk.weight": torch.ones(64, 64), "tok_embeddings.weight": torch.ones(320, 64)},
+              os.path.join(ckpt, "consolidated.safetensors"))
+    _assert_same_weights(_loaded(ckpt), _loaded(sharded))
+
+
+def test_index_naming_a_missing_file_is_refused(sharded, tmp_path):
+    ckpt = _copy(sharded, tmp_path / "incomplete")
+    shard = sorted(glob.glob(os.path.join(ckpt, "model-*.safetensors")))[-1]
+    os.remove(shard)
+    with pytest.raises(ValueError, match=re.escape(os.path.basename(shard))):
+        _loaded(ckpt)
+
+
+@pytest.mark.parametrize("index", ["{not json", '{"metadata": {}}', '{"weight_map": ["model.safetensors"]}'])
+def test_unreadable_index_is_named(sharded, tmp_path, index):
+    ckpt = _copy(sharded, tmp_path / "bad_index")
+    with open(os.path.join(ckpt, INDEX), "w") as f:
+        f.write(index)
+    with pytest.raises(ValueError, match=re.escape(INDEX) + ".* is not a safetensors index with a weight_map"):
+        _loaded(ckpt)
+
+
+def test_without_index_every_safetensors_file_loads(tiny, tmp_path):
+    ckpt = _copy(tiny, tmp_path / "two_files")
+    weights = load_file(os.path.join(ckpt, "model.safetensors"))
+    os.remove(os.path.join(ckpt, "model.safetensors"))
+    names = sorted(weights)
+    save_file({n: weights[n] for n in names[::2]}, os.path.join(ckpt, "a.safetensors"))
+    save_file({n: weights[n] for n in names[1::2]}, os.path.join(ckpt, "b.safetensors"))
+    _assert_same_weights(_loaded(ckpt), _loaded(tiny))
+
+
+# (tensor, the dim it grows by one): column- and row-parallel weights, packed shards, biases, the embedding
+BAD_SHAPES = [("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.1.self_attn.k_proj.weight", 0),
+              ("model.layers.0.self_attn.v_proj.bias", 0), ("model.layers.0.self_attn.o_proj.weight", 1),
+              ("model.layers.1.self_attn.o_proj.bias", 0), ("model.layers.0.mlp.gate_proj.weight", 0),
+              ("model.layers.1.mlp.up_proj.bias", 0), ("model.layers.0.mlp.down_proj.weight", 1),
+              ("model.embed_tokens.weight", 0), ("lm_head.weight", 1), ("model.norm.weight", 0)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("name, dim", BAD_SHAPES)
+def test_wrong_shape_is_named_under_tensor_parallelism(llama, tmp_path, name, dim, rank):
+    """One more row or column splits into a right-looking shard: the whole tensor is checked first."""
+    ckpt = _copy(llama, tmp_path / "bad")
+    weights = load_file(os.path.join(ckpt, "model.safetensors"))
+    good = weights[name]
+    weights[name] = torch.cat([good, good.narrow(dim, 0, 1)], dim)
+    save_file(weights, os.path.join(ckpt, "model.safetensors"))
+    message = f"checkpoint tensor '{name}': has shape {tuple(weights[name].shape)} but the model expects " \
+              f"{tuple(good.shape)}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _loaded(ckpt, rank, 2)
+
+
+def _rank_part(model, name: str) -> torch.Tensor:
+    """The rows of this rank's parameter that came from checkpoint tensor ``name``."""
+    for ckpt_name, (packed_name, shard_id) in model.packed_modules_mapping.items():
+        if f".{ckpt_name}." in name:
+            target = name.replace(ckpt_name, packed_name)
+            param = model.get_parameter(target)
+            if isinstance(shard_id, int):
+                return param.chunk(2)[shard_id]
+            qkv = model.get_submodule(target.rsplit(".", 1)[0])
+            q, kv = qkv.num_heads * qkv.head_dim, qkv.num_kv_heads * qkv.head_dim
+            return param.split([q, kv, kv])["qkv".index(shard_id)]
+    return model.get_parameter(name)
+
+
+def _split_dim(name: str) -> int | None:
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return 1
+    if name.endswith(("o_proj.bias", "down_proj.bias")) or "norm" in name:
+        return None  # replicated
+    return 0
+
+
+def test_tensor_parallel_shards_concatenate_to_the_checkpoint(llama):
+    weights = load_file(os.path.join(llama, "model.safetensors"))
+    ranks = [_loaded(llama, rank, 2) for rank in (0, 1)]
+    for name, tensor in weights.items():
+        parts = [_rank_part(model, name) for model in ranks]
+        dim = _split_dim(name)
+        if dim is None:
+            assert all(torch.equal(p, tensor) for p in parts), name
+            continue
+        whole = torch.cat(parts, dim)
+        assert torch.equal(whole.narrow(dim, 0, tensor.size(dim)), tensor), name
+        assert not whole.narrow(dim, tensor.size(dim), whole.size(dim) - tensor.size(dim)).any(), name  # padding
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_unreadable_safetensors_file_is_named(sharded, tmp_path, damage):
+    ckpt = _copy(sharded, tmp_path / damage)
+    file = sorted(glob.glob(os.path.join(ckpt, "model-*.safetensors")))[0]
+    with open(file, "rb") as f:
+        data = f.read()
+    with open(file, "wb") as f:
+        f.write({"truncated": data[:len(data) // 2], "garbage": b"not a checkpoint " * 64, "empty": b""}[damage])
+    with pytest.raises(ValueError, match=re.escape(repr(file)) + " is not a readable safetensors file"):
+        _loaded(ckpt)
+
+
+def test_rotary_buffers_of_old_checkpoints_are_skipped(llama, tmp_path):
+    ckpt = _copy(llama, tmp_path / "old")
+    weights = load_file(os.path.join(ckpt, "model.safetensors"))
+    for i in range(2):
+        prefix = f"model.layers.{i}.self_attn.rotary_emb."
+        weights[prefix + "inv_freq"] = torch.ones(16)
+        weights[prefix + "cos_cached"], weights[prefix + "sin_cached"] = torch.ones(1, 1, 1024, 32), \
+            torch.zeros(1, 1, 1024, 32)
+    save_file(weights, os.path.join(ckpt, "model.safetensors"))
+    _assert_same_weights(_loaded(ckpt), _loaded(llama))
+
+
+def test_missing_weights(tiny, tmp_path):
+    ckpt = tmp_path / "noweights"
+    shutil.copytree(tiny, ckpt, ignore=shutil.ignore_patterns("*.safetensors*"))
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(str(ckpt))
+
+
+def test_weights_not_matching_config_name_the_tensor(tiny, tmp_path):
+    ckpt = edited_checkpoint(tiny, tmp_path / "shapes", intermediate_size=lambda n: 2 * n)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.\d\.mlp\.(gate|up|down)_proj\.weight'"):
+        LLM(ckpt, device="cpu")
+
+
+def test_checkpoint_tensor_with_unknown_name_is_named(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+    ckpt = tmp_path / "names"
+    shutil.copytree(tiny, ckpt)
+    weights = load_file(str(ckpt / "model.safetensors"))
+    weights["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(weights, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.extra_proj.weight'.*matches no parameter"):
+        LLM(str(ckpt), device="cpu")
+
+
+@pytest.mark.parametrize("keep", ["nothing", "tokenizer_config.json"])
+def test_directory_without_tokenizer_files_is_refused(tiny, tmp_path, keep):
+    ckpt = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny, ckpt, ignore=lambda _, names: [n for n in names if "token" in n and n != keep])
+    with pytest.raises(ValueError, match=re.escape(f"{str(ckpt)!r} has no tokenizer files") +
+                       ".*pass tokenizer=<dir> or skip_tokenizer_init=True to run on token ids"):
+        loader.load_tokenizer(str(ckpt))
+    assert len(loader.load_tokenizer(tiny)) == 259
+
+
+def test_tokenizer_of_one_token_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) \
+        .save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="has 1 token.*skip_tokenizer_init=True"):
+        loader.load_tokenizer(str(tmp_path))

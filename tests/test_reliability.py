@@ -1,4 +1,6 @@
-"""Failures and exhaustion: dead workers, Ctrl-C, a killed run, a batch far larger than the cache, a soak."""
+"""Specification of failures and resource hygiene: dead workers, Ctrl-C, a killed run, orphan processes,
+shared memory, engines that fail to start, a failure that is one request's own, memory given back when an
+engine is dropped, threads, a batch far larger than the cache, a soak."""
 from __future__ import annotations
 
 import _thread
@@ -10,15 +12,20 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import pytest
-from conftest import assert_no_leaks, edited_checkpoint, random_prompts
+from conftest import ENGINE, assert_no_leaks, edited_checkpoint, random_prompts, token_ids_of
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import worker_group
 from nanovllm.engine.worker_group import WorkerDiedError
 
-ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=256, device="cpu")
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+# the engines of these tests (tensor-parallel ones on gloo) run on CPU whatever the machine
+CPU_ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=256, device="cpu")
 
 
 def _gone(pid: int, within: float = 10.0) -> bool:
@@ -40,10 +47,11 @@ def _shm(name: str) -> bool:
     return os.path.exists(f"/dev/shm/{name}")
 
 
+# ---- dead workers, orphans, shared memory --------------------------------------------------------
 @pytest.mark.parametrize("delay", [0.3, 1.0, 1.8])
 def test_dead_worker_raises_naming_the_rank(tiny, delay):
     """Killed at any point of a generate, the worker is named (never gloo's raw 'Connection reset')."""
-    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
     worker = llm.workers.processes[0]
     shm_name = llm.workers.channel.shm.name
     threading.Timer(delay, os.kill, (worker.pid, signal.SIGKILL)).start()
@@ -76,7 +84,7 @@ def _in_thread(fn, timeout: float):
 
 
 def test_idle_worker_killed_between_calls_is_named(tiny):
-    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
     try:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
         worker = llm.workers.processes[0]
@@ -91,7 +99,7 @@ def test_idle_worker_killed_between_calls_is_named(tiny):
 
 
 def test_ctrl_c_with_tensor_parallelism_returns_at_once(tiny):
-    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
     workers = [p.pid for p in llm.workers.processes]
     interrupted = []
 
@@ -111,12 +119,12 @@ def test_ctrl_c_with_tensor_parallelism_returns_at_once(tiny):
 def test_two_tp_engines_side_by_side_and_after_a_failed_start(tiny, tmp_path):
     bad = edited_checkpoint(tiny, tmp_path / "bad", intermediate_size=lambda n: 2 * n)
     with pytest.raises(ValueError, match="checkpoint tensor"):
-        LLM(bad, tensor_parallel_size=2, **ENGINE)
+        LLM(bad, tensor_parallel_size=2, **CPU_ENGINE)
     prompts = random_prompts(6, 5, 40, seed=97)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(tiny, **ENGINE) as ref_engine:
+    with LLM(tiny, **CPU_ENGINE) as ref_engine:
         ref = [o["token_ids"] for o in ref_engine.generate(prompts, sp, use_tqdm=False)]
-    a, b = LLM(tiny, tensor_parallel_size=2, **ENGINE), LLM(tiny, tensor_parallel_size=2, **ENGINE)
+    a, b = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE), LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
     try:
         assert [o["token_ids"] for o in a.generate(prompts, sp, use_tqdm=False)] == ref
         assert [o["token_ids"] for o in b.generate(prompts, sp, use_tqdm=False)] == ref
@@ -131,9 +139,9 @@ def test_a_call_larger_than_the_segment_moves_to_a_larger_one(tiny, monkeypatch)
     monkeypatch.setattr(worker_group, "SEGMENT_SIZE", 512)
     prompts = random_prompts(24, 30, 90, seed=98)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(tiny, **ENGINE) as ref_engine:
+    with LLM(tiny, **CPU_ENGINE) as ref_engine:
         ref = [o["token_ids"] for o in ref_engine.generate(prompts, sp, use_tqdm=False)]
-    with LLM(tiny, tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE) as llm:
         first = llm.workers.channel.shm.name
         assert [o["token_ids"] for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
         assert llm.workers.channel.moves >= 1 and llm.workers.channel.shm.size > 512
@@ -259,6 +267,7 @@ def test_waiting_for_a_step_notices_a_dead_worker():
     wait_for_event(DoneAfter(5), alive=lambda: False, check_every_s=10.0)
 
 
+# ---- Ctrl-C and a killed run ---------------------------------------------------------------------
 SCRIPT = textwrap.dedent("""
     import sys, time
     from nanovllm import LLM, SamplingParams
@@ -307,7 +316,7 @@ def test_killed_run_leaves_nothing_that_blocks_the_next(tiny, tmp_path):
     proc.kill()  # SIGKILL: no cleanup code runs in the main process
     proc.wait(timeout=10)
     assert all(_gone(pid) for pid in workers), "workers outlived their rank 0"
-    llm = LLM(tiny, tensor_parallel_size=2, **ENGINE)  # starts; any segment left behind is removed
+    llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)  # starts; any segment left behind is removed
     try:
         assert not _shm(shm_name)
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0]["token_ids"]) <= 3
@@ -315,6 +324,149 @@ def test_killed_run_leaves_nothing_that_blocks_the_next(tiny, tmp_path):
         llm.exit()
 
 
+# ---- failures that are one request's own, and a forward that raises ------------------------------
+def test_a_failure_that_is_one_requests_own_ends_that_request(tiny):
+    """A request whose text cannot be decoded (a tokenizer that raises on some id) ends with
+    finish_reason "error"; the other requests, and the engine, go on."""
+    llm = LLM(tiny, **ENGINE)
+    try:
+        good = random_prompts(2, 5, 20, seed=73)
+        ref = token_ids_of(llm.generate(good, GREEDY, use_tqdm=False))
+        mark = next(t for t in range(256) if all(t not in r + p for r, p in zip(ref, good)))
+        tokenizer = llm.tokenizer
+
+        class Faulty:
+            def __getattr__(self, name):
+                return getattr(tokenizer, name)
+
+            def decode(self, ids, **kw):
+                if mark in ids:
+                    raise ValueError(f"cannot decode token {mark}")
+                return tokenizer.decode(ids, **kw)
+
+        llm.tokenizer = Faulty()
+        sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=["never-there"])
+        out = llm.generate(good + [[1, 2, mark]], sp, use_tqdm=False)
+        assert token_ids_of(out[:2]) == ref
+        assert out[2]["finish_reason"] == "error" and "cannot decode token" in out[2]["error"]
+        assert_no_leaks(llm)
+        llm.tokenizer = tokenizer
+        assert token_ids_of(llm.generate(good, GREEDY, use_tqdm=False)) == ref
+    finally:
+        llm.exit()
+
+
+def test_a_request_whose_sampling_inputs_fail_ends_alone(tiny, monkeypatch):
+    llm = LLM(tiny, **ENGINE)
+    try:
+        prompts = random_prompts(3, 5, 20, seed=74)
+        ref = token_ids_of(llm.generate(prompts, GREEDY, use_tqdm=False))
+        runner, original = llm.model_runner, llm.model_runner.prepare_sampling
+        poisoned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, top_k=3)
+
+        def prepare_sampling(seqs, is_prefill):
+            if any(seq.sampling_params.top_k == 3 for seq in seqs):
+                raise RuntimeError("this request's sampling inputs cannot be built")
+            return original(seqs, is_prefill)
+
+        monkeypatch.setattr(runner, "prepare_sampling", prepare_sampling)
+        out = llm.generate(prompts + [[9, 9, 9]], [GREEDY] * 3 + [poisoned], use_tqdm=False)
+        assert token_ids_of(out[:3]) == ref and out[3]["finish_reason"] == "error" and out[3]["token_ids"] == []
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+
+
+def test_context_is_reset_even_when_the_forward_raises():
+    from nanovllm.utils.context import get_context, set_context
+    empty = get_context()
+    try:
+        with set_context(True, max_seqlen_q=3):
+            assert get_context().is_prefill and get_context().max_seqlen_q == 3
+            raise RuntimeError("forward failed")
+    except RuntimeError:
+        pass
+    assert get_context() is empty
+
+
+# ---- memory: a cache too large, an engine dropped ------------------------------------------------
+def test_a_kv_cache_too_large_to_allocate_is_named(tiny):
+    with pytest.raises(ValueError, match=r"cannot allocate a KV cache of 1000000000 blocks .*num_kvcache_blocks"):
+        LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=10 ** 9)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2 ** 20
+
+
+def test_del_frees_the_engine_and_its_memory(tiny):
+    before = _rss_mib()
+    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384,  # a 256 MiB KV cache
+              device="cpu")
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    engine, cache = weakref.ref(llm), weakref.ref(llm.model_runner.kv_cache)
+    assert _rss_mib() - before > 200
+    del llm
+    gc.collect()
+    assert engine() is None and cache() is None
+    assert _rss_mib() - before < 100
+
+
+@pytest.mark.gpu
+def test_del_frees_the_device_memory(tiny):
+    import torch
+    before = torch.cuda.memory_allocated()
+    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384, device="cuda")
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert torch.cuda.memory_allocated() - before > 200 * 2 ** 20
+    engine = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert engine() is None and torch.cuda.memory_allocated() - before < 50 * 2 ** 20
+
+
+# ---- threads -------------------------------------------------------------------------------------
+def _in_threads(work, n: int = 2) -> list:
+    """work(i) in n threads at once; its results in order (an exception raised in a thread is re-raised)."""
+    results: list = [None] * n
+
+    def run(i):
+        try:
+            results[i] = work(i)
+        except Exception as e:  # surfaced below
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
+def test_generate_from_two_threads(llm):
+    batches = [random_prompts(4, 5, 30, seed=90 + i) for i in range(2)]
+    ref = [token_ids_of(llm.generate(b, GREEDY, use_tqdm=False)) for b in batches]
+    assert _in_threads(lambda i: token_ids_of(llm.generate(batches[i], GREEDY, use_tqdm=False))) == ref
+    assert_no_leaks(llm)
+
+
+def test_engines_in_their_own_threads_are_independent(tiny):
+    prompts = random_prompts(4, 5, 30, seed=95)
+    ref = token_ids_of(LLM(tiny, **ENGINE).generate(prompts, GREEDY, use_tqdm=False))
+
+    def work(i):
+        with LLM(tiny, **ENGINE) as llm:
+            return token_ids_of(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+    assert _in_threads(work) == [ref, ref]
+
+
+# ---- exhaustion: a batch far larger than the cache, a soak ---------------------------------------
 def test_batch_far_larger_than_the_cache(tiny):
     """2,000 requests through a cache that holds about 12 of them: every one completes, and greedy
     outputs equal those of an engine with room for all."""
@@ -326,7 +478,7 @@ def test_batch_far_larger_than_the_cache(tiny):
         assert_no_leaks(small)
     finally:
         small.exit()
-    big = LLM(tiny, **{**ENGINE, "num_kvcache_blocks": 4096})
+    big = LLM(tiny, **{**CPU_ENGINE, "num_kvcache_blocks": 4096})
     try:
         ref = big.generate(prompts[::20], sp, use_tqdm=False)
     finally:

@@ -1,4 +1,7 @@
-"""vLLM's sampling parameters and offline API: each stage against a plain reference, then end to end."""
+"""Specification of SamplingParams and the sampler: each sampling stage against a plain reference
+(temperature, top-k/top-p, min-p, penalties, the sampled distribution), logprobs and prompt logprobs,
+seeds, stop conditions (EOS ids, stop ids and strings, min_tokens, max_model_len), and SamplingParams'
+validation, fields assigned after construction included."""
 from __future__ import annotations
 
 import json
@@ -6,15 +9,24 @@ import shutil
 
 import pytest
 import torch
-from conftest import ENGINE, assert_matches_oracle, assert_no_leaks, random_prompts
+from conftest import (
+    ENGINE,
+    assert_matches_oracle,
+    assert_no_leaks,
+    assert_prompt_logprobs,
+    random_prompts,
+    token_ids_of,
+)
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
 from nanovllm.utils.context import get_context
 
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
-# ---- the sampler's stages against hand-written references --------------------------------------
+
+# ---- the sampler's stages against hand-written references ----------------------------------------
 def test_top_k_top_p_masks_by_hand():
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0, -1.0],
                            [0.0, 0.0, 0.0, 0.0, 0.0],
@@ -73,6 +85,28 @@ def test_presence_and_frequency_penalties_by_hand():
     assert torch.allclose(apply_penalties(logits, b), expected)
 
 
+def test_sampler_greedy_rows():
+    logits = torch.randn(4, 50)
+    temps = torch.tensor([0.0, 1.0, 0.0, 0.7])
+    out, _ = Sampler()(logits, SamplingBatch(temps), torch.Generator().manual_seed(0))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_sampler_distribution_matches_softmax():
+    """200k draws on an 8-token vocabulary: every empirical frequency within 5 standard
+    errors (and 0.01 absolute) of softmax(logits / T)."""
+    torch.manual_seed(0)
+    logits = torch.randn(8) * 2
+    for temperature in (0.5, 1.0, 1.7):
+        n = 200_000
+        draws, _ = Sampler()(logits.expand(n, 8), SamplingBatch(torch.full((n,), temperature)),
+                             torch.Generator().manual_seed(1))
+        freq = torch.bincount(draws, minlength=8).double() / n
+        p = torch.softmax(logits.double() / temperature, -1)
+        stderr = (p * (1 - p) / n).sqrt()
+        assert ((freq - p).abs() <= 5 * stderr + 1e-12).all() and (freq - p).abs().max() < 0.01, (freq, p)
+
+
 @pytest.mark.parametrize("top_k, top_p, min_p", [(3, 1.0, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.2), (4, 0.9, 0.05)])
 def test_sampled_distribution_after_truncation(top_k, top_p, min_p):
     """100k draws: frequencies within 5 standard errors (and 0.01) of the truncated, renormalized
@@ -112,6 +146,7 @@ def test_incremental_detokenizer_holds_back_split_characters(tiny):
     assert deltas.count("") >= len(ids) - len(text)
 
 
+# ---- SamplingParams' validation ------------------------------------------------------------------
 def test_invalid_sampling_params_name_field_and_value():
     for kwargs, match in [(dict(top_p=0), "top_p must be in"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
                           (dict(min_p=2), "min_p"), (dict(n=0), "n must be"), (dict(seed=-1), "seed"),
@@ -125,20 +160,46 @@ def test_invalid_sampling_params_name_field_and_value():
             SamplingParams(**kwargs)
 
 
-# ---- end to end ---------------------------------------------------------------------------------
-def test_output_fields(llm, oracle, tiny):
-    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")  # 44 tokens
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert out["token_ids"] == oracle.greedy(tiny, prompt, 6)[0]
-    assert out["finish_reason"] == "length" and out["prompt_token_ids"] == prompt
-    assert out["outputs"] == [{"text": out["text"], "token_ids": out["token_ids"], "finish_reason": "length"}]
-    assert 0 < out["metrics"]["time_to_first_token"] <= out["metrics"]["total_time"]
-    again = llm.generate([{"prompt": "The quick brown fox jumps over the lazy dog."}],
-                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
-    assert again["token_ids"] == out["token_ids"] and again["num_cached_tokens"] == 32  # two full blocks hit
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1), "temperature"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature="hot"), "temperature"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SamplingParams(**kwargs)
 
 
+def test_bad_values_never_reach_a_step(llm):
+    vocab = llm.config.hf_config.vocab_size
+    with pytest.raises(ValueError, match=r"stop_token_ids \[100000\] are outside the vocabulary"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[100000], min_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="seed must be"):
+        SamplingParams(seed=2 ** 64)
+    with pytest.raises(TypeError, match="stop must be a string or a list of strings, got 5"):
+        SamplingParams(stop=5)
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=bad)
+    with pytest.raises(ValueError, match=r"keys \['multi_modal_data'\]"):
+        llm.generate([{"prompt_token_ids": [1, 2], "multi_modal_data": {}}], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt_token_ids must be a list of ints, got 'abc'"):
+        llm.generate([{"prompt_token_ids": "abc"}], use_tqdm=False)  # was tokenized as text
+    with pytest.raises(TypeError, match="messages must be a conversation"):
+        llm.chat("hello", use_tqdm=False)
+    # the largest seed, and its sibling's (seed + 1 wraps to 0), run and repeat
+    sp = SamplingParams(n=2, seed=2 ** 64 - 1, temperature=1.0, max_tokens=5, ignore_eos=True)
+    a, b = (llm.generate([[3, 4, 5]], sp, use_tqdm=False)[0]["outputs"] for _ in range(2))
+    assert [o["token_ids"] for o in a] == [o["token_ids"] for o in b]
+    # a tiny temperature is greedy, not NaN
+    prompts = random_prompts(3, 5, 20, seed=72)
+    tiny_t = SamplingParams(temperature=1e-40, max_tokens=8, ignore_eos=True)
+    assert token_ids_of(llm.generate(prompts, tiny_t, use_tqdm=False)) == \
+        token_ids_of(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert llm.generate([[vocab - 1]], GREEDY, use_tqdm=False)[0]["finish_reason"] == "length"  # still usable
+
+
+# ---- end to end: logprobs, stop conditions, seeds ------------------------------------------------
 def test_logprobs_are_the_raw_distribution(llm, oracle, tiny):
     prompt = random_prompts(1, 20, 20, seed=41)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0.7, max_tokens=5, ignore_eos=True, logprobs=3,
@@ -183,6 +244,36 @@ def test_stop_token_ids_and_min_tokens(llm, oracle, tiny):
     assert stop_id not in late["token_ids"][:8] and len(late["token_ids"]) >= 8
 
 
+def test_stops_on_every_eos_id(tiny, oracle, tmp_path):
+    prompt = random_prompts(1, 10, 10, seed=11)[0]
+    ref, _ = oracle.greedy(tiny, prompt, 32)
+    stop_token = ref[5]
+    ckpt = tmp_path / "eos"
+    shutil.copytree(tiny, ckpt)
+    with open(ckpt / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [stop_token, 300]}, f)
+    engine = LLM(str(ckpt), **ENGINE)
+    try:
+        assert set(engine.config.eos_token_ids) == {stop_token, 300, engine.tokenizer.eos_token_id}
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+        ignored = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                                  use_tqdm=False)[0]
+    finally:
+        engine.exit()
+    assert out["token_ids"] == ref[:ref.index(stop_token) + 1]
+    assert ignored["token_ids"] == ref
+
+
+def test_stops_at_max_model_len(tiny):
+    engine = LLM(tiny, kvcache_block_size=16, max_model_len=40, num_kvcache_blocks=64)
+    try:
+        out = engine.generate([list(range(30))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                              use_tqdm=False)[0]
+    finally:
+        engine.exit()
+    assert len(out["token_ids"]) == 10 and out["finish_reason"] == "length"
+
+
 def test_seeds_reproducible_across_batch_mixes(llm):
     prompt = random_prompts(1, 25, 25, seed=44)[0]
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, ignore_eos=True, seed=1234)
@@ -198,92 +289,79 @@ def test_seeds_reproducible_across_batch_mixes(llm):
     assert other_seed != alone
 
 
-def test_n_completions_share_the_prompt_blocks(llm):
-    prompt = random_prompts(1, 70, 70, seed=46)[0]  # 4 full blocks of 16, then 6 tokens
-    hits = llm.scheduler.block_manager.num_cache_hits
-    out = llm.generate([prompt], SamplingParams(n=4, temperature=1.0, max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert llm.scheduler.block_manager.num_cache_hits - hits >= 3 * 4  # completions 1-3 reuse all 4 full blocks
-    assert len(out["outputs"]) == 4 and out["token_ids"] == out["outputs"][0]["token_ids"]
-    assert len({tuple(o["token_ids"]) for o in out["outputs"]}) > 1
-    greedy = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True),
-                          use_tqdm=False)[0]
-    assert len({tuple(o["token_ids"]) for o in greedy["outputs"]}) == 1
-    assert_no_leaks(llm)
+def test_seeded_sampling_is_reproducible(tiny):
+    prompts = random_prompts(6, 5, 30, seed=12)
+    sp = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)
+    runs = []
+    for seed in (0, 0, 1):
+        engine = LLM(tiny, **ENGINE, seed=seed)
+        try:
+            runs.append([o["token_ids"] for o in engine.generate(prompts, sp, use_tqdm=False)])
+        finally:
+            engine.exit()
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
 
 
-def test_stream_yields_the_generated_text(llm):
-    prompts = ["Hello", "streaming works"]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    final = llm.generate(prompts, sp, use_tqdm=False)
-    pieces: dict[int, list[str]] = {0: [], 1: []}
-    finished = []
-    for chunk in llm.stream(prompts, sp):
-        pieces[chunk["index"]].append(chunk["text"])
-        if chunk["finished"]:
-            finished.append((chunk["index"], chunk["finish_reason"]))
-    assert sorted(finished) == [(0, "length"), (1, "length")]
-    for i in (0, 1):
-        assert "".join(pieces[i]) == final[i]["text"]
-    assert llm.is_finished() and not llm.requests
+# ---- SamplingParams fields assigned after construction -------------------------------------------
+def test_assigned_fields_are_honoured(llm):
+    prompts = random_prompts(4, 5, 30, seed=70)
+    greedy = token_ids_of(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+    top_k = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    top_k.top_k = 1  # as vLLM's own examples do: sp = llm.get_default_sampling_params(); sp.top_k = ...
+    assert token_ids_of(llm.generate(prompts, top_k, use_tqdm=False)) == greedy
+
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    seeded.seed = 7
+    first = token_ids_of(llm.generate(prompts, seeded, use_tqdm=False))
+    llm.generate(random_prompts(3, 5, 9, seed=71), SamplingParams(temperature=1.0), use_tqdm=False)  # moves the
+    assert token_ids_of(llm.generate(prompts, seeded, use_tqdm=False)) == first                           # engine's RNG
+
+    logprobs = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    logprobs.logprobs = 2
+    out = llm.generate(prompts[:1], logprobs, use_tqdm=False)[0]
+    assert len(out["logprobs"]) == 3 and all(len(entry) >= 2 for entry in out["logprobs"])
+
+    stop_id = greedy[0][2]
+    late = SamplingParams(temperature=0, max_tokens=8)
+    late.stop_token_ids, late.min_tokens = [stop_id], 4
+    out = llm.generate(prompts[:1], late, use_tqdm=False)[0]
+    assert stop_id not in out["token_ids"][:4] and len(out["token_ids"]) >= 4
 
 
-def test_chat_uses_the_template(llm):
-    messages = [{"role": "user", "content": "hi there"}]
-    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    out = llm.chat(messages, sp, use_tqdm=False)
-    ids = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ref = llm.generate([ids], sp, use_tqdm=False)
-    assert out[0]["token_ids"] == ref[0]["token_ids"]
-    assert len(llm.chat([messages, messages], sp, use_tqdm=False)) == 2
+def test_assigned_stop_string_stops(llm):
+    prompt = random_prompts(1, 10, 10, seed=42)[0]
+    ref_ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                           use_tqdm=False)[0]["token_ids"]
+    start = next(i for i in range(3, 57) if all(t < 128 for t in ref_ids[i:i + 3]))
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    sp.stop = bytes(ref_ids[start:start + 3]).decode()
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and len(out["token_ids"]) <= start + 3
 
 
-def test_vllm_engine_keywords(tiny):
-    engine = LLM(tiny, block_size=16, enable_prefix_caching=False, max_model_len=256, num_kvcache_blocks=64, seed=3)
-    try:
-        assert engine.config.kvcache_block_size == 16
-        prompt = list(range(40))
-        engine.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
-        engine.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
-        assert engine.scheduler.block_manager.num_cache_hits == 0
-    finally:
-        engine.exit()
-    with pytest.raises(TypeError, match="not both"):
-        LLM(tiny, block_size=16, kvcache_block_size=16)
+def test_assigned_bad_values_are_refused_at_admission(llm):
+    for field, value, error in [("temperature", -1, ValueError), ("top_p", 0.0, ValueError),
+                                ("stop", 5, TypeError), ("seed", 2 ** 64, ValueError), ("n", 0, ValueError)]:
+        sp = SamplingParams(max_tokens=2)
+        setattr(sp, field, value)
+        with pytest.raises(error, match=field):
+            llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+    assert not llm.requests and llm.is_finished()  # nothing was admitted
 
 
-def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
-    ckpt = tmp_path / "notok"
-    shutil.copytree(tiny, ckpt, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))
-    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
-    engine = LLM(str(ckpt), skip_tokenizer_init=True, **ENGINE)
-    try:
-        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
-        assert out["text"] == "" and len(out["token_ids"]) == 3
-        with pytest.raises(ValueError, match="skip_tokenizer_init"):
-            engine.generate(["text"], SamplingParams(), use_tqdm=False)
-        with pytest.raises(ValueError, match="skip_tokenizer_init"):
-            engine.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
-    finally:
-        engine.exit()
+def test_admitted_params_are_a_copy(llm):
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.add_request([1, 2, 3], sp)
+    sp.max_tokens = 1  # after admission: the running request keeps what it was admitted with
+    done = []
+    while not llm.is_finished():
+        done += llm.step()[0]
+    assert [len(ids) for _, ids in done] == [6]
 
 
-# ---- prompt logprobs ----------------------------------------------------------------------------
-def assert_prompt_logprobs(model, prompt: list[int], entries: list, k: int, tol: float = 1e-4):
-    """vLLM's format (None for the first token, then {token id: logprob} of the actual token and the
-    top k) with transformers' log_softmax of the full sequence's logits (float32) as the reference."""
-    with torch.no_grad():
-        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
-    assert len(entries) == len(prompt) and entries[0] is None
-    for pos in range(1, len(prompt)):
-        entry, expected = entries[pos], ref[pos - 1]
-        assert prompt[pos] in entry and len(entry) in (k, k + 1), (pos, entry)
-        kth = float(expected.topk(k).values[-1]) if k else float("inf")
-        for t, lp in entry.items():
-            assert lp == pytest.approx(float(expected[t]), abs=tol), (pos, t)
-            assert t == prompt[pos] or lp >= kth - tol, f"position {pos}: {t} is not in the top {k}"
-
-
+# ---- prompt logprobs -----------------------------------------------------------------------------
 def _prompt_logprobs_workload():
     """Asking and plain requests mixed: a prompt that is in the prefix cache (asked for and not),
     top-k from 0 to 5, a one-token prompt, n=2, sampled-token logprobs beside prompt logprobs."""
@@ -355,16 +433,3 @@ def test_prompt_logprobs_only_widen_the_batches_that_ask(llm):
     finally:
         handle.remove()
     assert calls == [(1 + len(prompts[1]) + 1, 3)]
-
-
-def test_prompt_logprobs_tensor_parallel(checkpoints, oracle):
-    path = checkpoints["gqa4_hd128_sharded"]
-    prompts = random_prompts(3, 10, 60, seed=54)
-    llm = LLM(path, **ENGINE, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32)
-    try:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2),
-                               use_tqdm=False)
-    finally:
-        llm.exit()
-    for prompt, out in zip(prompts, outputs):
-        assert_prompt_logprobs(oracle.model(path), prompt, out["prompt_logprobs"], 2)

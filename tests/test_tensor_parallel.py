@@ -1,14 +1,86 @@
-"""Tensor parallelism at 4 and 8 ranks (gloo, on CPU): a tiny checkpoint with 8 query and 8 KV heads,
-so that every rank holds one head of each, gives transformers' greedy output token for token."""
+"""Specification of tensor parallelism on CPU (gloo): TP=2, 4 and 8 give transformers' greedy output token
+for token (Qwen3 and Llama checkpoints, async scheduling, prompt logprobs), and TP engines run side by
+side with other engines in one process."""
 from __future__ import annotations
 
 import pytest
-from conftest import assert_matches_oracle, random_prompts
+from conftest import ENGINE, assert_matches_oracle, assert_no_leaks, assert_prompt_logprobs, random_prompts, run_engine
 from tiny_model import build_tiny_qwen3
 
 from nanovllm import LLM, SamplingParams
 
+N = 32
 
+
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+
+# ---- TP=2 ----------------------------------------------------------------------------------------
+def test_tensor_parallel_gloo(checkpoints, oracle):
+    path = checkpoints["gqa4_hd128_sharded"]
+    prompts = random_prompts(16, 3, 70, seed=6)
+    outputs, _ = run_engine(path, prompts, GREEDY, tensor_parallel_size=2, device="cpu")
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
+
+
+def test_two_engines_in_one_process(checkpoints, oracle):
+    a, b = checkpoints["gqa2"], checkpoints["gqa1_tied"]
+    prompts = random_prompts(4, 3, 30, seed=8)
+    llm_a = LLM(a, **ENGINE)
+    llm_b = LLM(b, **ENGINE, tensor_parallel_size=2, device="cpu")  # side by side with a TP engine
+    try:
+        out_a = llm_a.generate(prompts, GREEDY, use_tqdm=False)
+        out_b = llm_b.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm_b.exit()
+        llm_a.exit()
+    assert_matches_oracle(oracle, a, prompts, out_a, N)
+    assert_matches_oracle(oracle, b, prompts, out_b, N)
+    out_again, _ = run_engine(b, prompts, GREEDY, tensor_parallel_size=2, device="cpu")  # one after another
+    assert [o["token_ids"] for o in out_again] == [o["token_ids"] for o in out_b]
+
+
+def test_llama_tensor_parallel(family_checkpoints, oracle):
+    path = family_checkpoints["llama_linear_rope_all_biases"]
+    prompts = random_prompts(8, 3, 60, seed=71)
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512, device="cpu",
+              tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
+
+
+def test_async_tensor_parallel_gloo(checkpoints, oracle):
+    """TP=2: the sampled tokens reach rank 1 by a broadcast from rank 0, and outputs stay exact."""
+    path = checkpoints["gqa4_hd128_sharded"]
+    prompts = random_prompts(10, 3, 70, seed=32)
+    llm = LLM(path, **ENGINE, tensor_parallel_size=2, device="cpu", async_scheduling=True)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, 12)
+
+
+def test_prompt_logprobs_tensor_parallel(checkpoints, oracle):
+    path = checkpoints["gqa4_hd128_sharded"]
+    prompts = random_prompts(3, 10, 60, seed=54)
+    llm = LLM(path, **ENGINE, tensor_parallel_size=2, device="cpu", max_num_batched_tokens=32)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2),
+                               use_tqdm=False)
+    finally:
+        llm.exit()
+    for prompt, out in zip(prompts, outputs):
+        assert_prompt_logprobs(oracle.model(path), prompt, out["prompt_logprobs"], 2)
+
+
+# ---- TP=4 and TP=8 ---------------------------------------------------------------------------------
+# a tiny checkpoint with 8 query and 8 KV heads, so that every rank holds one head of each
 @pytest.fixture(scope="module")
 def kv8(tmp_path_factory):
     return build_tiny_qwen3(str(tmp_path_factory.mktemp("kv8") / "m"), num_attention_heads=8, num_key_value_heads=8,
