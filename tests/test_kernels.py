@@ -119,11 +119,13 @@ def test_qk_norm_rope_store_matches_separate_ops(heads, norm, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp)
     assert out_q.data_ptr() == qkv.data_ptr()  # in place: q, k, v are views of qkv
 
-    # without norm weights it is the rotary alone; while the cache is empty (the warmup forward) nothing is stored
+    # without norm weights it is the rotary alone; slots of -1 (the warmup forward) store nothing
     raw = torch.randn(n, (num_heads + 2 * num_kv_heads) * d, generator=g).to(dtype).to(DEVICE)
-    empty = torch.tensor([], device=DEVICE, dtype=dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
     q2, k2, v2 = triton_attention.qk_norm_rope_store(raw.clone(), positions, rope.cos_sin_cache, None, None, 0.0,
-                                                     empty, empty, slots, num_heads, num_kv_heads, d)
+                                                     k_cache, v_cache, torch.full_like(slots, -1), num_heads,
+                                                     num_kv_heads, d)
+    assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
     want_q, want_k = rope(positions, raw[:, :num_heads * d].reshape(n, num_heads, d),
                           raw[:, num_heads * d:(num_heads + num_kv_heads) * d].reshape(n, num_kv_heads, d))
     torch.testing.assert_close(q2.float(), want_q.float(), rtol=ulp, atol=ulp)

@@ -433,3 +433,20 @@ def test_prompt_logprobs_only_widen_the_batches_that_ask(llm):
     finally:
         handle.remove()
     assert calls == [(1 + len(prompts[1]) + 1, 3)]
+
+
+def test_stop_string_order_against_length_and_min_tokens(llm, oracle, tiny):
+    """vLLM's order: a stop string that the max_tokens-th token completes ends the completion as "stop"
+    (not "length"); a stop string counts only once more than min_tokens tokens are out."""
+    prompt = random_prompts(1, 10, 10, seed=42)[0]
+    ref_ids = oracle.greedy(tiny, prompt, 60)[0]
+    decode = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    start = next(i for i in range(3, 57) if all(t < 128 for t in ref_ids[i:i + 3]))
+    stop = bytes(ref_ids[start:start + 3]).decode()
+    k = next(k for k in range(1, 61) if stop in decode(ref_ids[:k]))  # the token count that completes it
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop=stop),
+                       use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and out["text"] == decode(ref_ids[:k])[:decode(ref_ids[:k]).find(stop)]
+    late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=stop,
+                                                 min_tokens=k), use_tqdm=False)[0]
+    assert len(late["token_ids"]) > k and late["token_ids"] == ref_ids[:len(late["token_ids"])]

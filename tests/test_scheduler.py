@@ -15,7 +15,7 @@ from nanovllm.engine.batch import build_decode, build_prefill
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.core import EngineCore, Request, Resources
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -40,7 +40,7 @@ def test_prefill_of_several_sequences_and_the_warmup():
     a, b = Sequence(list(range(5)), block_size=4), Sequence(list(range(10, 13)), block_size=4)
     a.block_table, b.block_table = [3, 1], [2]
     a.num_scheduled_tokens, b.num_scheduled_tokens = 5, 3
-    b.computes_prompt_logprobs = True
+    b.prompt_logprobs = [None] * 3  # b computes its prompt logprobs: the LM head projects all its positions
     step = build_prefill([a, b], 4)
     assert step.input_ids.tolist() == [0, 1, 2, 3, 4, 10, 11, 12]
     assert step.slot_mapping.tolist() == [12, 13, 14, 15, 4, 8, 9, 10]
@@ -59,11 +59,13 @@ def test_build_decode():
     assert step.slot_mapping.tolist() == [5 * 4 + 1, 0 * 4 + 0]
     assert step.context_lens.tolist() == [10, 5] and step.prev_rows is None
     assert step.block_tables.tolist() == [[7, 2, 5], [1, 0, -1]]
-    b.append_placeholder()  # b's token is still on the device, at row 3 of the step in flight
-    b.inflight_row = 3
+    b.num_pending_tokens = 1  # b's token is still on the device, at row 3 of the step in flight
     b.block_table.append(6)
-    step = build_decode([a, b], 4)
+    inflight = SimpleNamespace(seqs=[Sequence([1]), Sequence([2]), a, b], rows=[0, 1, 3])  # row 2: a chunk
+    step = build_decode([a, b], 4, inflight)
     assert step.prev_rows.tolist() == [-1, 3] and step.positions.tolist() == [9, 5]
+    assert step.input_ids.tolist() == [9, -1] and step.context_lens.tolist() == [10, 6]
+    assert b.token_ids == list(range(5)) and b.num_tokens == 6  # a pending token is counted, not stored
     assert step.slot_mapping.tolist() == [21, 6 * 4 + 1]  # position 5: block 6 (its third), offset 1
 
 
@@ -168,10 +170,11 @@ def check_invariants(scheduler: Scheduler, live: list[Sequence]):
 
 
 def device_history(seq: Sequence) -> list[int]:
-    """The sequence as the device knows it: each placeholder holds the token the fake model sampled."""
-    history: list[int] = []
-    for token in seq.token_ids:
-        history.append(fake_next(history) if token == PLACEHOLDER else token)
+    """The sequence as the device knows it: its known tokens, then each pending one as the fake model
+    sampled it."""
+    history = list(seq.token_ids)
+    for _ in range(seq.num_pending_tokens):
+        history.append(fake_next(history))
     return history
 
 
@@ -180,17 +183,18 @@ def fake_forward(batch: list[Sequence], step, inflight) -> list[int]:
     (prefill tokens on the host; a decode input pending only from the step in flight, and marked so in
     the step input), and samples."""
     for row, seq in enumerate(batch):
-        scheduled = seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_scheduled_tokens]
-        if step.is_prefill:
-            assert PLACEHOLDER not in scheduled
+        if step.is_prefill:  # every scheduled token is known on the host
+            assert seq.num_pending_tokens == 0
+            assert seq.num_cached_tokens + seq.num_scheduled_tokens <= len(seq.token_ids)
         else:  # a sequence whose in-flight token is certainly its last is not computed further
             assert seq.num_completion_tokens < seq.sampling_params.max_tokens
             pending = step.prev_rows is not None and step.prev_rows[row] >= 0
             assert pending == bool(seq.num_pending_tokens)
-        if not step.is_prefill and seq.num_pending_tokens:
-            assert seq.num_pending_tokens == 1 and scheduled == [PLACEHOLDER]
-            assert inflight is not None and inflight[0].seqs[seq.inflight_row] is seq
-            assert step.prev_rows[row] == seq.inflight_row and step.input_ids[row] == PLACEHOLDER
+        if not step.is_prefill and seq.num_pending_tokens:  # its input is the in-flight step's sample
+            assert seq.num_pending_tokens == 1 and seq.num_cached_tokens == len(seq.token_ids)
+            prev_row = step.prev_rows[row]
+            assert inflight is not None and prev_row in inflight[0].rows and inflight[0].seqs[prev_row] is seq
+            assert step.input_ids[row] == -1
     return [fake_next(device_history(seq)[:seq.num_cached_tokens + seq.num_scheduled_tokens]) for seq in batch]
 
 
@@ -245,7 +249,7 @@ def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefi
         check_invariants(core.scheduler, [s for s in seqs if not s.is_finished])
     assert core.is_finished() and all(seq.is_finished for seq in seqs), "the engine made no progress"
     assert not core.scheduler.block_manager.used_block_ids
-    assert all(PLACEHOLDER not in seq.token_ids for seq in seqs)
+    assert all(seq.num_pending_tokens == 0 for seq in seqs)
     return [seq.completion_token_ids for seq in seqs], core.scheduler.max_model_len
 
 

@@ -12,8 +12,10 @@
 #   profile   tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
 #   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
 #   ktests    the kernel tests alone (no flash-attn build)
-#   onegpu    one GPU without flash-attn: test_gpu.py (no TP) and the GPU tests elsewhere, then test_misuse,
-#             test_sampling, test_api and test_async_scheduling on CUDA
+#   onegpu    one GPU without flash-attn: test_gpu.py (no TP) and the GPU tests elsewhere, then the engine,
+#             sampling and API tests on CUDA
+#   ab        bench.py of the code before a change (its tree carried in the ignored folder .old) and of this
+#             tree, alternating, twice each: bench_before.jsonl, bench.jsonl
 #   tp1, tp2  bench.py for qwen3-8b at TP 1; at TP 2 (2 GPUs) for both presets, and the TP GPU tests
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
@@ -62,9 +64,15 @@ for phase in "$@"; do
       wait ;;
     ktests) step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA ;;
     onegpu)  # one GPU, no flash-attn: the CUDA tests, then the engine-facing CPU tests on CUDA
-      step test_gpu.log python3 -m pytest tests/test_gpu.py tests/test_misuse.py -q -rA -m gpu -k "not tensor_parallel"
-      step test_cuda.log python3 -m pytest tests/test_misuse.py tests/test_sampling.py tests/test_api.py \
-        tests/test_async_scheduling.py -q -rA -m "not gpu" ;;
+      step test_gpu.log python3 -m pytest tests/test_gpu.py tests/test_reliability.py -q -rA -m gpu \
+        -k "not tensor_parallel"
+      step test_cuda.log python3 -m pytest tests/test_engine.py tests/test_sampling.py tests/test_api.py -q -rA \
+        -m "not gpu" ;;
+    ab)
+      for i in 1 2; do
+        step bench_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 bench.py --json
+        step bench.jsonl python3 bench.py --json
+      done ;;
     tp1) step bench_tp.jsonl python3 bench.py --model qwen3-8b --json ;;
     tp2|tp2a)  # 2 GPUs: Qwen3-0.6B at TP 2 and the float32 TP test
       step bench_tp.jsonl python3 bench.py --tp 2 --json
