@@ -116,27 +116,30 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
-# ---- prefill ------------------------------------------------------------------------------------
+# ---- prefill (its key tile also serves decode) --------------------------------------------------
 @triton.jit
-def _prefill_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
-                  k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
-                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """One key tile [start, start + BLOCK_N) of the online softmax; MASKED on the causal diagonal."""
+def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
+                 k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on (decode),
+    2 those and the causal diagonal (q_pos read only then); q_start, k_ptr, v_ptr, stride_kt/vt only unpaged."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    in_range = (offs_n < k_len)[:, None]
+    valid = offs_n < k_len
     if PAGED:
-        page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=offs_n < k_len, other=0).to(tl.int64)
+        page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
         kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=in_range, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=in_range, other=0.0)
+        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
     else:  # the keys are the new tokens themselves
         rows = (q_start + offs_n)[:, None].to(tl.int64)
-        k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :], mask=in_range, other=0.0)
-        v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :], mask=in_range, other=0.0)
+        k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    if MASKED:
+    if MASK == 1:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    if MASK == 2:
         s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < k_len), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.math.exp2(s - m_new[:, None])
@@ -171,14 +174,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     first_q_pos = k_len - q_len + m_block * BLOCK_M
     unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N   # keys before it are visible to every row of the tile
     end = tl.minimum(k_len, first_q_pos + BLOCK_M)
-    for start in range(0, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
-                                      k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
-                                      stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, False, PRECISION)
-    for start in range(unmasked_end, end, BLOCK_N):
-        acc, l_i, m_i = _prefill_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
-                                      k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
-                                      stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, True, PRECISION)
+    for masked in tl.static_range(2):   # the keys every row sees, then the causal diagonal (unrolled)
+        for start in range(unmasked_end if masked else 0, end if masked else unmasked_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
+                                         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
+                                         stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2 * masked, PRECISION)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
@@ -239,21 +239,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for n in range(start, end, BLOCK_N):
-        offs_n = n + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-        kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale   # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    for n in range(start, end, BLOCK_N):   # paged keys, masked from the end of this split on
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, None, None,
+                                     k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
+                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                 # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
