@@ -15,8 +15,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
-
 
 @functools.cache
 def _triton_sampler():
@@ -51,13 +49,6 @@ class SamplingBatch:
     def is_plain(self) -> bool:
         return self.num_logprobs < 0 and all(getattr(self, f) is None for f in (
             "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators"))
-
-
-@compile_on_cuda
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    # logits [B, V] float32; temperatures [B] (0 = greedy); noise [B, V] ~ Exp(1)
-    probs = torch.softmax(logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None], dim=-1)
-    return torch.where(temperatures > 0, (probs / noise.clamp_min(1e-20)).argmax(dim=-1), logits.argmax(dim=-1))
 
 
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -108,8 +99,6 @@ class Sampler(nn.Module):
             return fast.sample(logits, b.temperatures, self.seed << 32 | self.num_draws & 0xFFFFFFFF), None
         logits = logits.float()
         noise = torch.empty_like(logits).exponential_(1, generator=generator)
-        if b.is_plain:
-            return sample(logits, b.temperatures, noise), None
         raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs >= 0 else None
         if b.presence_penalty is not None:
             logits = apply_penalties(logits, b)
