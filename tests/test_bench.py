@@ -46,3 +46,19 @@ def test_bench_runs_on_cpu(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     _, params = bench.workload(4, 100, 130, 110)
     assert result["output_tokens"] == sum(sp.max_tokens for sp in params) and result["tok_per_s"] > 0
+
+
+def test_profile_step_times_every_phase(tiny):
+    """tools/profile_step.py on CPU: every wrapped phase is timed (a renamed engine method fails here)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from profile_step import profile
+
+    from nanovllm import LLM
+    llm = LLM(tiny, device="cpu", enforce_eager=True, num_kvcache_blocks=64, kvcache_block_size=16)
+    try:
+        result = profile(llm, batch=2, context=20, steps=3)
+    finally:
+        llm.exit()
+    for phase in ("schedule", "build_decode", "step_tensors", "prepare_sample", "run_model", "postprocess"):
+        assert result[phase] > 0, phase
+    assert result["step_ms"] > 0 and result["batch"] == 2

@@ -73,6 +73,11 @@ def test_store_kvcache_skips_padding():
     flat = k_cache.view(6, 1, 4)
     assert torch.equal(flat[5], k[0]) and torch.equal(flat[0], k[2])
     assert flat[1:5].abs().sum() == 0 and torch.equal(v_cache.view(6, 1, 4)[5], -k[0])
+    # a first row to skip leaves slot 0 (a live block's) alone; all rows skipped write nothing that matters
+    k_cache.fill_(7.0)
+    reference.store_kvcache(k, -k, k_cache, v_cache, torch.tensor([-1, 3, -1], dtype=torch.int32))
+    assert torch.equal(flat[3], k[1]) and (flat[[0, 1, 2, 4, 5]] == 7.0).all()
+    reference.store_kvcache(k, -k, k_cache[:1], v_cache[:1], torch.full((3,), -1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

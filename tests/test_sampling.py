@@ -239,6 +239,9 @@ def test_stop_token_ids_and_min_tokens(llm, oracle, tiny):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id]),
                        use_tqdm=False)[0]
     assert out["token_ids"] == ref[:ref.index(stop_id) + 1] and out["finish_reason"] == "stop"
+    capped = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=ref.index(stop_id) + 1,
+                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert capped["token_ids"] == out["token_ids"] and capped["finish_reason"] == "length"  # vLLM: length first
     late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_id],
                                                  min_tokens=8), use_tqdm=False)[0]
     assert stop_id not in late["token_ids"][:8] and len(late["token_ids"]) >= 8

@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.engine import batch as step_input  # noqa: E402
 from nanovllm.engine.outputs import SampledTokens  # noqa: E402
 from nanovllm.models.presets import PRESETS  # noqa: E402
 
@@ -78,7 +79,7 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     runner, scheduler = llm.model_runner, llm.scheduler
     timer = StepTimer(llm.config.device == "cuda")
     timer.wrap(scheduler, "schedule")
-    timer.wrap(batch, "build_decode")
+    timer.wrap(step_input, "build_decode")
     timer.wrap(runner, "step_tensors")
     timer.wrap(runner, "prepare_sample")
     timer.wrap(runner, "run_model", gpu=True)

@@ -207,24 +207,25 @@ class EngineCore:
         done.extend(seq for seq, finished in zip(step.seqs, finished_before) if not finished)
 
     def _check_stop(self, seq: Sequence, token_id: int):
-        """Whether ``token_id``, just appended, ends ``seq``, in vLLM's order: a stop token (EOS unless
-        ``ignore_eos``, or one of ``stop_token_ids``) once ``min_tokens`` are out; a stop string that the
-        new text completes (the text is cut there); ``max_tokens`` or ``max_model_len``. Then queues the
-        text a stream may show (all but what could still turn out to begin a stop string)."""
+        """Whether ``token_id``, just appended, ends ``seq``, in vLLM's order: ``max_tokens`` or
+        ``max_model_len`` ("length"); else a stop token (EOS unless ``ignore_eos``, or one of
+        ``stop_token_ids``) once ``min_tokens`` are out; then a stop string that the new text completes,
+        once more than ``min_tokens`` are out, ends it as "stop" whatever came before (the text is cut
+        there). Then queues the text a stream may show (all but what could still begin a stop string)."""
         sp, detok = seq.sampling_params, seq.detokenizer
         delta = detok.add(token_id) if detok is not None else ""
         num_out = len(seq.token_ids) - seq.num_prompt_tokens
         stops = sp.stop_strings
         reason = hit = None
-        if num_out >= sp.min_tokens and ((not sp.ignore_eos and token_id in self.eos_token_ids)
-                                         or token_id in sp.stop_token_ids):
+        if num_out >= sp.max_tokens or len(seq.token_ids) >= self.scheduler.max_model_len:
+            reason = "length"
+        elif num_out >= sp.min_tokens and ((not sp.ignore_eos and token_id in self.eos_token_ids)
+                                           or token_id in sp.stop_token_ids):
             reason = "stop"
-        elif stops and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
+        if stops and reason != "stop" and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
             at, stop = hit
             detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
             reason = "stop"
-        elif num_out >= sp.max_tokens or len(seq.token_ids) >= self.scheduler.max_model_len:
-            reason = "length"
         if reason:
             self.scheduler.finish(seq, reason)
         if detok is not None:

@@ -13,13 +13,15 @@ import torch.nn.functional as F
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped. Without
-    data-dependent shapes: a skipped row writes row 0's value to row 0's slot, so every duplicate write
-    of a slot carries the same value (all -1, as in the warmup forward: slot 0 of its throwaway cache)."""
+    data-dependent shapes: a skipped row writes the first valid row's value to that row's slot, so every
+    duplicate write of a slot carries the same value (all -1, as in the warmup forward: slot 0 of its
+    throwaway cache)."""
     valid = slot_mapping >= 0
-    slots = torch.where(valid, slot_mapping, slot_mapping[:1]).clamp(min=0).long()
+    first = valid.int().argmax()  # 0 when no row is valid
+    slots = torch.where(valid, slot_mapping, slot_mapping[first]).clamp(min=0).long()
     keep = valid.view(-1, 1, 1)
     for x, cache in ((k, k_cache), (v, v_cache)):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, torch.where(keep, x, x[:1]).to(cache.dtype))
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, torch.where(keep, x, x[first]).to(cache.dtype))
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
