@@ -17,11 +17,12 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     duplicate write of a slot carries the same value (all -1, as in the warmup forward: slot 0 of its
     throwaway cache)."""
     valid = slot_mapping >= 0
-    first = valid.int().argmax()  # 0 when no row is valid
-    slots = torch.where(valid, slot_mapping, slot_mapping[first]).clamp(min=0).long()
+    first = valid.int().argmax().view(1)  # 0 when no row is valid; a tensor index: no host sync (graphs)
+    slots = torch.where(valid, slot_mapping, slot_mapping.index_select(0, first)).clamp(min=0).long()
     keep = valid.view(-1, 1, 1)
     for x, cache in ((k, k_cache), (v, v_cache)):
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, torch.where(keep, x, x[first]).to(cache.dtype))
+        rows = torch.where(keep, x, x.index_select(0, first))
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
