@@ -8,6 +8,7 @@ weights read once per decode step, every cached K/V read once per decode step th
 all matmul and attention FLOPs; memory and compute overlapped perfectly).
 
     python bench.py                                   # Qwen3-0.6B shapes, random weights, on the GPU
+    python bench.py --scenario batch1                 # one of SCENARIOS (latency, prefill-heavy, shared prefix)
     python bench.py --model /path/to/checkpoint --attention-backend flash-attn --json
     python bench.py --engine hf                       # the same workload through transformers
 """
@@ -36,6 +37,36 @@ def workload(num_seqs: int = 256, min_len: int = 100, max_input_len: int = 1024,
     return prompts, params
 
 
+@dataclass(frozen=True)
+class Scenario:
+    """A workload of equal requests: ``num_seqs`` prompts of ``shared_prefix`` common tokens and
+    ``prompt_len`` of their own, ``output_len`` tokens out each (temperature 0.6, ignore_eos)."""
+
+    num_seqs: int
+    prompt_len: int
+    output_len: int
+    shared_prefix: int = 0
+
+
+SCENARIOS = {
+    "batch1": Scenario(1, 512, 1024),        # one request: the decode step's latency
+    "batch16": Scenario(16, 512, 512),
+    "long": Scenario(32, 8192, 256),         # prefill-heavy
+    "prefix": Scenario(256, 128, 128, shared_prefix=2048),  # a system prompt shared by every request
+}
+
+
+def scenario_workload(s: Scenario, seed: int, scale: float = 1.0, vocab: int = 10000):
+    """(prompts, params, the shared prefix's length); ``seed`` picks the tokens (the warmup uses another
+    seed: same shapes, no prefix-cache hits on the timed run's tokens); ``scale`` shrinks every length."""
+    rng = Random(seed)
+    length = lambda n: max(1, round(n * scale)) if n else 0  # noqa: E731
+    prefix = [rng.randrange(vocab) for _ in range(length(s.shared_prefix))]
+    prompts = [prefix + [rng.randrange(vocab) for _ in range(length(s.prompt_len))] for _ in range(s.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length(s.output_len)) for _ in prompts]
+    return prompts, params, len(prefix)
+
+
 @dataclass
 class Roofline:
     output_tokens: int
@@ -49,8 +80,9 @@ class Roofline:
 
 
 def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float,
-             dtype_bytes: int = 2) -> Roofline:
-    """The fewest bytes and FLOPs any engine must spend on this workload with this model."""
+             dtype_bytes: int = 2, shared_prefix: int = 0) -> Roofline:
+    """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix that
+    every prompt shares, ``shared_prefix`` tokens, is prefilled once)."""
     c = hf_config
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -58,13 +90,14 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     params_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * c.intermediate_size
     params = layers * params_layer + vocab * h * (1 if c.tie_word_embeddings else 2)
     kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
-    prefill_tokens, total_out = sum(prompt_lens), sum(output_lens)
+    prefill_tokens, total_out = sum(prompt_lens) - (len(prompt_lens) - 1) * shared_prefix, sum(output_lens)
     # decode step t (1 .. out-1) of a sequence attends over prompt + t tokens; the first token comes from prefill
     kv_reads = sum(i * (o - 1) + o * (o - 1) // 2 for i, o in zip(prompt_lens, output_lens))
     decode_steps = max(output_lens) - 1
     flops_linear = (2 * layers * params_layer * (prefill_tokens + total_out)
                     + 2 * vocab * h * (len(prompt_lens) + total_out))   # LM head: last prompt token + each output
-    flops_attn = 4 * layers * heads * head_dim * (sum(i * i / 2 for i in prompt_lens) + kv_reads)
+    prefill_pairs = shared_prefix ** 2 / 2 + sum((i - shared_prefix) * (i + shared_prefix) / 2 for i in prompt_lens)
+    flops_attn = 4 * layers * heads * head_dim * (prefill_pairs + kv_reads)
     bytes_moved = decode_steps * params * dtype_bytes + (kv_reads + prefill_tokens) * kv_per_token
     return Roofline(total_out, bytes_moved / bandwidth, (flops_linear + flops_attn) / flops)
 
@@ -110,14 +143,18 @@ def model_config(model: str):
 
 def run_nanovllm(args, prompts, params) -> float:
     dummy = args.model in PRESETS
+    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
     llm = LLM(args.model, tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
-              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+              max_model_len=max(args.max_model_len, longest), attention_backend=args.attention_backend,
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               async_scheduling=False if args.no_async_scheduling else None)
     args.async_scheduling = llm.config.async_scheduling
     args.attention_backend = llm.model_runner.attention_backend.name
-    llm.generate(warmup_prompts(prompts, llm.config.hf_config.vocab_size), SamplingParams(max_tokens=2),
-                 use_tqdm=False)
+    if args.scenario == "default":
+        llm.generate(warmup_prompts(prompts, llm.config.hf_config.vocab_size), SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    else:  # the same shapes, other tokens
+        llm.generate(*scenario_workload(SCENARIOS[args.scenario], 1, args.scale)[:2], use_tqdm=False)
     with gpu_busy_time(args) as busy:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -198,6 +235,9 @@ def main():
     parser.add_argument("--model", default="qwen3-0.6b",
                         help=f"a checkpoint directory, or a preset with random weights: {sorted(PRESETS)}")
     parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
+    parser.add_argument("--scenario", choices=["default", *SCENARIOS], default="default",
+                        help="default: nano-vllm's workload (the --num-seqs/--*-len flags); else one of SCENARIOS")
+    parser.add_argument("--scale", type=float, default=1.0, help="a scenario's lengths times this (CPU tests)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -214,13 +254,18 @@ def main():
                         help="measure the GPU's busy share of the run with torch.profiler (slows the run a little)")
     args = parser.parse_args()
 
-    prompts, params = workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len)
+    if args.scenario == "default":
+        prompts, params = workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len)
+        shared_prefix = 0
+    else:
+        prompts, params, shared_prefix = scenario_workload(SCENARIOS[args.scenario], 0, args.scale)
     ceilings = measure_ceilings() if torch.cuda.is_available() else None
     seconds = (run_hf if args.engine == "hf" else run_nanovllm)(args, prompts, params)
     total = sum(sp.max_tokens for sp in params)
-    result = dict(engine=args.engine, model=args.model, attention_backend=args.attention_backend, tp=args.tp,
+    result = dict(engine=args.engine, model=args.model, scenario=args.scenario,
+                  attention_backend=args.attention_backend, tp=args.tp,
                   cuda_graphs=not args.enforce_eager, async_scheduling=getattr(args, "async_scheduling", None),
-                  num_seqs=args.num_seqs, output_tokens=total,
+                  num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
@@ -228,7 +273,7 @@ def main():
         result["gpu_busy_fraction"] = args.gpu_busy_fraction
     if ceilings:
         limit = roofline(model_config(args.model), [len(p) for p in prompts], [sp.max_tokens for sp in params],
-                         *ceilings)
+                         *ceilings, shared_prefix=shared_prefix)
         result.update(copy_tb_s=round(ceilings[0] / 1e12, 3), matmul_tflop_s=round(ceilings[1] / 1e12, 1),
                       roofline_tok_per_s=round(limit.tok_per_s),
                       fraction_of_roofline=round(total / seconds / limit.tok_per_s, 3), roofline=asdict(limit))

@@ -62,3 +62,34 @@ def test_profile_step_times_every_phase(tiny):
     for phase in ("schedule", "build_decode", "step_tensors", "prepare_sample", "run_model", "postprocess"):
         assert result[phase] > 0, phase
     assert result["step_ms"] > 0 and result["batch"] == 2
+
+
+def test_scenarios_are_the_issue_table_and_the_warmup_has_other_tokens():
+    batch1, _, _ = bench.scenario_workload(bench.SCENARIOS["batch1"], 0)
+    prompts, params, shared = bench.scenario_workload(bench.SCENARIOS["prefix"], 0)
+    warm, warm_params, _ = bench.scenario_workload(bench.SCENARIOS["prefix"], 1)
+    assert len(batch1) == 1 and len(batch1[0]) == 512
+    assert len(prompts) == 256 and shared == 2048 and all(len(p) == 2048 + 128 for p in prompts)
+    assert all(p[:2048] == prompts[0][:2048] for p in prompts) and prompts[0][2048:] != prompts[1][2048:]
+    assert [len(p) for p in warm] == [len(p) for p in prompts] and warm[0][:2048] != prompts[0][:2048]
+    assert all(sp.max_tokens == 128 and sp.temperature == 0.6 and sp.ignore_eos for sp in params + warm_params)
+
+
+def test_roofline_prefills_a_shared_prefix_once():
+    config = preset_config("qwen3-0.6b")
+    shared = bench.roofline(config, [2048 + 128] * 4, [8] * 4, 4e12, 7e14, shared_prefix=2048)
+    alone = bench.roofline(config, [2048 + 128] + [128] * 3, [8] * 4, 4e12, 7e14)
+    unshared = bench.roofline(config, [2048 + 128] * 4, [8] * 4, 4e12, 7e14)
+    assert shared.seconds_compute < unshared.seconds_compute
+    # the same prefill tokens as one full prompt plus three suffixes; the suffixes attend over the prefix too
+    assert alone.seconds_compute < shared.seconds_compute
+
+
+def test_scenario_runs_on_cpu(tmp_path):
+    from tiny_model import build_tiny_qwen3
+    path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--scenario", "prefix",
+                           "--scale", "0.02", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["scenario"] == "prefix" and result["num_seqs"] == 256 and result["output_tokens"] == 256 * 3
