@@ -82,7 +82,7 @@ class Roofline:
 def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float,
              dtype_bytes: int = 2, shared_prefix: int = 0) -> Roofline:
     """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix that
-    every prompt shares, ``shared_prefix`` tokens, is prefilled once)."""
+    every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per step)."""
     c = hf_config
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -98,7 +98,9 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
                     + 2 * vocab * h * (len(prompt_lens) + total_out))   # LM head: last prompt token + each output
     prefill_pairs = shared_prefix ** 2 / 2 + sum((i - shared_prefix) * (i + shared_prefix) / 2 for i in prompt_lens)
     flops_attn = 4 * layers * heads * head_dim * (prefill_pairs + kv_reads)
-    bytes_moved = decode_steps * params * dtype_bytes + (kv_reads + prefill_tokens) * kv_per_token
+    # a shared prefix's K/V need be read only once per decode step for the whole batch (its blocks are shared)
+    kv_bytes_read = kv_reads - sum(shared_prefix * (o - 1) for o in output_lens) + shared_prefix * decode_steps
+    bytes_moved = decode_steps * params * dtype_bytes + (kv_bytes_read + prefill_tokens) * kv_per_token
     return Roofline(total_out, bytes_moved / bandwidth, (flops_linear + flops_attn) / flops)
 
 

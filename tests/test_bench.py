@@ -93,3 +93,13 @@ def test_scenario_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["scenario"] == "prefix" and result["num_seqs"] == 256 and result["output_tokens"] == 256 * 3
+
+
+def test_roofline_reads_a_shared_prefix_once_per_step():
+    config = preset_config("qwen3-0.6b")
+    shared = bench.roofline(config, [2048 + 128] * 4, [8] * 4, 4e12, 7e14, shared_prefix=2048)
+    unshared = bench.roofline(config, [2048 + 128] * 4, [8] * 4, 4e12, 7e14)
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    # four prefills of the prefix become one, and 7 decode steps read it once instead of four times
+    saved = (3 * 2048 + 3 * 2048 * 7) * kv_token / 4e12
+    assert unshared.seconds_memory - shared.seconds_memory == pytest.approx(saved, rel=1e-9)
