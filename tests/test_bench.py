@@ -103,3 +103,15 @@ def test_roofline_reads_a_shared_prefix_once_per_step():
     # four prefills of the prefix become one, and 7 decode steps read it once instead of four times
     saved = (3 * 2048 + 3 * 2048 * 7) * kv_token / 4e12
     assert unshared.seconds_memory - shared.seconds_memory == pytest.approx(saved, rel=1e-9)
+
+
+def test_kernel_table_counts_launches_busy_and_idle_time():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from profile_step import kernel_table
+    # gemm 0-10 and a copy 5-11 (busy 0-11), norm 12-14 (1 us idle before it); 20 us idle; gemm, norm 34-46
+    kernels = [("gemm", 0, 10), ("copy", 5, 11), ("norm", 12, 14), ("gemm", 34, 44), ("norm", 44, 46)]
+    table = kernel_table(kernels, steps=2)
+    assert table["launches_per_step"] == 2.5 and table["busy_us_per_step"] == (11 + 2 + 12) / 2
+    assert table["idle_us_per_step"] == (1 + 20) / 2  # 11 -> 12 and 14 -> 34
+    assert table["kernels"][0] == dict(name="gemm", launches_per_step=1.0, us_per_step=10.0)
+    assert [row["name"] for row in table["kernels"]] == ["gemm", "copy", "norm"]

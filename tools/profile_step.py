@@ -1,5 +1,6 @@
 """Where one decode step's time goes: CPU time of schedule, build_decode + step_tensors (batch arrays, their
-copy to the device), the forward's launch, sampling, postprocess; and the GPU time of the forward.
+copy to the device), the forward's launch, sampling, postprocess; the GPU time of the forward; and on CUDA
+the step's kernels one by one (launches, microseconds, the idle time between them: ``kernel_table``).
 
 Fills the engine with ``batch`` sequences of about ``context`` tokens, then times ``steps`` decode
 steps by wrapping the engine's methods from outside (nothing in the engine is instrumented).
@@ -112,6 +113,7 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     if busy is not None:  # the GPU's idle share of a decode step: waiting for the CPU between kernels and steps
         result["gpu_busy_ms"] = round(busy[0], 3)
         result["gpu_idle_fraction"] = round(1 - busy[0] / busy[1], 3)
+        result["kernel_table"] = busy[2]
     result["sampler_ms"] = result.pop("forward", None)
     result["wait_ms"] = result.pop("result", None)
     step_ms = result.pop("step", None)
@@ -119,9 +121,11 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     return result
 
 
-def gpu_busy_per_step(llm: LLM, steps: int) -> tuple[float, float]:
-    """(ms of GPU kernel and copy time per decode step, ms of wall time per step) over ``steps`` more
-    steps under torch.profiler (a separate pass: the profiler slows the CPU side a little)."""
+def gpu_busy_per_step(llm: LLM, steps: int) -> tuple[float, float, dict]:
+    """(ms of GPU kernel and copy time per decode step, ms of wall time per step, ``kernel_table`` of the
+    device's kernels) over ``steps`` more steps under torch.profiler (a separate pass: the profiler slows
+    the CPU side a little)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -132,7 +136,33 @@ def gpu_busy_per_step(llm: LLM, steps: int) -> tuple[float, float]:
         wall = time.perf_counter() - start
     busy_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
                   for e in prof.key_averages())
-    return busy_us / 1e3 / steps, 1e3 * wall / steps
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA]
+    return busy_us / 1e3 / steps, 1e3 * wall / steps, kernel_table(kernels, steps)
+
+
+def kernel_table(kernels: list[tuple[str, float, float]], steps: int, top: int = 25) -> dict:
+    """Per decode step, from the device's activity (name, start us, end us) over ``steps`` steps: the
+    launches and microseconds of each name (the ``top`` longest), how many launches in all, the time some
+    kernel was running (overlaps counted once), and the idle time between one kernel's end and the next
+    one's start (inside a step and between steps)."""
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    busy = idle = 0.0
+    end = None
+    for name, start, stop in sorted(kernels, key=lambda k: k[1]):
+        per_name[name][0] += 1
+        per_name[name][1] += stop - start
+        if end is None or start >= end:
+            idle += 0.0 if end is None else start - end
+            busy += stop - start
+        elif stop > end:
+            busy += stop - end
+        end = stop if end is None else max(end, stop)
+    rows = sorted(per_name.items(), key=lambda item: -item[1][1])[:top]
+    return dict(launches_per_step=round(len(kernels) / steps, 2), busy_us_per_step=round(busy / steps, 2),
+                idle_us_per_step=round(idle / steps, 2),
+                kernels=[dict(name=name[:90], launches_per_step=round(count / steps, 2),
+                              us_per_step=round(total / steps, 2)) for name, (count, total) in rows])
 
 
 def main():
