@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
 
 from tiny_model import build_tiny_model, build_tiny_qwen3
 
+from nanovllm.sampling_params import SamplingParams
+
 # One near-tie rule everywhere: at the first position where nanovllm and
 # transformers differ, a top-2 logit gap below this in transformers means the rest is not compared.
 NEAR_TIE = 1e-4
@@ -70,6 +72,9 @@ def family_checkpoints(tmp_path_factory):
 # An explicit cache size (honoured on every device): on a GPU, engines that live side by side
 # in the test process must not each claim gpu_memory_utilization of it.
 ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=512)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # eight greedy tokens
+# engines that run on CPU whatever the machine (tensor-parallel ones on gloo)
+CPU_ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=256, device="cpu")
 
 
 @pytest.fixture(scope="module")

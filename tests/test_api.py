@@ -9,11 +9,9 @@ import os
 import shutil
 
 import pytest
-from conftest import ENGINE, assert_no_leaks, random_prompts, token_ids_of
+from conftest import ENGINE, GREEDY, assert_no_leaks, random_prompts, token_ids_of
 
 from nanovllm import LLM, SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 # ---- generate and its outputs --------------------------------------------------------------------

@@ -4,14 +4,13 @@ from __future__ import annotations
 import threading
 
 import pytest
-from conftest import random_prompts
+from conftest import CPU_ENGINE, random_prompts
 
 ray = pytest.importorskip("ray")
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.distributed.ray import DataParallelLLM, LLMPredictor  # noqa: E402
 
-ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=256, device="cpu")
 SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -25,7 +24,7 @@ def local_ray():
 @pytest.fixture(scope="module")
 def reference(tiny):
     prompts = random_prompts(48, 3, 40, seed=80)
-    llm = LLM(tiny, **ENGINE)
+    llm = LLM(tiny, **CPU_ENGINE)
     try:
         return prompts, [o["token_ids"] for o in llm.generate(prompts, SP, use_tqdm=False)]
     finally:
@@ -34,7 +33,7 @@ def reference(tiny):
 
 def test_two_actors_equal_one_engine(local_ray, tiny, reference):
     prompts, expected = reference
-    dp = DataParallelLLM(tiny, num_replicas=2, **ENGINE)
+    dp = DataParallelLLM(tiny, num_replicas=2, **CPU_ENGINE)
     try:
         outputs = dp.generate(prompts, SP, chunk_size=5, use_tqdm=False)
     finally:
@@ -44,7 +43,7 @@ def test_two_actors_equal_one_engine(local_ray, tiny, reference):
 
 def test_a_killed_actor_loses_no_prompt(local_ray, tiny, reference):
     prompts, expected = reference
-    dp = DataParallelLLM(tiny, num_replicas=2, **ENGINE)
+    dp = DataParallelLLM(tiny, num_replicas=2, **CPU_ENGINE)
     victim = dp.actors[0]
     ray.get([a.generate.remote([[1, 2]], [SP]) for a in dp.actors])  # both engines up
     threading.Timer(0.3, ray.kill, (victim,)).start()
@@ -59,7 +58,7 @@ def test_a_killed_actor_loses_no_prompt(local_ray, tiny, reference):
 def test_ray_data_map_batches(local_ray, tiny, reference):
     prompts, expected = reference
     ds = ray.data.from_items([{"prompt": p} for p in prompts[:12]])
-    out = ds.map_batches(LLMPredictor, fn_constructor_kwargs={"model": tiny, "sampling_params": SP, **ENGINE},
+    out = ds.map_batches(LLMPredictor, fn_constructor_kwargs={"model": tiny, "sampling_params": SP, **CPU_ENGINE},
                          concurrency=1, batch_size=6).take_all()
     got = {tuple(r["prompt"]): list(r["generated_token_ids"]) for r in out}
     assert [got[tuple(p)] for p in prompts[:12]] == expected[:12]

@@ -15,17 +15,11 @@ import time
 import weakref
 
 import pytest
-from conftest import ENGINE, assert_no_leaks, edited_checkpoint, random_prompts, token_ids_of
+from conftest import CPU_ENGINE, ENGINE, GREEDY, assert_no_leaks, edited_checkpoint, random_prompts, token_ids_of
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import worker_group
 from nanovllm.engine.worker_group import WorkerDiedError
-
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-# the engines of these tests (tensor-parallel ones on gloo) run on CPU whatever the machine
-CPU_ENGINE = dict(kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=256, device="cpu")
 
 
 def _gone(pid: int, within: float = 10.0) -> bool:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     ENGINE,
+    GREEDY,
     assert_matches_oracle,
     assert_no_leaks,
     assert_prompt_logprobs,
@@ -22,8 +23,6 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
 from nanovllm.utils.context import get_context
-
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 # ---- the sampler's stages against hand-written references ----------------------------------------
