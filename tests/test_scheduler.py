@@ -231,7 +231,9 @@ def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefi
     launched before the last one's tokens are read. Returns every completion's tokens (prompt by prompt,
     its n completions in order) and the length limit in force."""
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, eos_token_ids=(EOS,),
-                             max_model_len=max_len, num_kvcache_blocks=num_blocks, kvcache_block_size=block_size,
+                             # as the model runner lowers it: no more than the whole cache holds
+                             max_model_len=min(max_len, num_blocks * block_size), num_kvcache_blocks=num_blocks,
+                             kvcache_block_size=block_size,
                              enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
     resources = Resources()
     resources.runner = runner = FakeRunner()

@@ -32,8 +32,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_prefix_caching = config.enable_prefix_caching
-        # a sequence stops at max_model_len, and never outgrows the whole cache (it could not be scheduled)
-        self.max_model_len = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size)
+        self.max_model_len = config.max_model_len  # the model runner keeps it within what the whole cache holds
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
