@@ -1,9 +1,13 @@
-"""Attention kernel microbenchmarks on one GPU: our Triton kernels beside flash-attn's, same shapes, same run.
+"""Kernel microbenchmarks on one GPU: our Triton attention beside flash-attn's, and our decode-shaped linear
+layers beside cuBLAS, same shapes, same run.
 
 Decode: KV bytes read per second (every cached K and V of every sequence read once) at batch
 1/16/64/256/512 x context 512/2048/8192. Prefill: TFLOP/s (4 * heads * head_dim per visible
 query-key pair) at 1-16 sequences x 512-8192 tokens, with and without a cached prefix. Also
-the device copy bandwidth (bytes read + written). Shapes: Qwen3-0.6B's attention (16 query / 8
+the device copy bandwidth (bytes read + written). Linear (``--only linear`` for these alone): the
+decode projections of Qwen3-0.6B and -8B and 0.6B's LM head at 1-256 rows, weight bytes read per second
+by cuBLAS alone, by the unfused chain (norm kernel, cuBLAS, SiLU-and-mul kernel) and by the fused skinny
+kernel (M <= 64), with ``--sweep`` over its tile sizes. Shapes: Qwen3-0.6B's attention (16 query / 8
 KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
 calls are captured in a CUDA Graph and replayed, as the engine runs them.
 
@@ -25,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanovllm.kernels import triton_attention as ta  # noqa: E402
+from nanovllm.kernels import triton_linear as tlin  # noqa: E402
 
 H, KVH, D, PAGE, DTYPE = 16, 8, 128, 256, torch.bfloat16
 SCALE = D ** -0.5
@@ -104,6 +109,56 @@ def decode_rows(flash, sweep: bool):
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+# (model, layer, K, N, fusion): fusion "norm" is the RMSNorm before (with the residual add: "add_norm"),
+# "silu" SiLU-and-mul after (N is then the output width: the weight has 2N rows)
+LINEAR_SHAPES = [("0.6b", "qkv_proj", 1024, 4096, "add_norm"), ("0.6b", "o_proj", 2048, 1024, ""),
+                 ("0.6b", "gate_up_proj", 1024, 3072, "add_norm_silu"), ("0.6b", "down_proj", 3072, 1024, ""),
+                 ("0.6b", "lm_head", 1024, 151936, ""),
+                 ("8b", "qkv_proj", 4096, 6144, "add_norm"), ("8b", "o_proj", 4096, 4096, ""),
+                 ("8b", "gate_up_proj", 4096, 12288, "add_norm_silu"), ("8b", "down_proj", 12288, 4096, "")]
+SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st)
+                  for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5)]
+
+
+def linear_rows(sweep: bool, bw: float):
+    rows = []
+    for model, layer, k, n, fusion in LINEAR_SHAPES:
+        silu = "silu" in fusion
+        weight = torch.randn((2 if silu else 1) * n, k, device="cuda", dtype=DTYPE) / k ** 0.5
+        norm_weight = torch.ones(k, device="cuda", dtype=DTYPE)
+        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            x, residual = (torch.randn(m, k, device="cuda", dtype=DTYPE) for _ in range(2))
+            kwargs = dict(silu_mul=silu)
+            if "norm" in fusion:
+                kwargs.update(norm_weight=norm_weight, eps=1e-6, residual=residual if "add" in fusion else None)
+            nbytes = weight.numel() * weight.element_size()
+            row = dict(kind="linear", model=model, layer=layer, k=k, n=n, fusion=fusion, m=m, weight_mb=nbytes / 1e6)
+            t_cublas = bench_graph(lambda: torch.nn.functional.linear(x, weight))
+            t_chain = bench_graph(lambda: tlin.reference.unfused_linear(tlin.rms_norm, tlin.silu_and_mul, x, weight,
+                                                                       None, **_chain_args(kwargs)))
+            row.update(cublas_us=t_cublas * 1e6, cublas_tbs=nbytes / t_cublas / 1e12, chain_us=t_chain * 1e6)
+            if m <= tlin.SKINNY_MAX_M:
+                t = bench_graph(lambda: tlin.linear(x, weight, **kwargs))
+                row.update(skinny_us=t * 1e6, skinny_tbs=nbytes / t / 1e12, skinny_of_copy=nbytes / t / bw,
+                           config=tlin.skinny_config(m, n, k))
+                if sweep:
+                    best = (t, "default")
+                    for cfg in SKINNY_CONFIGS:
+                        cfg = dict(cfg, BLOCK_M=max(16, triton.next_power_of_2(m)))
+                        tc = bench_graph(lambda: tlin.linear(x, weight, config=cfg, **kwargs), rep=30)
+                        if tc < best[0]:
+                            best = (tc, cfg)
+                    row.update(best_us=best[0] * 1e6, best_tbs=nbytes / best[0] / 1e12, best_config=best[1])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def _chain_args(kwargs: dict) -> dict:
+    return dict(norm_weight=kwargs.get("norm_weight"), eps=kwargs.get("eps", 0.0), residual=kwargs.get("residual"),
+                silu_mul=kwargs["silu_mul"])
 
 
 PREFILL_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
@@ -192,10 +247,11 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--no-flash", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    parser.add_argument("--only", choices=["attention", "linear"], help="one group of benchmarks")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     flash = None
-    if not args.no_flash:
+    if not args.no_flash and args.only != "linear":
         try:
             import flash_attn as flash
         except ImportError:
@@ -206,14 +262,16 @@ def main():
             print(f"built flash-attn in {time.time() - t:.0f} s", flush=True)
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
-    rows = decode_rows(flash, args.sweep) + prefill_rows(flash, args.sweep)
+    rows = [] if args.only == "linear" else decode_rows(flash, args.sweep) + prefill_rows(flash, args.sweep)
+    rows += [] if args.only == "attention" else linear_rows(args.sweep, bw)
     for r in rows:
         r["copy_tbs"] = bw / 1e12
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+    with open(os.path.join(args.out, f"kernels{'_' + args.only if args.only else ''}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    plot(rows, os.path.join(args.out, "kernels.png"))
+    if args.only != "linear":
+        plot(rows, os.path.join(args.out, "kernels.png"))
     print(json.dumps(meta))
 
 

@@ -1,1 +1,24 @@
-"""Attention kernels behind one interface; see ``nanovllm.layers.attention`` for the choice."""
+"""Kernels. Attention's backends are chosen once at start-up (``nanovllm.layers.attention``); the dense
+layers' ops (RMSNorm, SiLU-and-mul, the fused linear) follow the tensor: ``dense_ops(x)`` is Triton's
+(``triton_linear``) for a CUDA tensor when triton is installed, the PyTorch reference otherwise."""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from nanovllm.kernels import reference
+
+
+@functools.cache
+def _triton_linear() -> ModuleType:
+    if importlib.util.find_spec("triton") is None:
+        return reference
+    from nanovllm.kernels import triton_linear
+    return triton_linear
+
+
+def dense_ops(x: torch.Tensor) -> ModuleType:
+    return _triton_linear() if x.is_cuda else reference

@@ -1,4 +1,5 @@
-"""Paged attention in plain PyTorch: the CPU path, the CUDA fallback, and the test oracle.
+"""Paged attention and the dense layers' fused ops in plain PyTorch: the CPU path, the CUDA fallback, and
+the test oracle.
 
 Caches are one layer's views ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token at
 logical position p of a sequence lives at slot ``block_table[p // block_size] * block_size +
@@ -58,3 +59,37 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
     return out.squeeze(2)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim of x (with ``residual``: of x + residual, rounded to the dtype). Returns
+    (normed, the new residual: x + residual, or x itself without one)."""
+    if residual is not None:
+        x = x + residual
+    f = x.float()
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for x [M, 2 * I] = [gate | up] -> [M, I]."""
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
+           silu_mul: bool = False):
+    """y = f(x) @ weight.T + bias, f the RMSNorm of ``norm_weight`` (of x + residual with ``residual``) or
+    the identity; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. Returns y, or (y, the new
+    residual) when ``norm_weight`` is given (x itself without ``residual``)."""
+    return unfused_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, residual, silu_mul)
+
+
+def unfused_linear(norm, act, x, weight, bias, norm_weight, eps, residual, silu_mul):
+    """``linear`` as three steps, with the given norm and activation functions (also Triton's, for many rows)."""
+    new_residual = x
+    if norm_weight is not None:
+        x, new_residual = norm(x, norm_weight, eps, residual)
+    y = F.linear(x, weight, bias)
+    y = act(y) if silu_mul else y
+    return y if norm_weight is None else (y, new_residual)

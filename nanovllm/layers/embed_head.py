@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import dense_ops
 from nanovllm.layers.linear import check_shape
 from nanovllm.utils.context import get_context
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
@@ -42,7 +43,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill:
             x = x[context.logits_indices].contiguous()
-        logits = F.linear(x, self.weight)
+        logits = dense_ops(x).linear(x, self.weight)
         if self.tp_size == 1:
             return logits
         parts = self.tp_group.gather(logits, 0)

@@ -4,19 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
-
-
-@compile_on_cuda
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    f = x.float()
-    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-@compile_on_cuda
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    residual = x + residual
-    return rms_norm.__wrapped__(residual, weight, eps), residual
+from nanovllm.kernels import dense_ops
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +14,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm over the last dim (of x + residual: then also returns that sum, the new residual)."""
+        flat = x.reshape(-1, x.size(-1))
+        out, new_residual = dense_ops(x).rms_norm(flat, self.weight, self.eps,
+                                                  None if residual is None else residual.reshape(flat.shape))
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return out.view(x.shape)
+        return out.view(x.shape), new_residual.view(x.shape)

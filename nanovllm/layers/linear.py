@@ -5,9 +5,9 @@ whole shape, then copies this rank's shard of it (a packed part at its offset)."
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import dense_ops
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
@@ -40,7 +40,7 @@ class LinearBase(nn.Module):
         return loaded.narrow(dim, self.tp_rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense_ops(x).linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -55,6 +55,16 @@ class MergedColumnParallelLinear(LinearBase):
         size = self.output_sizes[shard_id] // self.tp_size
         full = (self.output_sizes[shard_id], *param.shape[1:])
         param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+                silu_mul: bool = False):
+        """With ``norm`` (an RMSNorm), of norm(x + residual): returns (y, the new residual), x + residual
+        (x without one); with ``silu_mul``, SiLU(gate) * up of the two parts. Fused into one kernel where
+        ``dense_ops`` can (Triton, decode batch sizes)."""
+        if norm is None:
+            return dense_ops(x).linear(x, self.weight, self.bias, silu_mul=silu_mul)
+        return dense_ops(x).linear(x, self.weight, self.bias, norm_weight=norm.weight, eps=norm.eps,
+                                   residual=residual, silu_mul=silu_mul)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -80,5 +90,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, on rank 0, before the sum over ranks
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = dense_ops(x).linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp_group)

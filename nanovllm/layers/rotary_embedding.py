@@ -7,8 +7,6 @@ import math
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_cuda
-
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
@@ -36,7 +34,6 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_dim]: cos then sin, each for half of the head
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
-    @compile_on_cuda
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [N]; q [N, num_heads, head_dim]; k [N, num_kv_heads, head_dim]
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)

@@ -9,7 +9,11 @@
 #   bench     bench.py (Qwen3-0.6B preset, random weights) with the defaults, then with --profile;
 #   benchfa / eager / sync: the same with flash-attn / --enforce-eager / --no-async-scheduling
 #   llama     bench.py --model llama-3.2-1b;  hf: the workload through transformers (~4 min)
-#   profile   tools/profile_step.py: where a decode step's time goes at batch 1/64/256/512
+#   profile   tools/profile_step.py: where a decode step's time goes at batch 1/16/64/256, Qwen3-0.6B and -8B;
+#             profile_before: the same for the tree in .old (the code before a change)
+#   startup   tools/startup_time.py: LLM(...) construction, cold and warm caches, phase by phase (startup_before: .old)
+#   linear    the dense-layer kernel tests, then the linear-layer microbenchmarks against cuBLAS with a tile sweep
+#   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload
 #   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
 #   ktests    the kernel tests alone (no flash-attn build)
 #   onegpu    one GPU without flash-attn: test_gpu.py (no TP) and the GPU tests elsewhere, then the engine,
@@ -57,7 +61,23 @@ for phase in "$@"; do
     sync) step bench.jsonl python3 bench.py --json --no-async-scheduling ;;
     llama) step bench_llama.jsonl python3 bench.py --model llama-3.2-1b --json ;;
     hf) step bench_hf.jsonl python3 bench.py --engine hf --json ;;
-    profile) step profile_step.jsonl python3 tools/profile_step.py ;;
+    profile)
+      step profile_step.jsonl python3 tools/profile_step.py --model qwen3-0.6b
+      step profile_step.jsonl python3 tools/profile_step.py --model qwen3-8b ;;
+    profile_before)
+      cp tools/profile_step.py .old/tools/
+      step profile_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/profile_step.py --model qwen3-0.6b
+      step profile_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/profile_step.py --model qwen3-8b ;;
+    startup) step startup.jsonl python3 tools/startup_time.py ;;
+    startup_before)
+      cp tools/startup_time.py .old/tools/
+      step startup_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/startup_time.py ;;
+    linear)
+      step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "skinny or rms_norm"
+      step bench_linear.log python3 tools/bench_kernels.py --only linear --sweep --out "$OUT" ;;
+    scenarios)
+      for s in batch1 batch16 long prefix; do step bench.jsonl python3 bench.py --scenario $s --json; done
+      step bench.jsonl python3 bench.py --model qwen3-8b --json ;;
     train)  # the standard library alone, and with its test suites, side by side on one GPU
       step train.log python3 tools/train_demo_model.py --out "$OUT/demo" &
       step train_tests.log python3 tools/train_demo_model.py --out "$OUT/demo_tests" --include-tests &
@@ -69,7 +89,7 @@ for phase in "$@"; do
       step test_cuda.log python3 -m pytest tests/test_engine.py tests/test_sampling.py tests/test_api.py -q -rA \
         -m "not gpu" ;;
     ab)
-      for i in 1 2; do
+      for i in $(seq "${AB_REPS:-2}"); do
         step bench_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 bench.py --json
         step bench.jsonl python3 bench.py --json
       done ;;
