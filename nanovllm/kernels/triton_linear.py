@@ -18,7 +18,7 @@ import triton.language as tl
 
 from nanovllm.kernels import reference
 
-SKINNY_MAX_M = 64
+SKINNY_MAX_M = 16
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -86,26 +86,27 @@ def _load_input(x_ptr, res_ptr, rows, ks, row_mask, k_mask, stride_x, stride_r, 
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])  # one compilation for every batch size (CUDA graph buckets)
 def _skinny_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, b_ptr, y_ptr, m, k, n, stride_x,
                           stride_r, stride_w, stride_y, eps, ADD: tl.constexpr, NORM: tl.constexpr,
-                          SILU_MUL: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                          ONE_PASS: tl.constexpr, SILU_MUL: tl.constexpr, BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
     """Output columns [pid * BLOCK_N, +BLOCK_N) of y = f(x) @ w.T for rows [pid_m * BLOCK_M, +BLOCK_M);
-    f: (x + residual), then RMSNorm. With SILU_MUL, w is [gate; up] (2n rows) and y = SiLU(gate) * up."""
+    f: (x + residual), then RMSNorm. With SILU_MUL, w is [gate; up] (2n rows) and y = SiLU(gate) * up.
+    The norm's 1 / rms is a per-row factor: ONE_PASS multiplies it into the accumulator at the end, so the
+    weight's loads start at once (x * norm weight is rounded to the dtype instead of x * 1/rms, then that);
+    otherwise (fp16, whose range x * norm weight could leave) a first pass over the rows finds it."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     dtype = x_ptr.dtype.element_ty
-    if NORM:  # first pass over the rows: their RMS (and the new residual, written by the first program)
-        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM and not ONE_PASS:
         for k0 in range(0, k, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            x = _load_input(x_ptr, res_ptr, rows, ks, row_mask, ks < k, stride_x, stride_r, ADD)
-            if ADD and pid_n == 0:
-                tl.store(res_out_ptr + rows[:, None] * k + ks[None, :], x, mask=row_mask[:, None] & (ks < k)[None, :])
-            f = x.to(tl.float32)
+            f = _load_input(x_ptr, res_ptr, rows, ks, row_mask, ks < k, stride_x, stride_r, ADD).to(tl.float32)
             sumsq += tl.sum(f * f, 1)
         rstd = tl.rsqrt(sumsq / k + eps)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -115,16 +116,29 @@ def _skinny_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, b_ptr,
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k
-        x = _load_input(x_ptr, res_ptr, rows, ks, row_mask, k_mask, stride_x, stride_r, ADD)
-        if NORM:
-            g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            x = (g * (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + w_rows + ks[None, :], mask=w_mask, other=0.0)
+        if SILU_MUL:
+            w_up = tl.load(w_ptr + n * stride_w + w_rows + ks[None, :], mask=w_mask, other=0.0)
+        x = _load_input(x_ptr, res_ptr, rows, ks, row_mask, k_mask, stride_x, stride_r, ADD)
+        if ADD and pid_n == 0:  # the new residual, written once
+            tl.store(res_out_ptr + rows[:, None] * k + ks[None, :], x, mask=row_mask[:, None] & k_mask[None, :])
+        if NORM:
+            f = x.to(tl.float32)
+            g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            if ONE_PASS:
+                sumsq += tl.sum(f * f, 1)
+                x = (g * f).to(dtype)
+            else:
+                x = (g * (f * rstd).to(dtype).to(tl.float32)).to(dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if SILU_MUL:
-            w = tl.load(w_ptr + n * stride_w + w_rows + ks[None, :], mask=w_mask, other=0.0)
-            acc_up = tl.dot(x, tl.trans(w), acc_up, input_precision=PRECISION)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    if NORM and ONE_PASS:
+        rstd = tl.rsqrt(sumsq / k + eps)[:, None]
+        acc *= rstd
+        if SILU_MUL:
+            acc_up *= rstd
     if BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
@@ -137,12 +151,14 @@ def _skinny_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, b_ptr,
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def skinny_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes for the skinny kernel (M <= SKINNY_MAX_M): all rows in one tile, narrow column tiles
-    so that even small layers spread over the GPU's SMs."""
-    block_m = max(16, triton.next_power_of_2(m))
-    return dict(BLOCK_M=block_m, BLOCK_N=16 if n <= 4096 or block_m > 16 else 32, BLOCK_K=256 if block_m <= 16 else 128,
-                num_warps=4, num_stages=4)
+def skinny_config(m: int, element_size: int, silu_mul: bool) -> dict:
+    """Tile sizes for the skinny kernel: all rows in one tile; columns in tiles of 32 (each program
+    re-reads x, m x K, so x's traffic is m / BLOCK_N of the weight's); as many pipeline stages of
+    K as fit in shared memory."""
+    block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 32, 256 // element_size * 2
+    stage_bytes = (block_m + (2 if silu_mul else 1) * block_n) * block_k * element_size
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                num_stages=max(2, min(4, 160 * 1024 // stage_bytes)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -160,11 +176,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     add = residual is not None
     new_residual = torch.empty_like(x) if add else x
     if m:
-        cfg = config or skinny_config(m, n, k)
+        cfg = config or skinny_config(m, x.element_size(), silu_mul)
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
         _skinny_linear_kernel[grid](
             x, residual if add else x, new_residual, norm_weight if norm_weight is not None else x, weight,
             bias if bias is not None else x, y, m, k, n, x.stride(0), residual.stride(0) if add else 0,
-            weight.stride(0), y.stride(0), eps, ADD=add, NORM=norm_weight is not None, SILU_MUL=silu_mul,
+            weight.stride(0), y.stride(0), eps, ADD=add, NORM=norm_weight is not None,
+            ONE_PASS=x.dtype != torch.float16, SILU_MUL=silu_mul,
             BIAS=bias is not None, PRECISION=_precision(x.dtype), **cfg)
     return y if norm_weight is None else (y, new_residual)

@@ -61,23 +61,25 @@ for phase in "$@"; do
     sync) step bench.jsonl python3 bench.py --json --no-async-scheduling ;;
     llama) step bench_llama.jsonl python3 bench.py --model llama-3.2-1b --json ;;
     hf) step bench_hf.jsonl python3 bench.py --engine hf --json ;;
-    profile)
-      step profile_step.jsonl python3 tools/profile_step.py --model qwen3-0.6b
-      step profile_step.jsonl python3 tools/profile_step.py --model qwen3-8b ;;
+    profile)  # MODELS: the presets profiled (default both)
+      for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do step profile_step.jsonl python3 tools/profile_step.py --model $m; done ;;
     profile_before)
       cp tools/profile_step.py .old/tools/
-      step profile_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/profile_step.py --model qwen3-0.6b
-      step profile_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/profile_step.py --model qwen3-8b ;;
-    startup) step startup.jsonl python3 tools/startup_time.py ;;
+      for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
+        step profile_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/profile_step.py --model $m
+      done ;;
+    startup)
+      step importtime.log python3 -X importtime -c "import torch, nanovllm"
+      step startup.jsonl python3 tools/startup_time.py ;;
     startup_before)
       cp tools/startup_time.py .old/tools/
       step startup_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/startup_time.py ;;
     linear)
       step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "skinny or rms_norm"
       step bench_linear.log python3 tools/bench_kernels.py --only linear --sweep --out "$OUT" ;;
-    scenarios)
-      for s in batch1 batch16 long prefix; do step bench.jsonl python3 bench.py --scenario $s --json; done
-      step bench.jsonl python3 bench.py --model qwen3-8b --json ;;
+    scenarios)  # SCENARIOS: which (default all four)
+      for s in ${SCENARIOS:-batch1 batch16 long prefix}; do step bench.jsonl python3 bench.py --scenario $s --json; done
+      [[ -z ${SCENARIOS:-} ]] && step bench.jsonl python3 bench.py --model qwen3-8b --json ;;
     train)  # the standard library alone, and with its test suites, side by side on one GPU
       step train.log python3 tools/train_demo_model.py --out "$OUT/demo" &
       step train_tests.log python3 tools/train_demo_model.py --out "$OUT/demo_tests" --include-tests &
