@@ -61,13 +61,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out.squeeze(2)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim of x (with ``residual``: of x + residual, rounded to the dtype). Returns
-    (normed, the new residual: x + residual, or x itself without one)."""
-    if residual is not None:
-        x = x + residual
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x."""
     f = x.float()
-    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), x
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -77,19 +74,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-           silu_mul: bool = False):
-    """y = f(x) @ weight.T + bias, f the RMSNorm of ``norm_weight`` (of x + residual with ``residual``) or
-    the identity; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. Returns y, or (y, the new
-    residual) when ``norm_weight`` is given (x itself without ``residual``)."""
-    return unfused_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, residual, silu_mul)
-
-
-def unfused_linear(norm, act, x, weight, bias, norm_weight, eps, residual, silu_mul):
-    """``linear`` as three steps, with the given norm and activation functions (also Triton's, for many rows)."""
-    new_residual = x
-    if norm_weight is not None:
-        x, new_residual = norm(x, norm_weight, eps, residual)
+           residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up; then
+    y + ``residual``."""
     y = F.linear(x, weight, bias)
-    y = act(y) if silu_mul else y
-    return y if norm_weight is None else (y, new_residual)
+    y = silu_and_mul(y) if silu_mul else y
+    return y if residual is None else y + residual

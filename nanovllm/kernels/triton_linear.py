@@ -1,22 +1,24 @@
-"""The decoder's dense layers in Triton: RMSNorm (with the residual add), SiLU-and-mul, and a linear
-layer for the few rows of a decode step that fuses its neighbours into one launch.
+"""The decoder's dense layers in Triton: RMSNorm, SiLU-and-mul, and a linear layer for the few rows of a
+decode step that takes its neighbours into the same launch.
 
-Same functions as ``reference.py`` (the oracle), rounding where it rounds: the residual sum and the
-normalized input are rounded to the dtype before they are used, the gate and up projections before
-SiLU-and-mul. At decode batch sizes a linear layer reads its whole weight for a few rows, so its time
-is the weight's bytes over the memory bandwidth plus a launch; ``linear`` with at most ``SKINNY_MAX_M``
-rows is one kernel that reads the weight once in tiles of output columns (each program all rows, all of
-K), and takes the RMSNorm before it (``norm_weight``; with ``residual``, the add before that) and the
-SiLU-and-mul after it (``silu_mul``) into the same launch. More rows go to cuBLAS, with the norm and
-activation kernels around it.
+Same functions as ``reference.py`` (the oracle). At decode batch sizes a linear layer reads its whole
+weight for a few rows, so its time is the weight's bytes over the memory bandwidth plus a launch and a
+ramp; ``linear`` with at most ``SKINNY_MAX_M`` rows is one kernel that reads the weight once, in tiles of
+output columns (each program all rows, all of K), and applies SiLU-and-mul (``silu_mul``) or the
+residual add (``residual``) to its tile before storing it. It beats cuBLAS at every decode shape of
+Qwen3-0.6B and -8B measured (docs/PERFORMANCE.md). More rows go to cuBLAS (the residual add in its
+epilogue), with the activation kernel after it.
+
+Not fused, because it made the kernel slower, not faster: the RMSNorm before a projection. Scaling x
+inside the K loop keeps Triton from pipelining x's loads, and the projection ran 3-5x slower than a
+separate norm kernel plus the projection (measured on the H200; docs/PERFORMANCE.md).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from nanovllm.kernels import reference
 
 SKINNY_MAX_M = 16
 
@@ -26,15 +28,12 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, n, eps,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
+    """One row; rounds where the PyTorch reference rounds (x / rms to the dtype, then times the weight)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if ADD:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(res_out_ptr + row * n + offs, x, mask=mask)
     f = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(f * f, 0) / n + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
@@ -42,17 +41,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
              mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim of x [M, H] (with ``residual``: of x + residual). Returns (normed, the new
-    residual: x + residual, or x itself without one)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [M, H]."""
     m, n = x.shape
     out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
     if m:
-        _rms_norm_kernel[(m,)](x, residual if residual is not None else x, weight, out, res_out, x.stride(0),
-                               residual.stride(0) if residual is not None else 0, out.stride(0), n, eps,
-                               ADD=residual is not None, BLOCK=triton.next_power_of_2(n))
-    return out, res_out
+        _rms_norm_kernel[(m,)](x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=triton.next_power_of_2(n))
+    return out
 
 
 @triton.jit
@@ -76,39 +71,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
-def _load_input(x_ptr, res_ptr, rows, ks, row_mask, k_mask, stride_x, stride_r, ADD: tl.constexpr):
-    mask = row_mask[:, None] & k_mask[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
-    if ADD:
-        r = tl.load(res_ptr + rows[:, None] * stride_r + ks[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
 @triton.jit(do_not_specialize=["m"])  # one compilation for every batch size (CUDA graph buckets)
-def _skinny_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, b_ptr, y_ptr, m, k, n, stride_x,
-                          stride_r, stride_w, stride_y, eps, ADD: tl.constexpr, NORM: tl.constexpr,
-                          ONE_PASS: tl.constexpr, SILU_MUL: tl.constexpr, BIAS: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_r, stride_y,
+                          SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
-    """Output columns [pid * BLOCK_N, +BLOCK_N) of y = f(x) @ w.T for rows [pid_m * BLOCK_M, +BLOCK_M);
-    f: (x + residual), then RMSNorm. With SILU_MUL, w is [gate; up] (2n rows) and y = SiLU(gate) * up.
-    The norm's 1 / rms is a per-row factor: ONE_PASS multiplies it into the accumulator at the end, so the
-    weight's loads start at once (x * norm weight is rounded to the dtype instead of x * 1/rms, then that);
-    otherwise (fp16, whose range x * norm weight could leave) a first pass over the rows finds it."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Output columns [pid * BLOCK_N, +BLOCK_N) of y = x @ w.T (+ bias) for all rows (m <= BLOCK_M); with
+    SILU_MUL w is [gate; up] (2n rows) and y = SiLU(gate) * up; with RESIDUAL y += residual."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     dtype = x_ptr.dtype.element_ty
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM and not ONE_PASS:
-        for k0 in range(0, k, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            f = _load_input(x_ptr, res_ptr, rows, ks, row_mask, ks < k, stride_x, stride_r, ADD).to(tl.float32)
-            sumsq += tl.sum(f * f, 1)
-        rstd = tl.rsqrt(sumsq / k + eps)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SILU_MUL:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -116,72 +90,57 @@ def _skinny_linear_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, b_ptr,
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
         w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptr + w_rows + ks[None, :], mask=w_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + ks[None, :], mask=w_mask, other=0.0)), acc,
+                     input_precision=PRECISION)
         if SILU_MUL:
             w_up = tl.load(w_ptr + n * stride_w + w_rows + ks[None, :], mask=w_mask, other=0.0)
-        x = _load_input(x_ptr, res_ptr, rows, ks, row_mask, k_mask, stride_x, stride_r, ADD)
-        if ADD and pid_n == 0:  # the new residual, written once
-            tl.store(res_out_ptr + rows[:, None] * k + ks[None, :], x, mask=row_mask[:, None] & k_mask[None, :])
-        if NORM:
-            f = x.to(tl.float32)
-            g = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            if ONE_PASS:
-                sumsq += tl.sum(f * f, 1)
-                x = (g * f).to(dtype)
-            else:
-                x = (g * (f * rstd).to(dtype).to(tl.float32)).to(dtype)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        if SILU_MUL:
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    if NORM and ONE_PASS:
-        rstd = tl.rsqrt(sumsq / k + eps)[:, None]
-        acc *= rstd
-        if SILU_MUL:
-            acc_up *= rstd
     if BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
             acc_up += tl.load(b_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
     if SILU_MUL:  # rounded where the unfused path rounds: the projections, then SiLU(gate)
         gate = acc.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype),
-             mask=row_mask[:, None] & col_mask[None, :])
+    if RESIDUAL:
+        acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=out_mask)
 
 
-def skinny_config(m: int, element_size: int, silu_mul: bool) -> dict:
-    """Tile sizes for the skinny kernel: all rows in one tile; columns in tiles of 32 (each program
-    re-reads x, m x K, so x's traffic is m / BLOCK_N of the weight's); as many pipeline stages of
-    K as fit in shared memory."""
-    block_m, block_n, block_k = max(16, triton.next_power_of_2(m)), 32, 256 // element_size * 2
+def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
+    """Tile sizes for the skinny kernel: all rows in one tile; column tiles of 32, or of 16 when that
+    leaves too few programs for the GPU's SMs (each program re-reads x, m x K: x's traffic is m / BLOCK_N
+    of the weight's); as many pipeline stages of K as fit in shared memory."""
+    block_m, block_k = max(16, triton.next_power_of_2(m)), 256 // element_size * 2
+    block_n = 32 if n >= 32 * 120 else 16
     stage_bytes = (block_m + (2 if silu_mul else 1) * block_n) * block_k * element_size
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
                 num_stages=max(2, min(4, 160 * 1024 // stage_bytes)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-           silu_mul: bool = False, config: dict | None = None):
-    """y = f(x) @ weight.T + bias, f the RMSNorm of ``norm_weight`` (of x + residual with ``residual``) or
-    the identity; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. Returns y, or (y, the new
-    residual) when ``norm_weight`` is given (x itself without ``residual``). ``config``: tile sizes of the
-    skinny kernel (by default ``skinny_config``'s)."""
+           residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
+    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up; then
+    y + ``residual``. ``config``: the skinny kernel's tile sizes (by default ``skinny_config``'s)."""
     m, k = x.shape
     if m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1:
-        return reference.unfused_linear(rms_norm, silu_and_mul, x, weight, bias, norm_weight, eps, residual, silu_mul)
+        if residual is not None and bias is None and not silu_mul:
+            return torch.addmm(residual, x, weight.t())  # the add in cuBLAS's epilogue
+        y = F.linear(x, weight, bias)
+        y = silu_and_mul(y) if silu_mul else y
+        return y if residual is None else y + residual
     n = weight.size(0) // (2 if silu_mul else 1)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    add = residual is not None
-    new_residual = torch.empty_like(x) if add else x
     if m:
-        cfg = config or skinny_config(m, x.element_size(), silu_mul)
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
-        _skinny_linear_kernel[grid](
-            x, residual if add else x, new_residual, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else x, y, m, k, n, x.stride(0), residual.stride(0) if add else 0,
-            weight.stride(0), y.stride(0), eps, ADD=add, NORM=norm_weight is not None,
-            ONE_PASS=x.dtype != torch.float16, SILU_MUL=silu_mul,
-            BIAS=bias is not None, PRECISION=_precision(x.dtype), **cfg)
-    return y if norm_weight is None else (y, new_residual)
+        cfg = config or skinny_config(m, n, x.element_size(), silu_mul)
+        _skinny_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+            x, weight, bias if bias is not None else x, residual if residual is not None else x, y, m, k, n,
+            x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
+            PRECISION=_precision(x.dtype), **cfg)
+    return y

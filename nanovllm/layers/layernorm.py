@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add (returns the new residual too)."""
+"""RMSNorm (the residual add before it runs in the projection that produced its input: ``linear``'s
+``residual``)."""
 from __future__ import annotations
 
 import torch
@@ -13,11 +14,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """The norm over the last dim (of x + residual: then also returns that sum, the new residual)."""
-        flat = x.reshape(-1, x.size(-1))
-        out, new_residual = dense_ops(x).rms_norm(flat, self.weight, self.eps,
-                                                  None if residual is None else residual.reshape(flat.shape))
-        if residual is None:
-            return out.view(x.shape)
-        return out.view(x.shape), new_residual.view(x.shape)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm over the last dim."""
+        return dense_ops(x).rms_norm(x.reshape(-1, x.size(-1)), self.weight, self.eps).view(x.shape)

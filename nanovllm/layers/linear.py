@@ -56,15 +56,9 @@ class MergedColumnParallelLinear(LinearBase):
         full = (self.output_sizes[shard_id], *param.shape[1:])
         param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
 
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-                silu_mul: bool = False):
-        """With ``norm`` (an RMSNorm), of norm(x + residual): returns (y, the new residual), x + residual
-        (x without one); with ``silu_mul``, SiLU(gate) * up of the two parts. Fused into one kernel where
-        ``dense_ops`` can (Triton, decode batch sizes)."""
-        if norm is None:
-            return dense_ops(x).linear(x, self.weight, self.bias, silu_mul=silu_mul)
-        return dense_ops(x).linear(x, self.weight, self.bias, norm_weight=norm.weight, eps=norm.eps,
-                                   residual=residual, silu_mul=silu_mul)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """With ``silu_mul``, SiLU(gate) * up of the two parts (in the projection's kernel where it can)."""
+        return dense_ops(x).linear(x, self.weight, self.bias, silu_mul=silu_mul)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -88,7 +82,9 @@ class RowParallelLinear(LinearBase):
         full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(param.shape))
         param.data.copy_(self._shard(loaded, dim, full))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the bias is added once, on rank 0, before the sum over ranks
-        y = dense_ops(x).linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias) (+ ``residual``, in the projection's kernel): the bias and the residual are
+        added once, on rank 0, before the sum over ranks."""
+        first = self.tp_rank == 0
+        y = dense_ops(x).linear(x, self.weight, self.bias if first else None, residual=residual if first else None)
         return all_reduce(y, self.tp_group)

@@ -45,10 +45,9 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, norm: RMSNorm,
-                residual: torch.Tensor | None):
-        """(the attention block's output, the new residual) of norm(hidden_states + residual)."""
-        qkv, residual = self.qkv_proj(hidden_states, norm, residual)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + the attention block of hidden_states (the add in o_proj's kernel)."""
+        qkv = self.qkv_proj(hidden_states)
         norm = hasattr(self, "q_norm")
         fused = self.attn.backend.qk_norm_rope_store  # the backend's optional prologue
         if fused is not None and self.head_dim & (self.head_dim - 1) == 0:  # one kernel: norm, rotary, KV store
@@ -64,7 +63,7 @@ class DecoderAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
             o = self.attn(q, k, v)
-        return self.o_proj(o.flatten(1, -1)), residual
+        return self.o_proj(o.flatten(1, -1), residual)
 
 
 class DecoderMLP(nn.Module):
@@ -76,10 +75,9 @@ class DecoderMLP(nn.Module):
                                                        bias=options.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor):
-        """(the MLP's output, the new residual) of norm(x + residual)."""
-        h, residual = self.gate_up_proj(x, norm, residual, silu_mul=True)
-        return self.down_proj(h), residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + the MLP of x (SiLU-and-mul in gate_up's kernel, the add in down's, where they can)."""
+        return self.down_proj(self.gate_up_proj(x, silu_mul=True), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -90,11 +88,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
-        # each norm (and the residual add before it) runs inside the projection after it: at decode batch
-        # sizes a layer is six launches on CUDA (qkv, attention prologue, attention, o_proj, gate_up, down)
-        hidden_states, residual = self.self_attn(positions, hidden_states, self.input_layernorm, residual)
-        return self.mlp(hidden_states, self.post_attention_layernorm, residual)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The residual stream through one layer: each block's output is added to it inside the block's
+        last projection, so a layer is eight launches at decode batch sizes on CUDA (norm, qkv, attention
+        prologue, attention, o_proj, norm, gate_up, down; nine when the attention splits the context)."""
+        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), hidden_states)
+        return self.mlp(self.post_attention_layernorm(hidden_states), hidden_states)
 
 
 class DecoderModel(nn.Module):
@@ -108,10 +107,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        hidden_states = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        return self.norm(hidden_states, residual)[0]
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
 
 
 class LlamaForCausalLM(nn.Module):
