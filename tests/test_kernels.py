@@ -256,14 +256,15 @@ triton_linear = pytest.importorskip("nanovllm.kernels.triton_linear")
 
 def check_linear(m: int, k: int, n: int, dtype, fusion: str, bias: bool, seed: int = 0):
     """triton_linear.linear against float64 separate ops, within the dtype's tolerance. ``fusion``: "" (plain),
-    "silu" (the weight is [gate; up], 2n rows) or "residual" (the add after the projection)."""
+    "silu" (the weight is [gate; up], 2n rows) or "residual" (the add after the projection, in place)."""
     g = torch.Generator().manual_seed(seed)
     rows = 2 * n if fusion == "silu" else n
     x, residual = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
     weight, b = torch.randn(rows, k, generator=g) / k ** 0.5, torch.randn(rows, generator=g)
     x, residual, weight, b = (t.to(DEVICE, dtype) for t in (x, residual, weight, b))
-    out = triton_linear.linear(x, weight, b if bias else None, silu_mul=fusion == "silu",
-                               residual=residual if fusion == "residual" else None)
+    into = residual.clone() if fusion == "residual" else None
+    out = triton_linear.linear(x, weight, b if bias else None, silu_mul=fusion == "silu", residual=into)
+    assert into is None or out is into, "the residual is updated in place"
     ref = torch.nn.functional.linear(x.double(), weight.double(), b.double() if bias else None)
     ref = reference.silu_and_mul(ref) if fusion == "silu" else ref + residual.double() if fusion else ref
     assert out.shape == (m, n) and out.dtype == dtype

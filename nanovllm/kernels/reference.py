@@ -75,8 +75,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up; then
-    y + ``residual``."""
+    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. With
+    ``residual``, y is added to it in place and it is returned."""
     y = F.linear(x, weight, bias)
     y = silu_and_mul(y) if silu_mul else y
-    return y if residual is None else y + residual
+    return y if residual is None else residual.add_(y)

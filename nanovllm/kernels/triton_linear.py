@@ -77,7 +77,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
     """Output columns [pid * BLOCK_N, +BLOCK_N) of y = x @ w.T (+ bias) for all rows (m <= BLOCK_M); with
-    SILU_MUL w is [gate; up] (2n rows) and y = SiLU(gate) * up; with RESIDUAL y += residual."""
+    SILU_MUL w is [gate; up] (2n rows) and y = SiLU(gate) * up; with RESIDUAL y += residual (y may be the
+    residual itself: each element is read and written by the same program)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,17 +126,18 @@ def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
-    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up; then
-    y + ``residual``. ``config``: the skinny kernel's tile sizes (by default ``skinny_config``'s)."""
+    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. With
+    ``residual``, y is added to it in place and it is returned. ``config``: the skinny kernel's tile
+    sizes (by default ``skinny_config``'s)."""
     m, k = x.shape
-    if m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1:
+    if m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and silu_mul):
         if residual is not None and bias is None and not silu_mul:
-            return torch.addmm(residual, x, weight.t())  # the add in cuBLAS's epilogue
+            return residual.addmm_(x, weight.t())  # the add in cuBLAS's epilogue (out of place, it copies first)
         y = F.linear(x, weight, bias)
         y = silu_and_mul(y) if silu_mul else y
-        return y if residual is None else y + residual
+        return y if residual is None else residual.add_(y)
     n = weight.size(0) // (2 if silu_mul else 1)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         cfg = config or skinny_config(m, n, x.element_size(), silu_mul)
         _skinny_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](

@@ -83,8 +83,8 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(self._shard(loaded, dim, full))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias) (+ ``residual``, in the projection's kernel): the bias and the residual are
-        added once, on rank 0, before the sum over ranks."""
+        """x @ weight.T (+ bias) (+ ``residual``, in the projection's kernel, in place): the bias and the
+        residual are added once, on rank 0, before the sum over ranks."""
         first = self.tp_rank == 0
         y = dense_ops(x).linear(x, self.weight, self.bias if first else None, residual=residual if first else None)
         return all_reduce(y, self.tp_group)
