@@ -1,0 +1,224 @@
+"""Beam search, vLLM's ``LLM.beam_search``, built on the engine's public ``generate``.
+
+Each step is one ``generate`` call over every live beam of every prompt (``max_tokens=1``, ``logprobs=2 *
+beam_width``, the search's temperature); the prefix cache makes the beams' shared prefixes cheap. vLLM's rules:
+
+- a beam's candidates are the entries of its step's logprobs (the top ``2 * beam_width`` and the sampled token);
+- a candidate ending in the tokenizer's EOS (unless ``ignore_eos``) is finished ("stop") and set aside; the
+  other candidates of a prompt are ranked and the best ``beam_width`` live on;
+- a beam is scored ``cum_logprob / len(tokens) ** length_penalty``, ``tokens`` being prompt + completion (a final
+  EOS not counted);
+- after ``max_tokens`` steps the finished and the live beams ("length") are ranked together, best first, and the
+  best ``beam_width`` returned; ``text`` is the tokenizer's decoding of ``tokens`` (prompt included, special
+  tokens kept, as vLLM's), without the final EOS unless ``include_stop_str_in_output``.
+
+The engine's outputs are read by key only (``out["outputs"][0]["logprobs"][0]``) and their logprob values through
+``float``, so dicts of floats and objects with ``Logprob`` values both work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from nanovllm.sampling_params import SamplingParams, check_int, check_number
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters. ``temperature`` is the one each step samples with (its sampled token joins
+    the candidates; the logprobs are the raw model's whatever it is)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def verify(self) -> None:
+        """Raises ``ValueError``/``TypeError`` naming the first bad field (run at construction and by the search)."""
+        check_int("beam_width", self.beam_width, lo=1)
+        check_int("max_tokens", self.max_tokens, lo=1)
+        check_number("temperature", self.temperature, lo=0.0)
+        check_number("length_penalty", self.length_penalty)  # any finite number
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    __post_init__ = verify
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` (prompt + completion), ``logprobs`` (per completion token, that step's whole entry:
+    {token id: logprob} of the beam's candidates), their ``cum_logprob``; ``text``, ``finish_reason`` ("stop": EOS,
+    "length": ``max_tokens`` or ``max_model_len``) and ``stop_reason`` (the EOS id) as returned."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    lora_request: None = None  # vLLM's field; nanovllm has no LoRA
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """One prompt's result: its ``beam_width`` best sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
+                          length_penalty: float = 1.0) -> float:
+    """vLLM's (and transformers') length-penalized score: ``cumulative_logprob / len ** length_penalty``, ``len``
+    being ``len(tokens)`` less a final EOS."""
+    seq_len = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
+    return cumulative_logprob / (seq_len ** length_penalty)
+
+
+def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
+                concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    """``params.beam_width`` best sequences of each prompt (strings, token-id lists, or {"prompt": ...} /
+    {"prompt_token_ids": ...} dicts), in prompt order. ``llm`` is the engine (its ``generate``, ``tokenizer`` and
+    ``config``); ``use_tqdm`` shows a bar over the steps; ``concurrency_limit`` searches that many prompts at a time."""
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    params.verify()  # again: fields may have been assigned since construction
+    if concurrency_limit is not None:
+        check_int("concurrency_limit", concurrency_limit, lo=1)
+    vocab_size = llm.config.hf_config.vocab_size
+    if 2 * params.beam_width > vocab_size:
+        raise ValueError(f"beam_width must be <= half the vocabulary size {vocab_size} (each step ranks "
+                         f"2 * beam_width candidates per beam), got {params.beam_width}")
+    tokenizer = llm.tokenizer
+    prompt_ids = [_prompt_token_ids(llm, i, p) for i, p in enumerate(_as_list(prompts))]
+    eos_token_id = _eos_token_id(llm)
+
+    def score(beam: BeamSearchSequence) -> float:
+        return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, params.length_penalty)
+
+    step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width)
+    chunk = concurrency_limit or max(1, len(prompt_ids))
+    outputs = []
+    for start in range(0, len(prompt_ids), chunk):
+        searches = [_Search(ids) for ids in prompt_ids[start:start + chunk]]
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm):
+            if not _step(llm, searches, step_params, params, eos_token_id, score):
+                break
+        for search in searches:
+            for beam in search.live:
+                beam.finish_reason = "length"
+            best = sorted(search.finished + search.live, key=score, reverse=True)[:params.beam_width]
+            for beam in best:
+                beam.text = _text(tokenizer, beam, params.include_stop_str_in_output)
+            outputs.append(BeamSearchOutput(sequences=best))
+    return outputs
+
+
+class _Search:
+    """One prompt's search: its live beams (one length, best first) and the finished ones."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self.live = [BeamSearchSequence(tokens=list(prompt_ids), logprobs=[])]
+        self.finished: list[BeamSearchSequence] = []
+
+
+def _step(llm, searches: list[_Search], step_params: SamplingParams, params: BeamSearchParams,
+          eos_token_id: int | None, score) -> bool:
+    """One token for every live beam (one ``generate`` call); False when no beam was left to extend."""
+    max_model_len = llm.config.max_model_len
+    for search in searches:  # a beam at max_model_len cannot grow: it ends there ("length")
+        for beam in search.live:
+            if len(beam.tokens) >= max_model_len:
+                beam.finish_reason = "length"
+                search.finished.append(beam)
+        search.live = [beam for beam in search.live if beam.finish_reason is None]
+    beams = [beam for search in searches for beam in search.live]
+    if not beams:
+        return False
+    results = iter(llm.generate([{"prompt_token_ids": beam.tokens} for beam in beams], step_params, use_tqdm=False))
+    for search in searches:
+        candidates = []
+        for beam in search.live:
+            entry = _step_entry(next(results))
+            for token_id, logprob in entry.items():
+                new = BeamSearchSequence(tokens=beam.tokens + [token_id], logprobs=beam.logprobs + [entry],
+                                         cum_logprob=beam.cum_logprob + float(logprob))
+                if token_id == eos_token_id and not params.ignore_eos:
+                    new.finish_reason, new.stop_reason = "stop", eos_token_id
+                    search.finished.append(new)
+                else:
+                    candidates.append(new)
+        search.live = sorted(candidates, key=score, reverse=True)[:params.beam_width]
+    return True
+
+
+def _step_entry(out) -> dict:
+    """The {token id: logprob} entry of a one-token ``generate`` output (read by key only)."""
+    completion = out["outputs"][0]
+    logprobs = completion["logprobs"]
+    if completion["finish_reason"] == "error" or not logprobs:
+        raise RuntimeError(f"a beam search step produced no token (finish_reason {completion['finish_reason']!r})")
+    return dict(logprobs[0])
+
+
+def _text(tokenizer, beam: BeamSearchSequence, include_stop_str: bool) -> str:
+    if tokenizer is None:
+        return ""
+    tokens = beam.tokens[:-1] if beam.finish_reason == "stop" and not include_stop_str else beam.tokens
+    return tokenizer.decode(tokens)
+
+
+def _eos_token_id(llm) -> int | None:
+    """The tokenizer's EOS (vLLM's choice: one id), else the model config's (its first, if a list)."""
+    tokenizer = llm.tokenizer
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(llm.config.hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and type(prompts[0]) is int):
+        return [prompts]  # one prompt
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _prompt_token_ids(llm, i: int, prompt) -> list[int]:
+    """Prompt ``i`` as token ids, read as ``generate`` reads it; checked against the vocabulary and max_model_len
+    here, so that a bad prompt is named by its own index."""
+    if isinstance(prompt, dict):
+        if unknown := sorted(set(prompt) - {"prompt", "prompt_token_ids"}):
+            raise ValueError(f"prompt {i} has keys {unknown} that nanovllm does not support (it reads "
+                             "'prompt' or 'prompt_token_ids')")
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+            if not isinstance(prompt, (list, tuple)):
+                raise TypeError(f"prompt {i}'s prompt_token_ids must be a list of ints, got {prompt!r:.80}")
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt {i}'s 'prompt' must be a string, got {prompt!r:.80}")
+        else:
+            raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        if llm.tokenizer is None:
+            raise ValueError("string prompts need a tokenizer, but the engine has skip_tokenizer_init=True")
+        prompt = llm.tokenizer.encode(prompt)
+    elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
+        raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, got {prompt!r:.80}")
+    if not prompt:
+        raise ValueError(f"prompt {i} is empty")
+    vocab_size, max_model_len = llm.config.hf_config.vocab_size, llm.config.max_model_len
+    if bad := [t for t in prompt if not 0 <= t < vocab_size]:
+        raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_model_len={max_model_len} leaves no room "
+                         "for output")
+    return list(prompt)
+
