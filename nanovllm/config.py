@@ -1,12 +1,15 @@
 """Engine configuration: a frozen dataclass, validated and resolved once in ``__post_init__`` (every "auto",
 ``hf_config``, ``model_class``; ``max_model_len`` capped at the model's positions); what start-up measures later
-comes in a new object (``derive``). ``model`` is a checkpoint directory, an architecture preset (random weights,
+comes in a new object (``derive``). ``model`` is a checkpoint directory, a Hugging Face Hub id (its snapshot in the
+local cache, else downloaded: ``nanovllm.utils.loader.resolve_model``), an architecture preset (random weights,
 ``nanovllm.models.presets``) or ``"nanovllm:demo"`` (a tiny Qwen3 shipped with the package, ``nanovllm.demo``).
-Keyword names are nano-vllm's (vLLM's where nano-vllm has none)."""
+Keyword names are nano-vllm's (vLLM's where nano-vllm has none); ``from_kwargs`` also takes vLLM's keywords that
+change nothing here (IGNORED_KEYWORDS) and refuses those that would (UNSUPPORTED_KEYWORDS)."""
 from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -15,7 +18,69 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.sampling_params import check_int
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's dtype names ("half" and "float" are its aliases); a torch dtype among these is accepted too
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "half": torch.float16}
+MAX_ENGINE_SEED = 2 ** 32 - 1  # vLLM's range (numpy's seeds)
+
+logger = logging.getLogger("nanovllm")
+
+# vLLM engine keywords that change nothing here, whatever their value: accepted, and named in one log line
+IGNORED_KEYWORDS = {
+    "trust_remote_code": "the models are nanovllm's own code",
+    "code_revision": "the models are nanovllm's own code",
+    "swap_space": "preempted sequences are recomputed",
+    "disable_log_stats": "no stats logging",
+    "max_seq_len_to_capture": "decode graphs cover max_model_len",
+    "max_context_len_to_capture": "decode graphs cover max_model_len",
+    "disable_custom_all_reduce": "torch.distributed's all-reduce only",
+    "compilation_config": "no torch.compile",
+    "use_v2_block_manager": "one block manager",
+    "disable_async_output_proc": "outputs are processed as each step ends",
+    "disable_cascade_attn": "no cascade attention",
+    "prefix_caching_hash_algo": "prefix blocks are keyed by xxhash",
+    "max_logprobs": "logprobs are bounded by the vocabulary",
+    "served_model_name": "no server",
+    "enable_expert_parallel": "no mixture-of-experts models",
+    "limit_mm_per_prompt": "text-only models",
+    "mm_processor_kwargs": "text-only models",
+    "allowed_local_media_path": "text-only models",
+    "guided_decoding_backend": "no structured outputs",
+    "structured_outputs_config": "no structured outputs",
+    "use_tqdm_on_load": "no progress bar while loading",
+}
+# vLLM engine keywords that nanovllm supports only at values that change nothing (vLLM's default among them):
+# name -> (those values, accepted and named like the above; why any other is refused with a ValueError)
+UNSUPPORTED_KEYWORDS = {
+    "quantization": ((None,), "no quantized weights or kernels"),
+    "kv_cache_dtype": (("auto",), "the KV cache is in the model's dtype"),
+    "cpu_offload_gb": ((0,), "the weights stay on the device"),
+    "kv_cache_memory_bytes": ((None,), "the KV cache is sized by num_kvcache_blocks or gpu_memory_utilization"),
+    "pipeline_parallel_size": ((1,), "tensor parallelism only"),
+    "data_parallel_size": ((1,), "one replica per engine (nanovllm.distributed.ray runs several)"),
+    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel ranks are local processes"),
+    "speculative_config": ((None,), "no speculative decoding"),
+    "enable_lora": ((False, None), "no LoRA adapters"),
+    "max_lora_rank": ((), "no LoRA adapters"),
+    "max_loras": ((), "no LoRA adapters"),
+    "enable_chunked_prefill": ((None, True), "prefills are always chunked"),
+    "scheduling_policy": (("fcfs",), "first come, first served only"),
+    "preemption_mode": ((None, "recompute"), "preempted sequences are recomputed"),
+    "num_scheduler_steps": ((1,), "one forward per schedule"),
+    "enable_sleep_mode": ((False,), "no sleep mode"),
+    "enable_prompt_embeds": ((False,), "prompts are text or token ids"),
+    "logits_processors": ((None, []), "no logits processors"),
+    "task": ((None, "auto", "generate"), "text generation only"),
+    "runner": (("auto", "generate"), "text generation only"),
+    "convert": (("auto", "none"), "text generation only"),
+    "model_impl": (("auto", "vllm"), "the models are nanovllm's own code"),
+    "tokenizer_mode": (("auto", "hf"), "the tokenizer is transformers' AutoTokenizer, fast when it exists"),
+    "config_format": (("auto", "hf"), "config.json in Hugging Face's format only"),
+    "hf_overrides": ((None, {}), "the model's config.json is used as it is"),
+    "rope_scaling": ((None,), "the model's config.json is used as it is"),
+    "rope_theta": ((None,), "the model's config.json is used as it is"),
+    "disable_sliding_window": ((False,), "no sliding-window attention: pass max_model_len <= the window instead"),
+}
 
 
 @dataclass(frozen=True)
@@ -23,23 +88,29 @@ class Config:
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int = 4096
+    max_model_len: int | None = 4096  # None or -1 (vLLM's auto): the model's, lowered to what the KV cache holds
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
-    dtype: str = "auto"
+    dtype: str | torch.dtype = "auto"
     device: str = "auto"
-    seed: int = 0
+    seed: int | None = 0               # None: 0, as in vLLM (V1)
     attention_backend: str = "auto"   # "auto", "flash-attn", "triton" or "torch"
     load_format: str = "auto"         # "auto" (safetensors) or "dummy" (random weights, for benchmarks)
     skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
     enable_prefix_caching: bool = True
-    tokenizer: str | None = None       # a tokenizer directory other than the model's
+    tokenizer: str | None = None       # a tokenizer (a directory or a Hub id) other than the model's
     # Launch step N+1 while the device runs step N (its sampled tokens stay on the device). None: on for CUDA only.
     async_scheduling: bool | None = None
     cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, when num_kvcache_blocks is not given
+    # Hub ids (vLLM's): the model's branch, tag or commit; the tokenizer's (default: revision); the Hugging Face
+    # cache to read and download into (default: huggingface_hub's, HF_HUB_CACHE); a token for gated or private models
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    hf_token: bool | str | None = field(default=None, repr=False)
     # Resolved from the above.
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
@@ -48,24 +119,40 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> Config:
-        """Like ``Config(model, **kwargs)`` but names every unknown keyword at once; vLLM's names
-        for the same settings are accepted too (``block_size`` for ``kvcache_block_size``)."""
+        """Like ``Config(model, **kwargs)`` but names every unknown keyword at once. vLLM's names for the same
+        settings are accepted too (``block_size`` for ``kvcache_block_size``); so are its keywords that change
+        nothing here (IGNORED_KEYWORDS, and UNSUPPORTED_KEYWORDS at the values they accept), named in one log line;
+        UNSUPPORTED_KEYWORDS at other values raise a ValueError that names the keyword, the value and why."""
         for alias, name in _ALIASES.items():
             if alias in kwargs:
                 if name in kwargs:
                     raise TypeError(f"pass {name} or its alias {alias}, not both")
                 kwargs[name] = kwargs.pop(alias)
+        ignored = {name: IGNORED_KEYWORDS[name] for name in kwargs.keys() & IGNORED_KEYWORDS.keys()}
+        for name in sorted(kwargs.keys() & UNSUPPORTED_KEYWORDS.keys()):
+            accepted, why = UNSUPPORTED_KEYWORDS[name]
+            if kwargs[name] not in accepted:
+                only = f" (accepted: {', '.join(map(repr, accepted))})" if accepted else ""
+                raise ValueError(f"{name}={kwargs[name]!r} is not supported by nanovllm: {why}{only}")
+            ignored[name] = why
         public = {f.name for f in dataclasses.fields(cls) if f.init}
-        if unknown := sorted(set(kwargs) - public):
-            raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(public - {'model'})}")
-        return cls(model, **kwargs)
+        if unknown := sorted(set(kwargs) - public - ignored.keys()):
+            raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(public - {'model'})} and "
+                            "vLLM's that change nothing here (nanovllm.config.IGNORED_KEYWORDS)")
+        config = cls(model, **{k: v for k, v in kwargs.items() if k not in ignored})
+        if ignored:
+            logger.info("ignored vLLM engine argument(s), no effect in nanovllm: %s",
+                        "; ".join(f"{name} ({why})" for name, why in sorted(ignored.items())))
+        return config
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a path to a local checkpoint or 'nanovllm:demo', got {self.model!r}")
-        from nanovllm.demo import resolve_model
-        self._set(model=resolve_model(os.fspath(self.model)))  # "nanovllm:demo" -> its directory
+            raise TypeError(f"model must be a local checkpoint's path, a Hugging Face Hub id or 'nanovllm:demo', "
+                            f"got {self.model!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        self._set(**{name: defaults[name] for name in _NONE_IS_DEFAULT if getattr(self, name) is None})
         self._check_values()
+        self._resolve_paths()
         self._set(hf_config=self._load_hf_config())
         if self.device == "auto":
             self._set(device="cuda" if torch.cuda.is_available() else "cpu")
@@ -78,8 +165,9 @@ class Config:
                              f"{torch.cuda.device_count()} visible GPU(s)")
         from nanovllm.models import get_model_class
         # an unsupported architecture fails here, before any process starts
+        model_len = self.hf_config.max_position_embeddings
         self._set(model_class=get_model_class(self.hf_config),
-                  max_model_len=min(self.max_model_len, self.hf_config.max_position_embeddings))
+                  max_model_len=model_len if self.max_model_len in (None, -1) else min(self.max_model_len, model_len))
         self.model_class.check_config(self.hf_config, self.max_model_len)
         self._set(torch_dtype=self._resolve_dtype())
         for name in ("num_attention_heads", "num_key_value_heads"):
@@ -103,19 +191,21 @@ class Config:
         return copy.copy(self)._set(**values)
 
     def _check_values(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size",
-                     "kvcache_block_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "kvcache_block_size"):
             check_int(name, getattr(self, name), lo=1)
+        if self.max_model_len not in (None, -1):
+            check_int("max_model_len", self.max_model_len, lo=1)
         check_int("num_kvcache_blocks", self.num_kvcache_blocks, lo=-1)
-        check_int("seed", self.seed, lo=0)
+        check_int("seed", self.seed, lo=0, hi=MAX_ENGINE_SEED)
         if self.num_kvcache_blocks == 0:
             raise ValueError("num_kvcache_blocks must be -1 (size automatically) or >= 1, got 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not self.cpu_kvcache_space > 0:
             raise ValueError(f"cpu_kvcache_space must be > 0 GiB, got {self.cpu_kvcache_space!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not (self.dtype == "auto" or self.dtype in _DTYPES or self.dtype in _DTYPES.values()):
+            raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or one of their torch dtypes, "
+                             f"got {self.dtype!r}")
         for name, choices in (("device", ("auto", "cuda", "cpu")),
                               ("attention_backend", ("auto", "flash-attn", "triton", "torch")),
                               ("load_format", ("auto", "safetensors", "dummy"))):
@@ -127,6 +217,17 @@ class Config:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise TypeError(f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
+
+    def _resolve_paths(self):
+        """``model`` and ``tokenizer`` as local directories (``resolve_model``): a Hub id's snapshot holds config.json,
+        and the safetensors weights unless they are dummy."""
+        from nanovllm.utils.loader import resolve_model
+        hub = dict(cache_dir=self.download_dir, token=self.hf_token)
+        needs = ("config.json",) if self.load_format == "dummy" else ("config.json", "*.safetensors")
+        self._set(model=resolve_model(os.fspath(self.model), needs, self.revision, **hub))
+        if self.tokenizer is not None:
+            self._set(tokenizer=resolve_model(os.fspath(self.tokenizer), (), self.tokenizer_revision or self.revision,
+                                              **hub))
 
     def _load_hf_config(self) -> PretrainedConfig:
         """A checkpoint directory's config.json, or a built-in preset (random weights only)."""
@@ -146,7 +247,7 @@ class Config:
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return _DTYPES.get(self.dtype, self.dtype)  # a name, or a torch dtype
         if self.device == "cpu":
             return torch.float32
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
@@ -154,4 +255,7 @@ class Config:
         return dtype if dtype in _DTYPES.values() else torch.bfloat16
 
 
-_ALIASES = {"block_size": "kvcache_block_size"}  # vLLM's name -> ours
+_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}  # vLLM's -> ours
+# vLLM's None for "the default" (ours); max_model_len's None is the model's length, seed's None is 0 (vLLM V1's)
+_NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "kvcache_block_size", "num_kvcache_blocks", "seed",
+                    "enable_prefix_caching")

@@ -1,10 +1,12 @@
-"""Loads a Hugging Face safetensors checkpoint (one file or shards) into a model, each parameter through its
-``weight_loader`` (which checks the whole tensor's shape, takes this rank's shard and packs q/k/v and gate/up);
-``load_dummy_weights`` fills random values instead (vLLM's ``load_format="dummy"``), for benchmarks."""
+"""Finds a checkpoint (``resolve_model``: a directory, a built-in model or a Hugging Face Hub id's snapshot) and loads
+a Hugging Face safetensors checkpoint (one file or shards) into a model, each parameter through its ``weight_loader``
+(which checks the whole tensor's shape, takes this rank's shard and packs q/k/v and gate/up); ``load_dummy_weights``
+fills random values instead (vLLM's ``load_format="dummy"``), for benchmarks."""
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 
 import torch
@@ -19,6 +21,60 @@ SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.s
 # files that hold a vocabulary: fast (tokenizers), sentencepiece, BPE/WordPiece, tiktoken
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
                    "vocab.txt", "*.tiktoken")
+# what a download from the Hub fetches besides the files a caller needs: configs, vocabularies, merges, chat templates
+HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # huggingface_hub's, for HF_HUB_OFFLINE
+
+logger = logging.getLogger("nanovllm")
+
+
+def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
+                  token: bool | str | None = None) -> str:
+    """What a model (or tokenizer) name stands for on this machine: an existing directory or an architecture
+    preset's name as is, a built-in ``nanovllm:<name>`` model's directory, or a Hugging Face Hub id's snapshot
+    directory (``hub_snapshot``). Any other name comes back as is, for the caller to name as missing."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from nanovllm.demo import PREFIX, resolve_model as builtin_model
+    from nanovllm.models.presets import PRESETS
+    if name.startswith(PREFIX):
+        return builtin_model(name)
+    if os.path.isdir(name) or name in PRESETS:
+        return name
+    try:
+        validate_repo_id(name)
+    except HFValidationError:  # e.g. an absolute path: not a Hub id
+        return name
+    return hub_snapshot(name, needs, revision, cache_dir, token)
+
+
+def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
+                 token: bool | str | None = None) -> str:
+    """The directory of Hugging Face Hub model ``repo_id``'s snapshot (at ``revision``, else main) holding a file
+    for each glob pattern of ``needs``: the local cache's (``cache_dir``, else huggingface_hub's) if it holds them,
+    else a download of them and HUB_FILES unless HF_HUB_OFFLINE is set; else a ValueError that says how to get it."""
+    from huggingface_hub import constants, snapshot_download
+    kwargs = dict(revision=revision, cache_dir=cache_dir, token=token, allow_patterns=[*HUB_FILES, *needs])
+    try:
+        path = snapshot_download(repo_id, local_files_only=True, **kwargs)
+    except OSError:  # not cached (LocalEntryNotFoundError), or a snapshot known to be incomplete
+        problem = "is not in the local cache"
+    else:
+        if not (missing := [p for p in needs if not glob.glob(os.path.join(glob.escape(path), p))]):
+            return path
+        problem = f"has a snapshot without {', '.join(missing)} in the local cache"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES:
+        problem += " and HF_HUB_OFFLINE is set"
+    else:
+        logger.info("downloading %s from the Hugging Face Hub", repo_id)
+        try:
+            return snapshot_download(repo_id, **kwargs)
+        except OSError as e:  # not found, gated, no connection...
+            problem = f"could not be downloaded ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
+    at, option = (f" at revision {revision!r}", f" --revision {revision}") if revision else ("", "")
+    raise ValueError(f"{repo_id!r} is not a local directory, and the Hugging Face Hub model {repo_id!r}{at} {problem}: "
+                     f"download it with `hf download {repo_id}{option}` (`huggingface-cli download` before "
+                     "huggingface_hub 1.0), or pass the path of a local checkpoint") from None
 
 
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
