@@ -1,10 +1,15 @@
 """nanovllm: a small, readable offline LLM inference engine in the architecture of nano-vllm."""
 import logging
 
+from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from nanovllm.engine.llm_engine import EngineArgs, LLMEngine
+from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "TextPrompt", "TokensPrompt", "BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput"]
 
 _logger = logging.getLogger("nanovllm")
 if not _logger.handlers:  # like vLLM: INFO lines (e.g. the attention backend) show by default

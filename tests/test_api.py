@@ -11,7 +11,7 @@ import shutil
 import pytest
 from conftest import ENGINE, GREEDY, assert_no_leaks, random_prompts, token_ids_of
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, CompletionOutput, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 
 
 # ---- generate and its outputs --------------------------------------------------------------------
@@ -32,17 +32,123 @@ def test_token_id_prompt_and_single_params(llm):
     assert [len(o["token_ids"]) for o in out] == [3, 3]
 
 
-def test_output_fields(llm, oracle, tiny):
-    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")  # 44 tokens
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert out["token_ids"] == oracle.greedy(tiny, prompt, 6)[0]
-    assert out["finish_reason"] == "length" and out["prompt_token_ids"] == prompt
-    assert out["outputs"] == [{"text": out["text"], "token_ids": out["token_ids"], "finish_reason": "length"}]
-    assert 0 < out["metrics"]["time_to_first_token"] <= out["metrics"]["total_time"]
-    again = llm.generate([{"prompt": "The quick brown fox jumps over the lazy dog."}],
-                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
-    assert again["token_ids"] == out["token_ids"] and again["num_cached_tokens"] == 32  # two full blocks hit
+def test_outputs_are_vllms_objects_and_answer_the_old_keys(llm, oracle, tiny):
+    text = "The quick brown fox jumps over the lazy dog."
+    prompt = llm.tokenizer.encode(text)  # 44 tokens
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    assert isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)
+    c = out.outputs[0]
+    assert c.index == 0 and c.token_ids == oracle.greedy(tiny, prompt, 6)[0] and c.finished()
+    assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert c.finish_reason == "length" and c.stop_reason is None
+    assert c.cumulative_logprob is None and c.logprobs is None and out.prompt_logprobs is None  # not asked for
+    assert out.prompt is None and out.prompt_token_ids == prompt and out.finished and isinstance(out.request_id, str)
+    assert 0 < out.metrics.time_to_first_token <= out.metrics.total_time
+    # nano-vllm's keys (completion 0) and the keys of the dicts earlier versions returned
+    assert out["text"] == c.text and out["token_ids"] == c.token_ids and out["finish_reason"] == "length"
+    assert out["outputs"][0]["text"] == c.text and out["prompt_token_ids"] == prompt
+    assert out["metrics"]["total_time"] == out.metrics.total_time and out["num_cached_tokens"] == out.num_cached_tokens
+    assert "logprobs" not in out and "prompt_logprobs" not in out and "error" not in out and "text" in out
+    assert out.get("logprobs", "absent") == "absent" and dict(out)["token_ids"] == c.token_ids
+    with pytest.raises(KeyError):
+        out["no_such_field"]
+    again = llm.generate([{"prompt": text}], sp, use_tqdm=False)[0]
+    assert again.prompt == text and again["token_ids"] == c.token_ids and again.num_cached_tokens == 32  # 2 blocks
+    assert again.request_id != out.request_id
+    chat = llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False)[0]
+    assert chat.prompt == llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                            add_generation_prompt=True)
+
+
+def test_stop_reason_names_what_ended_a_completion(llm):
+    prompt = random_prompts(1, 10, 10, seed=51)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    free = free.outputs[0]
+    token = free.token_ids[3]
+    by_token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[token],
+                                                     ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == token
+    assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
+    longer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                          use_tqdm=False)[0]["token_ids"]
+    # the byte tokenizer: two printable ASCII tokens in a row make a stop string
+    start = next(i for i in range(1, 58) if all(32 <= t < 127 for t in longer[i:i + 2]))
+    stop = bytes(longer[start:start + 2]).decode()
+    by_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, stop=[stop], ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert by_text.finish_reason == "stop" and by_text.stop_reason == stop and stop not in by_text.text
+    eos_ids = llm.core.eos_token_ids
+    llm.core.eos_token_ids = {token}  # as though the model's EOS were that token: stop_reason None (vLLM's)
+    try:
+        by_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.core.eos_token_ids = eos_ids
+    assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None and by_eos.token_ids == by_token.token_ids
+
+
+# ---- vLLM's engine loop and LLM methods ------------------------------------------------------------
+def test_vllms_engine_loop(llm):
+    """The shape of vLLM's llm_engine example: add_request(request_id, prompt, params), step() until no request
+    is unfinished; outputs are cumulative, a finished request is reported once; abort_request by id."""
+    engine = llm.llm_engine
+    prompts = random_prompts(3, 5, 20, seed=81)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reference = llm.generate(prompts, sp, use_tqdm=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, sp)
+    engine.add_request("cut", prompts[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    with pytest.raises(ValueError, match="req-0"):
+        engine.add_request("req-0", prompts[0], sp)  # an id that is running
+    finished, seen = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert len(out.outputs[0].token_ids) >= seen.get(out.request_id, 0)  # cumulative
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                assert out.request_id not in finished
+                finished[out.request_id] = out
+        if "req-0" in finished and "cut" not in finished and engine.get_num_unfinished_requests() > 0:
+            engine.abort_request("cut")
+            assert not any(r.request_id == "cut" for r in llm.requests.values())
+    assert [finished[f"req-{i}"].outputs[0].token_ids for i in range(3)] == [r["token_ids"] for r in reference]
+    assert "cut" not in finished and engine.model_config.max_model_len == llm.config.max_model_len
+    assert engine.get_tokenizer() is llm.tokenizer and llm.get_tokenizer() is llm.tokenizer
+    assert_no_leaks(llm)
+
+
+def test_engine_from_engine_args_and_default_sampling_params(tiny, tmp_path):
+    """get_default_sampling_params reads generation_config.json (as vLLM) and generate uses it when given none."""
+    path = tmp_path / "with_generation_config"
+    shutil.copytree(tiny, path)
+    (path / "generation_config.json").write_text(json.dumps(dict(temperature=0.6, top_p=0.95, top_k=20,
+                                                                 max_new_tokens=7, do_sample=True)))
+    engine = LLMEngine.from_engine_args(EngineArgs(str(path), **ENGINE))
+    try:
+        sp = engine.get_default_sampling_params()
+        assert (sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (0.6, 0.95, 20, 7)
+        out = engine.generate([[1, 2, 3]], use_tqdm=False)[0]
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) <= 7 and (len(tokens) == 7) == (out.outputs[0].finish_reason == "length")
+    finally:
+        engine.exit()
+    plain = SamplingParams()
+    assert (plain.temperature, plain.max_tokens) != (0.6, 7)  # without the file: SamplingParams' defaults
+
+
+def test_reset_prefix_cache(llm):
+    prompt = random_prompts(1, 40, 40, seed=82)[0]
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([prompt], sp, use_tqdm=False)
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 32
+    llm.add_request("running", prompt, sp)
+    llm.step()  # its prefill: it holds blocks now
+    assert llm.reset_prefix_cache() is False  # refused while a request holds blocks (vLLM's)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens == 0
+    assert_no_leaks(llm)
 
 
 # ---- streams -------------------------------------------------------------------------------------

@@ -163,8 +163,9 @@ def _comparable(outputs: list[dict]) -> list[dict]:
         return [{t: round(v, 3) for t, v in d.items()} for d in logprobs]
     out = []
     for o in outputs:
-        o = {k: v for k, v in o.items() if k != "metrics"}
-        o["outputs"] = [{**c, "logprobs": rounded(c["logprobs"])} if "logprobs" in c else c for c in o["outputs"]]
+        o = {k: v for k, v in o.items() if k not in ("metrics", "request_id")}
+        o["outputs"] = [{**c, "logprobs": rounded(c["logprobs"]), "cumulative_logprob": round(c["cumulative_logprob"], 3)}
+                        if "logprobs" in c else c for c in o["outputs"]]
         if "logprobs" in o:
             o["logprobs"] = rounded(o["logprobs"])
         out.append(o)
@@ -253,7 +254,7 @@ def test_step_reports_each_finished_sequence_once(tiny):
                             index=i)
         finished = []
         while not llm.is_finished():
-            finished += [seq_id for seq_id, _ in llm.step()[0]]
+            finished += [out.request_id for out in llm.step() if out.finished]
         assert len(finished) == len(set(finished)) == 6
     finally:
         llm.exit()

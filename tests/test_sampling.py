@@ -19,7 +19,7 @@ from conftest import (
     token_ids_of,
 )
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, Logprob, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
 from nanovllm.utils.context import get_context
@@ -43,13 +43,16 @@ def test_prompt_logprobs_by_hand_and_in_slices():
     from nanovllm.layers.sampler import prompt_logprobs
     logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     rows, targets = torch.tensor([0, 2, 3, 4, 6]), torch.tensor([5, 0, 10, 5, 1])
-    target, top_ids, top_values = prompt_logprobs(logits, rows, targets, 3)
+    target, ranks, top_ids, top_values = prompt_logprobs(logits, rows, targets, 3)
     ref = torch.log_softmax(logits.float(), dim=-1)[rows]
     assert torch.allclose(target, ref.gather(1, targets[:, None]).squeeze(1))
+    # rank: 1 + how many tokens are more likely (vLLM's), from a sort of the whole row
+    order = ref.argsort(dim=-1, descending=True)
+    assert ranks.tolist() == [1 + order[i].tolist().index(int(t)) for i, t in enumerate(targets)]
     assert torch.equal(top_ids, ref.topk(3).indices) and torch.allclose(top_values, ref.topk(3).values)
     sliced = prompt_logprobs(logits, rows, targets, 3, slice_rows=2)  # 2 + 2 + 1 rows
-    assert all(torch.equal(a, b) for a, b in zip(sliced, (target, top_ids, top_values)))
-    assert prompt_logprobs(logits, rows, targets, 0)[1].shape == (5, 1)  # k = 0: one top entry, cut on the host
+    assert all(torch.equal(a, b) for a, b in zip(sliced, (target, ranks, top_ids, top_values)))
+    assert prompt_logprobs(logits, rows, targets, 0)[2].shape == (5, 1)  # k = 0: one top entry, cut on the host
 
 
 def test_min_p_mask_by_hand():
@@ -211,8 +214,13 @@ def test_logprobs_are_the_raw_distribution(llm, oracle, tiny):
     for pos, (token, entry) in enumerate(zip(out["token_ids"], out["logprobs"])):
         top3 = ref[pos].topk(3).indices.tolist()
         assert set(entry) == set(top3) | {token}
-        for t, lp in entry.items():
+        order = ref[pos].argsort(descending=True).tolist()
+        for t, lp in entry.items():  # vLLM's Logprob: a float too, its rank in the whole vocabulary, its text
+            assert isinstance(lp, Logprob) and lp.logprob == float(lp)
             assert lp == pytest.approx(float(ref[pos, t]), abs=1e-4)
+            assert lp.rank == 1 + order.index(t) and lp.decoded_token == llm.tokenizer.decode([t])
+    chosen = [float(ref[pos, t]) for pos, t in enumerate(out["token_ids"])]
+    assert out.outputs[0].cumulative_logprob == pytest.approx(sum(chosen), abs=1e-4)
 
 
 def test_stop_strings_across_token_boundaries(llm, oracle, tiny):
@@ -359,8 +367,8 @@ def test_admitted_params_are_a_copy(llm):
     sp.max_tokens = 1  # after admission: the running request keeps what it was admitted with
     done = []
     while not llm.is_finished():
-        done += llm.step()[0]
-    assert [len(ids) for _, ids in done] == [6]
+        done += [out for out in llm.step() if out.finished]
+    assert [len(out["token_ids"]) for out in done] == [6]
 
 
 # ---- prompt logprobs -----------------------------------------------------------------------------

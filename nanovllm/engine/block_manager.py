@@ -44,6 +44,16 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (vLLM's ``reset_prefix_cache``); refused (False) while a sequence holds
+        blocks, whose hashes later ones may rely on."""
+        if self.used_block_ids:
+            return False
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, []
+        return True
+
     def _allocate_block(self) -> int:
         block = self.blocks[self.free_block_ids.popleft()]
         assert block.ref_count == 0

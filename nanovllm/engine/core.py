@@ -31,6 +31,8 @@ class Request:
     index: int
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    request_id: str = ""
+    prompt: str | None = None        # the prompt's text, when it was given as text
     waiting_siblings: list[Sequence] = field(default_factory=list)
     stream: deque | None = None      # the pieces its stream() call has not yielded yet
     error: str | None = None         # why a completion ended with finish_reason "error"
@@ -211,7 +213,8 @@ class EngineCore:
         ``max_model_len`` ("length"); else a stop token (EOS unless ``ignore_eos``, or one of
         ``stop_token_ids``) once ``min_tokens`` are out; then a stop string that the new text completes,
         once more than ``min_tokens`` are out, ends it as "stop" whatever came before (the text is cut
-        there). Then queues the text a stream may show (all but what could still begin a stop string)."""
+        there). ``stop_reason``: the stop token id or string (None for EOS), as vLLM's. Then queues the
+        text a stream may show (all but what could still begin a stop string)."""
         sp, detok = seq.sampling_params, seq.detokenizer
         delta = detok.add(token_id) if detok is not None else ""
         num_out = len(seq.token_ids) - seq.num_prompt_tokens
@@ -219,13 +222,14 @@ class EngineCore:
         reason = hit = None
         if num_out >= sp.max_tokens or len(seq.token_ids) >= self.scheduler.max_model_len:
             reason = "length"
-        elif num_out >= sp.min_tokens and ((not sp.ignore_eos and token_id in self.eos_token_ids)
-                                           or token_id in sp.stop_token_ids):
+        elif num_out >= sp.min_tokens and not sp.ignore_eos and token_id in self.eos_token_ids:
             reason = "stop"
+        elif num_out >= sp.min_tokens and token_id in sp.stop_token_ids:
+            reason, seq.stop_reason = "stop", token_id
         if stops and reason != "stop" and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
             at, stop = hit
             detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
-            reason = "stop"
+            reason, seq.stop_reason = "stop", stop
         if reason:
             self.scheduler.finish(seq, reason)
         if detok is not None:

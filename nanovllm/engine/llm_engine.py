@@ -4,10 +4,13 @@ calls wait for their own requests only, one step at a time under its lock, so th
 ``stream`` loop and interleaved streams take turns."""
 from __future__ import annotations
 
+import itertools
+import json
+import os
 import weakref
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from time import perf_counter
 
 from tqdm.auto import tqdm
@@ -19,8 +22,42 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.outputs import request_output
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import WorkerGroup
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.loader import eos_token_ids, load_tokenizer
+
+# generation_config.json field -> SamplingParams field (vLLM's ``get_default_sampling_params``)
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(model: str) -> dict:
+    """The sampling fields a checkpoint's ``generation_config.json`` sets (none for a preset or without one)."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        fields = json.load(f)
+    return {ours: fields[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if fields.get(theirs) is not None}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The served model as vLLM's ``llm_engine.model_config`` shows it (the fields scripts read)."""
+
+    model: str
+    tokenizer: str | None
+    dtype: object
+    max_model_len: int
+    hf_config: object
+
+
+class EngineArgs:
+    """vLLM's ``EngineArgs(model=..., **keywords)``, for ``LLMEngine.from_engine_args``: the same keywords
+    as ``LLM(...)``."""
+
+    def __init__(self, model: str, **kwargs):
+        self.model, self.kwargs = model, kwargs
 
 
 class LLMEngine:
@@ -39,6 +76,12 @@ class LLMEngine:
         runner = resources.runner
         self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
         self.core = EngineCore(self.config, resources, self._finalizer)
+        self._request_ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs):
+        """vLLM's: ``LLMEngine.from_engine_args(EngineArgs(model=..., **keywords))``."""
+        return cls(engine_args.model, **engine_args.kwargs)
 
     # ---- life cycle ------------------------------------------------------------------------
     model_runner = property(lambda self: self._resources.runner, doc="Rank 0's runner (None once shut down).")
@@ -47,7 +90,45 @@ class LLMEngine:
     requests = property(lambda self: self.core.requests, doc="{seq_id: its Request}, for the admitted requests.")
 
     def is_finished(self) -> bool:
+        """Whether nothing is left to run (nano-vllm's; the opposite of ``has_unfinished_requests``)."""
         return self.core.is_finished()
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether an admitted request has not finished (vLLM's)."""
+        return not self.core.is_finished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """How many admitted requests have not finished (vLLM's)."""
+        return len({id(r) for r in self.core.requests.values() if not r.finished})
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's ``llm.llm_engine``: this engine (``add_request``, ``step``, ``has_unfinished_requests``, ...)."""
+        return self
+
+    @property
+    def model_config(self) -> ModelConfig:
+        c = self.config
+        return ModelConfig(c.model, c.tokenizer or c.model, c.torch_dtype, c.max_model_len, c.hf_config)
+
+    def get_model_config(self) -> ModelConfig:
+        """vLLM's: ``model_config``."""
+        return self.model_config
+
+    def get_tokenizer(self):
+        """The tokenizer (a transformers tokenizer), or None with ``skip_tokenizer_init=True``."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams from the checkpoint's ``generation_config.json`` (temperature, top_p, top_k,
+        min_p, repetition_penalty, max_new_tokens as max_tokens), the defaults elsewhere; what ``generate``
+        and ``chat`` use when ``sampling_params`` is None."""
+        return SamplingParams(**generation_config_defaults(self.config.model))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix block (vLLM's); refused (False) while requests are running."""
+        with self.core.lock:
+            return self.core.scheduler.block_manager.reset_prefix_cache()
 
     def exit(self):
         """Frees the engine's processes, shared memory and device memory (also when it is garbage-collected and
@@ -63,13 +144,41 @@ class LLMEngine:
         self.exit()
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | dict, sampling_params: SamplingParams,
-                    index: int = 0, stream: deque | None = None) -> Request:
-        """Admits one prompt: its sampling parameters are checked and copied now (later assignments to
-        the caller's object do not reach it). ``stream``: the queue its pieces go to."""
-        return self._add(self._prompt_token_ids(index, prompt), self._admitted(sampling_params), index, stream)
+    def add_request(self, *args, **kwargs) -> Request | None:
+        """Admits one prompt, in either API: nano-vllm's ``add_request(prompt, sampling_params)`` (returns
+        its ``Request``) or vLLM's ``add_request(request_id, prompt, params)`` (its ``RequestOutput``s come
+        from ``step()``). The sampling parameters are checked and copied now (later assignments to the
+        caller's object do not reach it)."""
+        if len(args) >= 2 and isinstance(args[1], SamplingParams) or "sampling_params" in kwargs:
+            return self._add_nano(*args, **kwargs)
+        return self._add_vllm(*args, **kwargs)
 
-    def _add(self, prompt_ids: list[int], params: SamplingParams, index: int, stream: deque | None) -> Request:
+    def _add_nano(self, prompt, sampling_params: SamplingParams, index: int = 0,
+                  stream: deque | None = None) -> Request:
+        ids, text = self._parse_prompt(index, prompt)
+        return self._add(ids, text, self._admitted(sampling_params), index, stream)
+
+    def _add_vllm(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
+                  lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {request_id!r}")
+        for name, value in (("lora_request", lora_request), ("tokenization_kwargs", tokenization_kwargs),
+                            ("trace_headers", trace_headers)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported by nanovllm")
+        if priority != 0:
+            raise ValueError(f"priority={priority!r} is not supported (nanovllm schedules first come, first served)")
+        if self._running(request_id):
+            raise ValueError(f"request_id {request_id!r} is already running")
+        ids, text = self._parse_prompt(0, prompt)
+        params = self.get_default_sampling_params() if params is None else params
+        self._add(ids, text, self._admitted(params), 0, None, request_id)
+
+    def _running(self, request_id: str) -> list[Request]:
+        return list({id(r): r for r in self.core.requests.values() if r.request_id == request_id}.values())
+
+    def _add(self, prompt_ids: list[int], text: str | None, params: SamplingParams, index: int,
+             stream: deque | None, request_id: str | None = None) -> Request:
         """Admits a checked prompt with checked (``_admitted``) sampling parameters."""
         completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
                        for i in range(params.n)]
@@ -79,7 +188,8 @@ class LLMEngine:
         if stream is not None or params.stop_strings:
             for seq in seqs:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        request = Request(index, prompt_ids, seqs, waiting_siblings=seqs[1:], stream=stream)
+        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        request = Request(index, prompt_ids, seqs, request_id, text, waiting_siblings=seqs[1:], stream=stream)
         self.core.add(request)
         return request
 
@@ -99,29 +209,37 @@ class LLMEngine:
             self._require_tokenizer("stop strings")
         return sp
 
-    def abort_request(self, request: Request):
-        """Ends the request's unfinished completions (finish_reason "abort") and forgets it."""
+    def abort_request(self, request: Request | str | Iterable[str]):
+        """Ends a request's unfinished completions (finish_reason "abort") and forgets it: a ``Request``
+        (nano-vllm's ``add_request``) or request ids (vLLM's)."""
+        ids = [request] if isinstance(request, (str, Request)) else list(request)
         with self.core.lock:
-            self.core.abort(request)
+            for r in ids:
+                for target in self._running(r) if isinstance(r, str) else [r]:
+                    self.core.abort(target)
 
-    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """One forward. Returns the sequences that finished, as (seq_id, completion token ids),
-        and the number of tokens processed (positive: prefill tokens; negative: decoded sequences)."""
+    def step(self) -> list[RequestOutput]:
+        """One forward (vLLM's ``LLMEngine.step``). Returns a ``RequestOutput`` (cumulative: everything so far)
+        for each request added by ``add_request`` that this step advanced; a finished one is then forgotten."""
         with self.core.lock:
-            seqs, num_tokens = self.core.step()
-            finished = [seq for seq in seqs if seq.is_finished]
-            for seq in finished:
-                request = self.core.requests.get(seq.seq_id)
-                if request is not None and request.finished:
+            seqs = self.core.step()[0]
+            touched = {id(r): r for seq in seqs if (r := self.core.requests.get(seq.seq_id)) is not None}
+            outputs = [request_output(request, self.tokenizer) for request in touched.values()]
+            for request in touched.values():
+                if request.finished:
                     self.core.forget(request)
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens
+        return outputs
 
     # ---- the offline API -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Completions of ``prompts`` (strings, token-id lists, or vLLM's {"prompt": ...} /
-        {"prompt_token_ids": ...} dicts), in prompt order. See ``outputs.request_output`` for the fields."""
-        requests = self._add_requests(prompts, sampling_params)
+        {"prompt_token_ids": ...} dicts: ``nanovllm.inputs``), in prompt order, as vLLM's ``RequestOutput``s
+        (``nanovllm.outputs``). ``sampling_params``: one for all, one per prompt, or None for
+        ``get_default_sampling_params()``."""
+        return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
+
+    def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             pending, speed = requests, {"prefill": 0.0, "decode": 0.0}
@@ -158,7 +276,8 @@ class LLMEngine:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
-             chat_template_content_format: str = "auto", lora_request=None, mm_processor_kwargs=None) -> list[dict]:
+             chat_template_content_format: str = "auto", lora_request=None,
+             mm_processor_kwargs=None) -> list[RequestOutput]:
         """``generate`` on a conversation (a list of {"role", "content"} messages) or a list of them, rendered by
         the tokenizer's chat template (or ``chat_template``), with vLLM's keywords: ``chat_template_kwargs`` become
         template variables (``{"enable_thinking": False}``), ``tools`` go to the template, ``add_generation_prompt``
@@ -187,17 +306,19 @@ class LLMEngine:
         texts = [self.tokenizer.apply_chat_template(c, tokenize=False, **options) for c in conversations]
         # the template writes the special tokens (BOS and the like) itself
         prompts = [{"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)} for text in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self._generate(self._add_requests(prompts, sampling_params, texts=texts), use_tqdm)
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _add_requests(self, prompts, sampling_params, stream: deque | None = None) -> list[Request]:
-        """Checks every prompt and every sampling parameter before admitting any."""
+    def _add_requests(self, prompts, sampling_params, stream: deque | None = None,
+                      texts: list[str] | None = None) -> list[Request]:
+        """Checks every prompt and every sampling parameter before admitting any. ``texts``: the prompts'
+        text where they are token ids of a known text (chat's rendered conversations)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or \
                 not all(isinstance(sp, SamplingParams) for sp in sampling_params):
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
@@ -206,10 +327,12 @@ class LLMEngine:
         if stream is not None:
             self._require_tokenizer("streaming")
         admitted = [self._admitted(sp) for sp in sampling_params]
-        checked = [self._prompt_token_ids(i, p) for i, p in enumerate(prompts)]
-        return [self._add(ids, sp, i, stream) for i, (ids, sp) in enumerate(zip(checked, admitted))]
+        checked = [self._parse_prompt(i, p) for i, p in enumerate(prompts)]
+        return [self._add(ids, texts[i] if texts else text, sp, i, stream)
+                for i, ((ids, text), sp) in enumerate(zip(checked, admitted))]
 
-    def _prompt_token_ids(self, i: int, prompt) -> list[int]:
+    def _parse_prompt(self, i: int, prompt) -> tuple[list[int], str | None]:
+        """Prompt ``i``'s token ids, checked against the engine, and its text (None for token ids)."""
         if isinstance(prompt, dict):
             if unknown := sorted(set(prompt) - {"prompt", "prompt_token_ids"}):
                 raise ValueError(f"prompt {i} has keys {unknown} that nanovllm does not support (it reads "
@@ -224,7 +347,8 @@ class LLMEngine:
                     raise TypeError(f"prompt {i}'s 'prompt' must be a string, got {prompt!r:.80}")
             else:
                 raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
             self._require_tokenizer("string prompts (pass token ids instead)")
             prompt = self.tokenizer.encode(prompt)
         elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
@@ -239,7 +363,7 @@ class LLMEngine:
             cache = f" (the whole KV cache holds {capacity} tokens)" if capacity == config.max_model_len else ""
             raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_model_len={config.max_model_len}{cache} "
                              "leaves no room for output")
-        return list(prompt)
+        return list(prompt), text
 
     def _require_tokenizer(self, what: str):
         if self.tokenizer is None:

@@ -1,5 +1,6 @@
 """Output assembly: what rank 0 samples with (``SamplingInputs``), a forward's sampled tokens on their
-way to the host (``SampledTokens``), vLLM's logprob entries, and the dicts ``generate`` returns."""
+way to the host (``SampledTokens``), vLLM's logprob entries, and the ``RequestOutput`` objects
+(``nanovllm.outputs``) that ``generate`` returns."""
 from __future__ import annotations
 
 import time
@@ -10,6 +11,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingBatch
+from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -34,9 +36,12 @@ class SamplingInputs:
     num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
 
 
-def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float) -> dict[int, float]:
-    """vLLM's logprobs entry: the top k {token id: logprob}, and the chosen (or actual) token's."""
-    return {**dict(zip(top_ids[:k], top_values[:k])), token: logprob}
+def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,
+                   rank: int) -> dict[int, Logprob]:
+    """vLLM's logprobs entry: the top k {token id: Logprob} (ranks 1..k), and the chosen (or actual) token's."""
+    entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), 1)}
+    entry[token] = Logprob(logprob, entry[token].rank if token in entry else rank)  # its top-k rank if a tie
+    return entry
 
 
 def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
@@ -67,7 +72,7 @@ class SampledTokens:
             tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
                        for t in tensors]
             self.event = torch.cuda.current_stream().record_event()
-        n = 3 if logprobs else 0
+        n = 4 if logprobs else 0
         self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
 
     def result(self, alive: Callable[[], bool] | None = None
@@ -80,23 +85,34 @@ class SampledTokens:
         token_ids = self.token_ids.tolist()
         logprobs, prompt_logprobs = [None] * len(token_ids), [None] * len(token_ids)
         if self.logprobs is not None:
-            sampled, top_ids, top_values = (t.tolist() for t in self.logprobs)
-            logprobs = [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i])
+            sampled, ranks, top_ids, top_values = (t.tolist() for t in self.logprobs)
+            logprobs = [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i], ranks[i])
                         for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
         if self.prompt is not None:
-            target, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs)
+            target, ranks, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs)
             row = 0
             for i, span in enumerate(self.prompt.spans):
                 if span is not None:
                     first, count, k = span
                     prompt_logprobs[i] = (first, [_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r],
-                                                                 target[r]) for r in range(row, row + count)])
+                                                                 target[r], ranks[r]) for r in range(row, row + count)])
                     row += count
         return token_ids, logprobs, prompt_logprobs
 
 
-def completion_output(seq: Sequence, tokenizer) -> dict:
-    """One completion: ``text`` (cut at a stop string), ``token_ids``, ``finish_reason``, ``logprobs``."""
+def _decode_entries(entries: list | None, tokenizer) -> None:
+    """Fills in each Logprob's ``decoded_token`` (the token's text; "" for an id past the tokenizer's
+    vocabulary, which models pad) where it is not yet."""
+    for entry in entries or ():
+        for token, lp in (entry or {}).items():
+            if lp.decoded_token is None:
+                piece = tokenizer.convert_ids_to_tokens(token)
+                lp.decoded_token = "" if piece is None else tokenizer.convert_tokens_to_string([piece])
+
+
+def completion_output(seq: Sequence, index: int, tokenizer) -> CompletionOutput:
+    """Completion ``index`` of its request: the text cut at a stop string, the cumulative logprob of the chosen
+    tokens (with logprobs), why it ended."""
     sp = seq.sampling_params
     if tokenizer is None:
         text = ""
@@ -104,24 +120,28 @@ def completion_output(seq: Sequence, tokenizer) -> dict:
         text = seq.detokenizer.text  # cut at the stop string
     else:
         text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens)
-    out = {"text": text, "token_ids": seq.completion_token_ids, "finish_reason": seq.finish_reason}
-    if sp.logprobs is not None:
-        out["logprobs"] = seq.logprobs
-    return out
+    logprobs = seq.logprobs if sp.logprobs is not None else None
+    cumulative = None
+    if logprobs is not None:
+        if tokenizer is not None:
+            _decode_entries(logprobs, tokenizer)
+        cumulative = float(sum(entry[token] for entry, token in zip(logprobs, seq.completion_token_ids)))
+    return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs, seq.finish_reason,
+                            seq.stop_reason)
 
 
-def request_output(request, tokenizer) -> dict:
-    """nano-vllm's fields (``text``, ``token_ids``: completion 0) and vLLM's: ``finish_reason``, ``prompt_token_ids``,
-    ``num_cached_tokens``, ``metrics``, ``outputs`` (all n); ``logprobs``, ``prompt_logprobs``, ``error`` if present."""
-    completions = [completion_output(seq, tokenizer) for seq in request.seqs]
+def request_output(request, tokenizer) -> RequestOutput:
+    """vLLM's ``RequestOutput`` of a request (its n completions so far; ``finished`` once all have ended)."""
     first = request.seqs[0]
     first_tokens = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-    metrics = {"time_to_first_token": min(first_tokens) - first.arrival_time if first_tokens else None,
-               "total_time": max(s.finish_time or 0.0 for s in request.seqs) - first.arrival_time}
-    out = {**completions[0], "prompt_token_ids": request.prompt_token_ids,
-           "num_cached_tokens": first.num_prefix_cached_tokens or 0, "metrics": metrics, "outputs": completions}
-    if first.prompt_logprobs is not None:
-        out["prompt_logprobs"] = first.prompt_logprobs
-    if request.error is not None:
-        out["error"] = request.error
-    return out
+    finished = all(s.finish_time is not None for s in request.seqs)
+    finish_time = max(s.finish_time for s in request.seqs) if finished else None
+    metrics = RequestMetrics(first.arrival_time, min(first_tokens) if first_tokens else None, finish_time,
+                             min(first_tokens) - first.arrival_time if first_tokens else None,
+                             finish_time - first.arrival_time if finished else None)
+    prompt_logprobs = first.prompt_logprobs
+    if prompt_logprobs is not None and tokenizer is not None:
+        _decode_entries(prompt_logprobs, tokenizer)
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
+                         [completion_output(seq, i, tokenizer) for i, seq in enumerate(request.seqs)], finished,
+                         first.num_prefix_cached_tokens or 0, metrics, request.error)

@@ -39,6 +39,7 @@ class Sequence:
         self.sampling_params = sampling_params or SamplingParams()
         self.generator = None              # set on rank 0 for a seeded request, on first use
         self.finish_reason: str | None = None   # "stop", "length", "abort" or "error"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[dict[int, float]] = []
         # On the one completion of a request that computes its prompt logprobs: entry p for prompt token p
         # (None for the first). Such a sequence never reads the prefix cache, and every forward over its

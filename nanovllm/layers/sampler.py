@@ -91,8 +91,8 @@ class Sampler(nn.Module):
         self.num_draws = 0
 
     def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
-        """Returns (token ids [B], logprobs): logprobs is None unless asked for, else (the sampled
-        tokens' logprobs [B], top ids [B, K], top logprobs [B, K]) from the raw distribution."""
+        """Returns (token ids [B], logprobs): logprobs is None unless asked for, else ``logprobs_of``'s
+        (the sampled tokens' logprobs and ranks, the top k) from the raw distribution."""
         fast = _triton_sampler() if b.is_plain and logits.is_cuda else None
         if fast is not None:
             self.num_draws += 1
@@ -116,18 +116,22 @@ class Sampler(nn.Module):
         token_ids = torch.where(b.temperatures > 0, sampled, logits.argmax(dim=-1))
         if raw_logprobs is None:
             return token_ids, None
-        top = raw_logprobs.topk(max(b.num_logprobs, 1), dim=-1)
-        return token_ids, (raw_logprobs.gather(1, token_ids[:, None]).squeeze(1), top.indices, top.values)
+        return token_ids, logprobs_of(raw_logprobs, token_ids, b.num_logprobs)
+
+
+def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """(the logprobs of ``token_ids`` [R] in rows of ``logprobs`` [R, V], their ranks (1 + how many tokens are
+    more likely: vLLM's), top ids [R, K], top logprobs [R, K]), K = max(k, 1) (the host cuts to each row's k)."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    top = logprobs.topk(max(k, 1), dim=-1)
+    return chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1, top.indices, top.values
 
 
 def prompt_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, num_top: int,
-                    slice_rows: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    slice_rows: int = 1024) -> tuple[torch.Tensor, ...]:
     """Logprobs of prompt tokens from the raw distribution: for each of ``rows`` (logits rows, [R]),
-    (the logprob of its next prompt token ``targets`` [R], top ids [R, K], top logprobs [R, K]).
-    Taken ``slice_rows`` rows at a time, so that the float32 copy of a long prompt's logits stays small."""
-    parts = []
-    for start in range(0, rows.numel(), slice_rows):
-        logprobs = torch.log_softmax(logits[rows[start:start + slice_rows]].float(), dim=-1)
-        top = logprobs.topk(max(num_top, 1), dim=-1)  # (at least 1, as in Sampler.forward; the host cuts to k)
-        parts.append((logprobs.gather(1, targets[start:start + slice_rows, None]).squeeze(1), top.indices, top.values))
+    ``logprobs_of`` its next prompt token ``targets`` [R]. Taken ``slice_rows`` rows at a time, so that the
+    float32 copy of a long prompt's logits stays small."""
+    parts = [logprobs_of(torch.log_softmax(logits[rows[start:start + slice_rows]].float(), dim=-1),
+                         targets[start:start + slice_rows], num_top) for start in range(0, rows.numel(), slice_rows)]
     return tuple(torch.cat(p) for p in zip(*parts))

@@ -1,0 +1,38 @@
+# vLLM's examples/offline_inference/llm_engine_example.py: requests added one by one, the engine stepped until
+# none is unfinished, with the import line and the model changed.
+import sys
+
+from nanovllm import EngineArgs, LLMEngine, RequestOutput, SamplingParams
+
+
+def create_test_prompts() -> list[tuple[str, SamplingParams]]:
+    return [
+        ("A robot may not injure a human being", SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1)),
+        ("To be or not to be,", SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2)),
+        ("What is the meaning of life?", SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1)),
+    ]
+
+
+def process_requests(engine: LLMEngine, test_prompts: list[tuple[str, SamplingParams]]):
+    request_id = 0
+    print("-" * 50)
+    while test_prompts or engine.has_unfinished_requests():
+        if test_prompts:
+            prompt, sampling_params = test_prompts.pop(0)
+            sampling_params.max_tokens = 16
+            engine.add_request(str(request_id), prompt, sampling_params)
+            request_id += 1
+        request_outputs: list[RequestOutput] = engine.step()
+        for request_output in request_outputs:
+            if request_output.finished:
+                print(request_output)
+                print("-" * 50)
+
+
+def main():
+    engine = LLMEngine.from_engine_args(EngineArgs(model=sys.argv[1] if len(sys.argv) > 1 else "nanovllm:demo"))
+    process_requests(engine, create_test_prompts())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Scripts in the shape of vLLM's offline examples (``examples/vllm/``: vLLM's code with the import line and the
+model changed) run unchanged, each in its own process, on the shipped demo model (chat: a tiny checkpoint with a
+chat template). Each must exit 0 and print what its vLLM original prints."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = {  # script -> lines its output must hold
+    "basic.py": ["Prompt:    'The capital of France is'", "Output:    "],
+    "n_and_seeds.py": ["same seed, same completions"],
+    "logprobs.py": ["cumulative logprob", "rank 1", "prompt logprobs: [None, {"],
+    "tokenizer_and_token_prompts.py": ["class Stack: ["],
+    "stop_conditions.py": ["stop_reason='\\n'", "finish_reason='length', stop_reason=None"],
+    "engine_loop.py": ["RequestOutput(request_id='0', prompt='A robot may not injure a human being'",
+                       "finished=True"],
+    "default_sampling_params.py": ["'def is_prime(n):'"],
+    "prefix_caching.py": ["Generated answers are the same: True"],
+    "beam_search.py": ["'def fibonacci(n):"],
+    "chat.py": ["Generated text: "],
+}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_vllm_shaped_script_runs(script, tiny):
+    args = [tiny] if script == "chat.py" else []  # the demo model has no chat template
+    env = dict(os.environ, PYTHONPATH=ROOT, TQDM_DISABLE="1")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "vllm", script), *args], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for line in SCRIPTS[script]:
+        assert line in out.stdout, f"{line!r} not in the output of {script}:\n{out.stdout[-2000:]}"
