@@ -12,8 +12,7 @@ beam_width``, the search's temperature); the prefix cache makes the beams' share
   best ``beam_width`` returned; ``text`` is the tokenizer's decoding of ``tokens`` (prompt included, special
   tokens kept, as vLLM's), without the final EOS unless ``include_stop_str_in_output``.
 
-The engine's outputs are read by key only (``out["outputs"][0]["logprobs"][0]``) and their logprob values through
-``float``, so dicts of floats and objects with ``Logprob`` values both work.
+Each step's logprobs are read as ``out.outputs[0].logprobs[0]`` ({token id: Logprob}), their values as floats.
 """
 from __future__ import annotations
 
@@ -94,7 +93,7 @@ def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
         raise ValueError(f"beam_width must be <= half the vocabulary size {vocab_size} (each step ranks "
                          f"2 * beam_width candidates per beam), got {params.beam_width}")
     tokenizer = llm.tokenizer
-    prompt_ids = [_prompt_token_ids(llm, i, p) for i, p in enumerate(_as_list(prompts))]
+    prompt_ids = [llm._parse_prompt(i, p)[0] for i, p in enumerate(_as_list(prompts))]  # as generate reads them
     eos_token_id = _eos_token_id(llm)
 
     def score(beam: BeamSearchSequence) -> float:
@@ -157,12 +156,11 @@ def _step(llm, searches: list[_Search], step_params: SamplingParams, params: Bea
 
 
 def _step_entry(out) -> dict:
-    """The {token id: logprob} entry of a one-token ``generate`` output (read by key only)."""
-    completion = out["outputs"][0]
-    logprobs = completion["logprobs"]
-    if completion["finish_reason"] == "error" or not logprobs:
-        raise RuntimeError(f"a beam search step produced no token (finish_reason {completion['finish_reason']!r})")
-    return dict(logprobs[0])
+    """The {token id: Logprob} entry of a one-token ``generate`` output."""
+    completion = out.outputs[0]
+    if completion.finish_reason == "error" or not completion.logprobs:
+        raise RuntimeError(f"a beam search step produced no token (finish_reason {completion.finish_reason!r})")
+    return dict(completion.logprobs[0])
 
 
 def _text(tokenizer, beam: BeamSearchSequence, include_stop_str: bool) -> str:
@@ -187,38 +185,3 @@ def _as_list(prompts) -> list:
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
     return list(prompts)
-
-
-def _prompt_token_ids(llm, i: int, prompt) -> list[int]:
-    """Prompt ``i`` as token ids, read as ``generate`` reads it; checked against the vocabulary and max_model_len
-    here, so that a bad prompt is named by its own index."""
-    if isinstance(prompt, dict):
-        if unknown := sorted(set(prompt) - {"prompt", "prompt_token_ids"}):
-            raise ValueError(f"prompt {i} has keys {unknown} that nanovllm does not support (it reads "
-                             "'prompt' or 'prompt_token_ids')")
-        if "prompt_token_ids" in prompt:
-            prompt = prompt["prompt_token_ids"]
-            if not isinstance(prompt, (list, tuple)):
-                raise TypeError(f"prompt {i}'s prompt_token_ids must be a list of ints, got {prompt!r:.80}")
-        elif "prompt" in prompt:
-            prompt = prompt["prompt"]
-            if not isinstance(prompt, str):
-                raise TypeError(f"prompt {i}'s 'prompt' must be a string, got {prompt!r:.80}")
-        else:
-            raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
-    if isinstance(prompt, str):
-        if llm.tokenizer is None:
-            raise ValueError("string prompts need a tokenizer, but the engine has skip_tokenizer_init=True")
-        prompt = llm.tokenizer.encode(prompt)
-    elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
-        raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, got {prompt!r:.80}")
-    if not prompt:
-        raise ValueError(f"prompt {i} is empty")
-    vocab_size, max_model_len = llm.config.hf_config.vocab_size, llm.config.max_model_len
-    if bad := [t for t in prompt if not 0 <= t < vocab_size]:
-        raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
-    if len(prompt) >= max_model_len:
-        raise ValueError(f"prompt {i} has {len(prompt)} tokens; max_model_len={max_model_len} leaves no room "
-                         "for output")
-    return list(prompt)
-

@@ -31,7 +31,7 @@ class Logprob(float):
 
 class _Keys:
     """Key access to a dataclass's fields (``out["text"]``, ``out.get(...)``, ``"logprobs" in out``, ``dict(out)``,
-    ``out.items()``),
+    ``out.items()``, iteration over the keys),
     plus the aliases in ``_ALIASES`` (key -> a function of the object); ``_OPTIONAL`` fields count as absent
     keys while they are None, as they were absent from the dicts earlier versions returned."""
 
@@ -57,6 +57,15 @@ class _Keys:
 
     def items(self) -> list[tuple[str, object]]:
         return [(k, self[k]) for k in self.keys()]
+
+    def values(self) -> list:
+        return [self[k] for k in self.keys()]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
 
 
 @dataclass

@@ -51,6 +51,7 @@ def test_outputs_are_vllms_objects_and_answer_the_old_keys(llm, oracle, tiny):
     assert out["metrics"]["total_time"] == out.metrics.total_time and out["num_cached_tokens"] == out.num_cached_tokens
     assert "logprobs" not in out and "prompt_logprobs" not in out and "error" not in out and "text" in out
     assert out.get("logprobs", "absent") == "absent" and dict(out)["token_ids"] == c.token_ids
+    assert list(out) == out.keys() and len(out) == len(out.keys()) and dict(out.items()) == dict(out)
     with pytest.raises(KeyError):
         out["no_such_field"]
     again = llm.generate([{"prompt": text}], sp, use_tqdm=False)[0]
@@ -92,19 +93,22 @@ def test_vllms_engine_loop(llm):
     """The shape of vLLM's llm_engine example: add_request(request_id, prompt, params), step() until no request
     is unfinished; outputs are cumulative, a finished request is reported once; abort_request by id."""
     engine = llm.llm_engine
+    assert engine.step() == []  # nothing to run: no outputs (vLLM's)
     prompts = random_prompts(3, 5, 20, seed=81)
-    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
     reference = llm.generate(prompts, sp, use_tqdm=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, sp)
     engine.add_request("cut", prompts[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     with pytest.raises(ValueError, match="req-0"):
         engine.add_request("req-0", prompts[0], sp)  # an id that is running
-    finished, seen = {}, {}
+    finished, seen, reported = {}, {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            assert len(out.outputs[0].token_ids) >= seen.get(out.request_id, 0)  # cumulative
-            seen[out.request_id] = len(out.outputs[0].token_ids)
+            tokens = out.outputs[0].token_ids
+            assert len(tokens) > seen.get(out.request_id, 0) or out.finished  # cumulative, only when it grew
+            seen[out.request_id] = len(tokens)
+            reported.append(out)
             if out.finished:
                 assert out.request_id not in finished
                 finished[out.request_id] = out
@@ -112,8 +116,17 @@ def test_vllms_engine_loop(llm):
             engine.abort_request("cut")
             assert not any(r.request_id == "cut" for r in llm.requests.values())
     assert [finished[f"req-{i}"].outputs[0].token_ids for i in range(3)] == [r["token_ids"] for r in reference]
+    # an earlier report keeps what it said then
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in reported if o.request_id != "cut")
     assert "cut" not in finished and engine.model_config.max_model_len == llm.config.max_model_len
     assert engine.get_tokenizer() is llm.tokenizer and llm.get_tokenizer() is llm.tokenizer
+    # a request that finishes while another call runs the steps is reported by the next step(), then forgotten
+    engine.add_request("meanwhile", prompts[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert engine.has_unfinished_requests()
+    (late,) = engine.step()
+    assert late.request_id == "meanwhile" and late.finished and len(late.outputs[0].token_ids) == 3
+    assert not engine.has_unfinished_requests() and not llm.requests
     assert_no_leaks(llm)
 
 

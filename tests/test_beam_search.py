@@ -1,7 +1,7 @@
 """Beam search (nanovllm/beam_search.py, LLM.beam_search), CPU only: against vLLM's algorithm computed with
 transformers' log-softmax step by step, against an enumeration of every two-token continuation, against greedy
-decoding, on a checkpoint whose EOS is likely (finished beams), and on a fake engine with the coming output
-objects (key access only, ``Logprob`` values that are floats)."""
+decoding, on a checkpoint whose EOS is likely (finished beams), and on a fake engine with a known table of
+logprobs."""
 from __future__ import annotations
 
 import math
@@ -20,6 +20,7 @@ from nanovllm.beam_search import (
     beam_search,
     get_beam_search_score,
 )
+from nanovllm.outputs import CompletionOutput, Logprob
 
 EOS = 256  # the tiny checkpoints' tokenizer EOS (<|endoftext|>)
 TOL = 1e-4  # logprobs: the engine's float32 against transformers' float32 logits
@@ -225,25 +226,7 @@ def test_ignore_eos(eos_llm, eos_checkpoint, oracle):
                                                    ignore_eos=True, length_penalty=0.0))
 
 
-# ---- the engine's coming output objects, on a fake engine ---------------------------------------
-class Logprob(float):
-    """Like the coming ``nanovllm.outputs.Logprob``: a float with ``.logprob``."""
-
-    @property
-    def logprob(self) -> float:
-        return float(self)
-
-
-class KeysOnly:
-    """An output object readable by key only."""
-
-    def __init__(self, **fields):
-        self._fields = fields
-
-    def __getitem__(self, key):
-        return self._fields[key]
-
-
+# ---- the search's logic on a fake engine with a known table of logprobs -------------------------------
 class FakeEngine:
     """``generate`` over a vocabulary of 8 whose next-token logprobs depend on the last token only (a table)."""
 
@@ -257,6 +240,9 @@ class FakeEngine:
                                       max_model_len=max_model_len)
         self.calls = []
 
+    def _parse_prompt(self, i, prompt):
+        return list(prompt), None
+
     def next_logprobs(self, seqs):
         return self.table[[s[-1] for s in seqs]]
 
@@ -268,7 +254,7 @@ class FakeEngine:
             assert len(ids) < self.config.max_model_len
             row = self.table[ids[-1]]
             entry = {t: Logprob(row[t]) for t in row.topk(sampling_params.logprobs).indices.tolist()}
-            outs.append(KeysOnly(outputs=[KeysOnly(logprobs=[entry], finish_reason="length", token_ids=[0])]))
+            outs.append(SimpleNamespace(outputs=[CompletionOutput(0, "", [0], None, [entry], "length")]))
         return outs
 
 

@@ -253,7 +253,7 @@ def test_step_reports_each_finished_sequence_once(tiny):
             llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[out["token_ids"][i]]),
                             index=i)
         finished = []
-        while not llm.is_finished():
+        while llm.has_unfinished_requests():
             finished += [out.request_id for out in llm.step() if out.finished]
         assert len(finished) == len(set(finished)) == 6
     finally:

@@ -101,7 +101,7 @@ def test_running_sequences_capped_by_max_num_seqs(tiny):
     try:
         for prompt in random_prompts(7, 3, 20, seed=13):
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-        while not engine.is_finished():
+        while engine.has_unfinished_requests():
             engine.step()
             assert len(engine.scheduler.running) <= 3
         assert_no_leaks(engine)

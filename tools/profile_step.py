@@ -109,9 +109,8 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     timer.enabled = False
     timer.unwrap()
     busy = gpu_busy_per_step(llm, steps, batch, model_context) if timer.cuda else None
-    while not llm.is_finished():
-        llm.core.step()
-    llm.requests.clear()
+    while llm.has_unfinished_requests():
+        llm.step()
     result = dict(batch=batch, context=context, async_scheduling=llm.config.async_scheduling,
                   step_ms=round(1e3 * wall, 3), **timer.summary())
     if busy is not None:  # the GPU's idle share of a decode step: waiting for the CPU between kernels and steps

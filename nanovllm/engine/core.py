@@ -249,7 +249,7 @@ class EngineCore:
     def fail(self, seq: Sequence, error: Exception):
         """A failure that is this sequence's own (its text, its sampling inputs) ends it alone."""
         request = self.requests[seq.seq_id]
-        logger.warning("request %d, completion %d failed and was ended: %s: %s", request.index,
+        logger.warning("request %s, completion %d failed and was ended: %s: %s", request.request_id,
                        request.seqs.index(seq), type(error).__name__, error)
         request.error = f"{type(error).__name__}: {error}"
         if not seq.is_finished:

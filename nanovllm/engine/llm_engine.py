@@ -77,6 +77,10 @@ class LLMEngine:
         self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
         self.core = EngineCore(self.config, resources, self._finalizer)
         self._request_ids = itertools.count()
+        # requests admitted by add_request, reported by step(): {request_id: its Request}, and how many
+        # completion tokens step() has reported of each
+        self._step_requests: dict[str, Request | None] = {}
+        self._reported: dict[str, int] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs):
@@ -94,8 +98,9 @@ class LLMEngine:
         return self.core.is_finished()
 
     def has_unfinished_requests(self) -> bool:
-        """Whether an admitted request has not finished (vLLM's)."""
-        return not self.core.is_finished()
+        """Whether an admitted request has not finished, or ``add_request``'s has not been reported finished
+        by ``step()`` yet (vLLM's)."""
+        return not self.core.is_finished() or bool(self._step_requests)
 
     def get_num_unfinished_requests(self) -> int:
         """How many admitted requests have not finished (vLLM's)."""
@@ -156,7 +161,9 @@ class LLMEngine:
     def _add_nano(self, prompt, sampling_params: SamplingParams, index: int = 0,
                   stream: deque | None = None) -> Request:
         ids, text = self._parse_prompt(index, prompt)
-        return self._add(ids, text, self._admitted(sampling_params), index, stream)
+        request = self._add(ids, text, self._admitted(sampling_params), index, stream)
+        self._step_requests[request.request_id] = request
+        return request
 
     def _add_vllm(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
                   lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
@@ -168,18 +175,20 @@ class LLMEngine:
                 raise ValueError(f"{name} is not supported by nanovllm")
         if priority != 0:
             raise ValueError(f"priority={priority!r} is not supported (nanovllm schedules first come, first served)")
-        if self._running(request_id):
+        if self._step_requests.setdefault(request_id, None) is not None:  # reserved at once: one thread wins
             raise ValueError(f"request_id {request_id!r} is already running")
-        ids, text = self._parse_prompt(0, prompt)
-        params = self.get_default_sampling_params() if params is None else params
-        self._add(ids, text, self._admitted(params), 0, None, request_id)
-
-    def _running(self, request_id: str) -> list[Request]:
-        return list({id(r): r for r in self.core.requests.values() if r.request_id == request_id}.values())
+        try:
+            ids, text = self._parse_prompt(0, prompt)
+            params = self.get_default_sampling_params() if params is None else params
+            self._step_requests[request_id] = self._add(ids, text, self._admitted(params), 0, None, request_id)
+        except BaseException:
+            del self._step_requests[request_id]
+            raise
 
     def _add(self, prompt_ids: list[int], text: str | None, params: SamplingParams, index: int,
              stream: deque | None, request_id: str | None = None) -> Request:
         """Admits a checked prompt with checked (``_admitted``) sampling parameters."""
+        chosen = request_id
         completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
                        for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
@@ -188,7 +197,8 @@ class LLMEngine:
         if stream is not None or params.stop_strings:
             for seq in seqs:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        request_id = str(next(self._request_ids)) if request_id is None else request_id
+        while request_id is None or request_id in self._step_requests and request_id != chosen:
+            request_id = str(next(self._request_ids))  # a fresh id, not one that a caller of add_request chose
         request = Request(index, prompt_ids, seqs, request_id, text, waiting_siblings=seqs[1:], stream=stream)
         self.core.add(request)
         return request
@@ -211,23 +221,37 @@ class LLMEngine:
 
     def abort_request(self, request: Request | str | Iterable[str]):
         """Ends a request's unfinished completions (finish_reason "abort") and forgets it: a ``Request``
-        (nano-vllm's ``add_request``) or request ids (vLLM's)."""
-        ids = [request] if isinstance(request, (str, Request)) else list(request)
+        (nano-vllm's ``add_request``) or request ids (vLLM's); ``step()`` does not report it."""
+        targets = [request] if isinstance(request, (str, Request)) else list(request)
         with self.core.lock:
-            for r in ids:
-                for target in self._running(r) if isinstance(r, str) else [r]:
+            for target in targets:
+                if isinstance(target, str):
+                    target = self._step_requests.get(target)
+                if target is not None:
+                    self._step_requests.pop(target.request_id, None)
+                    self._reported.pop(target.request_id, None)
                     self.core.abort(target)
 
     def step(self) -> list[RequestOutput]:
-        """One forward (vLLM's ``LLMEngine.step``). Returns a ``RequestOutput`` (cumulative: everything so far)
-        for each request added by ``add_request`` that this step advanced; a finished one is then forgotten."""
+        """One forward, if anything is left to run (vLLM's ``LLMEngine.step``). Returns a ``RequestOutput``
+        (cumulative: everything so far) for each request admitted by ``add_request`` that gained tokens
+        since the last report, or finished (also while another call, such as ``generate``, ran the steps);
+        a finished one is reported once, then forgotten."""
         with self.core.lock:
-            seqs = self.core.step()[0]
-            touched = {id(r): r for seq in seqs if (r := self.core.requests.get(seq.seq_id)) is not None}
-            outputs = [request_output(request, self.tokenizer) for request in touched.values()]
-            for request in touched.values():
+            if not self.core.is_finished():
+                self.core.step()
+            outputs = []
+            for request_id, request in list(self._step_requests.items()):
+                if request is None:  # being admitted by another thread
+                    continue
+                count = sum(seq.num_completion_tokens for seq in request.seqs)
+                if count == self._reported.get(request_id, 0) and not request.finished:
+                    continue
+                outputs.append(request_output(request, self.tokenizer))
+                self._reported[request_id] = count
                 if request.finished:
                     self.core.forget(request)
+                    del self._step_requests[request_id], self._reported[request_id]
         return outputs
 
     # ---- the offline API -------------------------------------------------------------------

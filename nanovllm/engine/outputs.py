@@ -38,9 +38,11 @@ class SamplingInputs:
 
 def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,
                    rank: int) -> dict[int, Logprob]:
-    """vLLM's logprobs entry: the top k {token id: Logprob} (ranks 1..k), and the chosen (or actual) token's."""
-    entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), 1)}
-    entry[token] = Logprob(logprob, entry[token].rank if token in entry else rank)  # its top-k rank if a tie
+    """vLLM's logprobs entry: {token id: Logprob} of the chosen (or actual) token, then the top k (ranks 1..k)."""
+    top = list(zip(top_ids[:k], top_values[:k]))
+    entry = {token: Logprob(logprob, next((r for r, (t, _) in enumerate(top, 1) if t == token), rank))}
+    for r, (t, v) in enumerate(top, 1):  # the chosen token first, as vLLM orders them (its top-k rank if a tie)
+        entry.setdefault(t, Logprob(v, r))
     return entry
 
 
@@ -120,7 +122,7 @@ def completion_output(seq: Sequence, index: int, tokenizer) -> CompletionOutput:
         text = seq.detokenizer.text  # cut at the stop string
     else:
         text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens)
-    logprobs = seq.logprobs if sp.logprobs is not None else None
+    logprobs = list(seq.logprobs) if sp.logprobs is not None else None  # a copy: the sequence's list grows
     cumulative = None
     if logprobs is not None:
         if tokenizer is not None:
@@ -139,7 +141,7 @@ def request_output(request, tokenizer) -> RequestOutput:
     metrics = RequestMetrics(first.arrival_time, min(first_tokens) if first_tokens else None, finish_time,
                              min(first_tokens) - first.arrival_time if first_tokens else None,
                              finish_time - first.arrival_time if finished else None)
-    prompt_logprobs = first.prompt_logprobs
+    prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
     if prompt_logprobs is not None and tokenizer is not None:
         _decode_entries(prompt_logprobs, tokenizer)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
