@@ -105,6 +105,9 @@ class Config:
     # Launch step N+1 while the device runs step N (its sampled tokens stay on the device). None: on for CUDA only.
     async_scheduling: bool | None = None
     cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, when num_kvcache_blocks is not given
+    # vLLM's: where get_default_sampling_params reads its defaults: "auto" (the model's generation_config.json),
+    # "vllm" (SamplingParams' own), or a directory holding a generation_config.json
+    generation_config: str = "auto"
     # Hub ids (vLLM's): the model's branch, tag or commit; the tokenizer's (default: revision); the Hugging Face
     # cache to read and download into (default: huggingface_hub's, HF_HUB_CACHE); a token for gated or private models
     revision: str | None = None
@@ -206,6 +209,10 @@ class Config:
         if not (self.dtype == "auto" or self.dtype in _DTYPES or self.dtype in _DTYPES.values()):
             raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or one of their torch dtypes, "
                              f"got {self.dtype!r}")
+        if not isinstance(self.generation_config, (str, os.PathLike)) or (
+                self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config)):
+            raise ValueError("generation_config must be 'auto', 'vllm' or a directory holding a "
+                             f"generation_config.json, got {self.generation_config!r}")
         for name, choices in (("device", ("auto", "cuda", "cpu")),
                               ("attention_backend", ("auto", "flash-attn", "triton", "torch")),
                               ("load_format", ("auto", "safetensors", "dummy"))):

@@ -146,7 +146,14 @@ def test_engine_from_engine_args_and_default_sampling_params(tiny, tmp_path):
     finally:
         engine.exit()
     plain = SamplingParams()
-    assert (plain.temperature, plain.max_tokens) != (0.6, 7)  # without the file: SamplingParams' defaults
+    opted_out = LLMEngine(str(path), generation_config="vllm", **ENGINE)  # vLLM's keyword: SamplingParams' own
+    try:
+        sp = opted_out.get_default_sampling_params()
+        assert (sp.temperature, sp.top_k, sp.max_tokens) == (plain.temperature, plain.top_k, plain.max_tokens)
+    finally:
+        opted_out.exit()
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(str(path), generation_config="nowhere", **ENGINE)
 
 
 def test_reset_prefix_cache(llm):

@@ -164,8 +164,9 @@ def _comparable(outputs: list[dict]) -> list[dict]:
     out = []
     for o in outputs:
         o = {k: v for k, v in o.items() if k not in ("metrics", "request_id")}
-        o["outputs"] = [{**c, "logprobs": rounded(c["logprobs"]), "cumulative_logprob": round(c["cumulative_logprob"], 3)}
-                        if "logprobs" in c else c for c in o["outputs"]]
+        o["outputs"] = [{**c, "logprobs": rounded(c["logprobs"]),
+                         "cumulative_logprob": round(c["cumulative_logprob"], 3)} if "logprobs" in c else c
+                        for c in o["outputs"]]
         if "logprobs" in o:
             o["logprobs"] = rounded(o["logprobs"])
         out.append(o)

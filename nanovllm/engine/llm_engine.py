@@ -126,9 +126,12 @@ class LLMEngine:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams from the checkpoint's ``generation_config.json`` (temperature, top_p, top_k,
-        min_p, repetition_penalty, max_new_tokens as max_tokens), the defaults elsewhere; what ``generate``
-        and ``chat`` use when ``sampling_params`` is None."""
-        return SamplingParams(**generation_config_defaults(self.config.model))
+        min_p, repetition_penalty, max_new_tokens as max_tokens; the ``generation_config`` keyword: "vllm" for
+        SamplingParams' own defaults, or another directory), the defaults elsewhere; what ``generate`` and
+        ``chat`` use when ``sampling_params`` is None."""
+        choice = self.config.generation_config
+        source = {"auto": self.config.model, "vllm": None}.get(choice, choice)
+        return SamplingParams(**(generation_config_defaults(source) if source is not None else {}))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block (vLLM's); refused (False) while requests are running."""

@@ -35,7 +35,8 @@ def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None =
     directory (``hub_snapshot``). Any other name comes back as is, for the caller to name as missing."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from nanovllm.demo import PREFIX, resolve_model as builtin_model
+    from nanovllm.demo import PREFIX
+    from nanovllm.demo import resolve_model as builtin_model
     from nanovllm.models.presets import PRESETS
     if name.startswith(PREFIX):
         return builtin_model(name)
