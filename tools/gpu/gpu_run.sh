@@ -16,6 +16,7 @@
 #   ktests_dense  the dense-layer kernel tests alone; bench_before: bench.py of the tree in .old
 #   linear    the dense-layer kernel tests, then the linear-layer microbenchmarks against cuBLAS with a tile sweep
 #   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload
+#   blocksizes bench.py (default, prefix, batch16) at kvcache_block_size 16, 32, 64, 128, 256
 #   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
 #   ktests    the kernel tests alone (no flash-attn build)
 #   onegpu    one GPU without flash-attn: test_gpu.py (no TP) and the GPU tests elsewhere, then the engine,
@@ -82,6 +83,11 @@ for phase in "$@"; do
     linear)
       step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "skinny or rms_norm"
       step bench_linear.log python3 tools/bench_kernels.py --only linear --sweep --out "$OUT" ;;
+    blocksizes)  # kvcache_block_size 16-256 (Triton): the default workload, and the prefix and batch16 scenarios
+      for b in 16 32 64 128 256; do
+        step bench_blocks.jsonl python3 bench.py --block-size $b --json
+        for s in prefix batch16; do step bench_blocks.jsonl python3 bench.py --block-size $b --scenario $s --json; done
+      done ;;
     scenarios)  # SCENARIOS: which (default all four)
       for s in ${SCENARIOS:-batch1 batch16 long prefix}; do step bench.jsonl python3 bench.py --scenario $s --json; done
       [[ -z ${SCENARIOS:-} ]] && step bench.jsonl python3 bench.py --model qwen3-8b --json ;;
