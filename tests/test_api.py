@@ -71,6 +71,15 @@ def test_stop_reason_names_what_ended_a_completion(llm):
                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == token
     assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
+    decode = llm.tokenizer.decode  # the stop token's text is left out unless include_stop_str_in_output
+    assert by_token.text == decode(by_token.token_ids[:-1], skip_special_tokens=True)
+    kept = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[token], ignore_eos=True,
+                          include_stop_str_in_output=True)
+    kept_text = llm.generate([prompt], kept, use_tqdm=False)[0]["text"]
+    assert kept_text == decode(by_token.token_ids, skip_special_tokens=True)
+    streamed = "".join(p["text"] for p in llm.stream([prompt], SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=[token], ignore_eos=True)))
+    assert streamed == by_token.text
     longer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                           use_tqdm=False)[0]["token_ids"]
     # the byte tokenizer: two printable ASCII tokens in a row make a stop string

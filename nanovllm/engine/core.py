@@ -213,10 +213,10 @@ class EngineCore:
         ``max_model_len`` ("length"); else a stop token (EOS unless ``ignore_eos``, or one of
         ``stop_token_ids``) once ``min_tokens`` are out; then a stop string that the new text completes,
         once more than ``min_tokens`` are out, ends it as "stop" whatever came before (the text is cut
-        there). ``stop_reason``: the stop token id or string (None for EOS), as vLLM's. Then queues the
-        text a stream may show (all but what could still begin a stop string)."""
+        there). ``stop_reason``: the stop token id or string (None for EOS), as vLLM's; a stop token's text
+        is left out unless ``include_stop_str_in_output``. Then queues the text a stream may show (all but
+        what could still begin a stop string)."""
         sp, detok = seq.sampling_params, seq.detokenizer
-        delta = detok.add(token_id) if detok is not None else ""
         num_out = len(seq.token_ids) - seq.num_prompt_tokens
         stops = sp.stop_strings
         reason = hit = None
@@ -226,6 +226,9 @@ class EngineCore:
             reason = "stop"
         elif num_out >= sp.min_tokens and token_id in sp.stop_token_ids:
             reason, seq.stop_reason = "stop", token_id
+        # a stop token's own text is not part of the output unless include_stop_str_in_output (vLLM's)
+        counts = detok is not None and (reason != "stop" or sp.include_stop_str_in_output)
+        delta = detok.add(token_id) if counts else ""
         if stops and reason != "stop" and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
             at, stop = hit
             detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]

@@ -113,15 +113,18 @@ def _decode_entries(entries: list | None, tokenizer) -> None:
 
 
 def completion_output(seq: Sequence, index: int, tokenizer) -> CompletionOutput:
-    """Completion ``index`` of its request: the text cut at a stop string, the cumulative logprob of the chosen
-    tokens (with logprobs), why it ended."""
+    """Completion ``index`` of its request: the text (cut at a stop string; without a stop token's text), the
+    cumulative logprob of the chosen tokens (with logprobs), why it ended."""
     sp = seq.sampling_params
     if tokenizer is None:
         text = ""
     elif seq.detokenizer is not None and seq.finish_reason == "stop" and sp.stop_strings:
         text = seq.detokenizer.text  # cut at the stop string
-    else:
-        text = tokenizer.decode(seq.completion_token_ids, skip_special_tokens=sp.skip_special_tokens)
+    else:  # without the stop token's text unless include_stop_str_in_output (vLLM's)
+        by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+        ids = seq.completion_token_ids[:-1] if by_token and not sp.include_stop_str_in_output else \
+            seq.completion_token_ids
+        text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
     logprobs = list(seq.logprobs) if sp.logprobs is not None else None  # a copy: the sequence's list grows
     cumulative = None
     if logprobs is not None:
