@@ -126,7 +126,7 @@ class Config:
         settings are accepted too (``block_size`` for ``kvcache_block_size``); so are its keywords that change
         nothing here (IGNORED_KEYWORDS, and UNSUPPORTED_KEYWORDS at the values they accept), named in one log line;
         UNSUPPORTED_KEYWORDS at other values raise a ValueError that names the keyword, the value and why."""
-        for alias, name in _ALIASES.items():
+        for alias, name in KEYWORD_ALIASES.items():
             if alias in kwargs:
                 if name in kwargs:
                     raise TypeError(f"pass {name} or its alias {alias}, not both")
@@ -262,7 +262,8 @@ class Config:
         return dtype if dtype in _DTYPES.values() else torch.bfloat16
 
 
-_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}  # vLLM's -> ours
+# vLLM's names -> ours
+KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 # vLLM's None for "the default" (ours); max_model_len's None is the model's length, seed's None is 0 (vLLM V1's)
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "kvcache_block_size", "num_kvcache_blocks", "seed",
                     "enable_prefix_caching")

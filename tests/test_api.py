@@ -3,6 +3,7 @@ LLM's life cycle (exit, shutdown, the context manager), and its input validation
 keyword or argument is refused with a ValueError or TypeError that names it, and the engine stays usable."""
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -88,12 +89,12 @@ def test_stop_reason_names_what_ended_a_completion(llm):
     by_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, stop=[stop], ignore_eos=True),
                            use_tqdm=False)[0].outputs[0]
     assert by_text.finish_reason == "stop" and by_text.stop_reason == stop and stop not in by_text.text
-    eos_ids = llm.core.eos_token_ids
-    llm.core.eos_token_ids = {token}  # as though the model's EOS were that token: stop_reason None (vLLM's)
+    eos = llm.core.eos_token_ids, llm.core.eos_token_id
+    llm.core.eos_token_ids, llm.core.eos_token_id = {token}, token  # as though it were the model's EOS
     try:
         by_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     finally:
-        llm.core.eos_token_ids = eos_ids
+        llm.core.eos_token_ids, llm.core.eos_token_id = eos
     assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None and by_eos.token_ids == by_token.token_ids
 
 
@@ -163,6 +164,20 @@ def test_engine_from_engine_args_and_default_sampling_params(tiny, tmp_path):
         opted_out.exit()
     with pytest.raises(ValueError, match="generation_config"):
         LLM(str(path), generation_config="nowhere", **ENGINE)
+
+
+def test_engine_args_as_command_line_flags():
+    """vLLM's EngineArgs.add_cli_args / from_cli_args: a flag per engine keyword, unset ones left to the defaults."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--model", "m", "--max-model-len", "256", "--block-size", "16", "--enforce-eager", "--dtype", "half",
+         "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--hf-token", "t"]))
+    assert args.model == "m" and args.kwargs == dict(max_model_len=256, block_size=16, enforce_eager=True,
+                                                     dtype="half", gpu_memory_utilization=0.5,
+                                                     enable_prefix_caching=False, hf_token="t")
+    assert EngineArgs.from_cli_args(parser.parse_args([])).kwargs == {}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", "many"])
 
 
 def test_reset_prefix_cache(llm):

@@ -272,6 +272,8 @@ def test_stops_on_every_eos_id(tiny, oracle, tmp_path):
         engine.exit()
     assert out["token_ids"] == ref[:ref.index(stop_token) + 1]
     assert ignored["token_ids"] == ref
+    # generation_config's EOS ids other than the model's own are stop tokens to vLLM: named by stop_reason
+    assert out.outputs[0].stop_reason == stop_token and engine.config.eos_token_ids[0] == engine.tokenizer.eos_token_id
 
 
 def test_stops_at_max_model_len(tiny):

@@ -1,6 +1,7 @@
-# vLLM's examples/offline_inference/llm_engine_example.py: requests added one by one, the engine stepped until
-# none is unfinished, with the import line and the model changed.
-import sys
+# vLLM's examples/offline_inference/llm_engine_example.py: the engine built from command-line flags, requests
+# added one by one, the engine stepped until none is unfinished; with the import lines changed (vLLM's
+# FlexibleArgumentParser is argparse's parser here) and the model (--model, default the shipped demo model).
+import argparse
 
 from nanovllm import EngineArgs, LLMEngine, RequestOutput, SamplingParams
 
@@ -29,10 +30,25 @@ def process_requests(engine: LLMEngine, test_prompts: list[tuple[str, SamplingPa
                 print("-" * 50)
 
 
-def main():
-    engine = LLMEngine.from_engine_args(EngineArgs(model=sys.argv[1] if len(sys.argv) > 1 else "nanovllm:demo"))
-    process_requests(engine, create_test_prompts())
+def initialize_engine(args: argparse.Namespace) -> LLMEngine:
+    """Initialize the LLMEngine from the command line arguments."""
+    engine_args = EngineArgs.from_cli_args(args)
+    return LLMEngine.from_engine_args(engine_args)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description="Demo on using the LLMEngine class directly")
+    parser = EngineArgs.add_cli_args(parser)
+    return parser.parse_args()
+
+
+def main(args: argparse.Namespace):
+    """Main function that sets up and runs the prompt processing."""
+    engine = initialize_engine(args)
+    test_prompts = create_test_prompts()
+    process_requests(engine, test_prompts)
 
 
 if __name__ == "__main__":
-    main()
+    args = parse_args()
+    main(args)

@@ -88,6 +88,7 @@ class EngineCore:
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
         self.eos_token_ids = frozenset(config.eos_token_ids)
+        self.eos_token_id = config.eos_token_ids[0] if config.eos_token_ids else None  # the model's own
         self.lock = threading.Lock()  # one step (or request admission) at a time
 
     def add(self, request: Request):
@@ -213,7 +214,7 @@ class EngineCore:
         ``max_model_len`` ("length"); else a stop token (EOS unless ``ignore_eos``, or one of
         ``stop_token_ids``) once ``min_tokens`` are out; then a stop string that the new text completes,
         once more than ``min_tokens`` are out, ends it as "stop" whatever came before (the text is cut
-        there). ``stop_reason``: the stop token id or string (None for EOS), as vLLM's; a stop token's text
+        there). ``stop_reason``: the stop token id or string (None for the model's EOS), as vLLM's; a stop token's text
         is left out unless ``include_stop_str_in_output``. Then queues the text a stream may show (all but
         what could still begin a stop string)."""
         sp, detok = seq.sampling_params, seq.detokenizer
@@ -224,6 +225,8 @@ class EngineCore:
             reason = "length"
         elif num_out >= sp.min_tokens and not sp.ignore_eos and token_id in self.eos_token_ids:
             reason = "stop"
+            if token_id != self.eos_token_id:  # generation_config's other EOS ids are stop tokens to vLLM
+                seq.stop_reason = token_id
         elif num_out >= sp.min_tokens and token_id in sp.stop_token_ids:
             reason, seq.stop_reason = "stop", token_id
         # a stop token's own text is not part of the output unless include_stop_str_in_output (vLLM's)

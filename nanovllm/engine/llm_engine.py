@@ -4,6 +4,8 @@ calls wait for their own requests only, one step at a time under its lock, so th
 ``stream`` loop and interleaved streams take turns."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -15,7 +17,7 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config
+from nanovllm.config import KEYWORD_ALIASES, Config
 from nanovllm.engine.core import EngineCore, Request, Resources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
@@ -54,10 +56,39 @@ class ModelConfig:
 
 class EngineArgs:
     """vLLM's ``EngineArgs(model=..., **keywords)``, for ``LLMEngine.from_engine_args``: the same keywords
-    as ``LLM(...)``."""
+    as ``LLM(...)``; ``add_cli_args``/``from_cli_args`` make them command-line flags (``--max-model-len``, ...),
+    as vLLM's examples parse them."""
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str = "nanovllm:demo", **kwargs):
         self.model, self.kwargs = model, kwargs
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """A flag per engine keyword (``--model``, then Config's fields, dashed); unset flags keep the defaults."""
+        parser.add_argument("--model", default="nanovllm:demo", help="checkpoint directory, Hub id or preset")
+        for name, type_ in _cli_fields().items():
+            flag = "--" + name.replace("_", "-")
+            if type_ is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                parser.add_argument(flag, type=type_, default=None)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = _cli_fields()
+        return cls(args.model, **{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def _cli_fields() -> dict[str, type]:
+    """Config's keywords (and vLLM's aliases of them, such as block_size) with the type their flag parses."""
+    fields = {f.name: f.type for f in dataclasses.fields(Config) if f.init and f.name != "model"}
+    fields.update({alias: fields[name] for alias, name in KEYWORD_ALIASES.items()})
+    types = {}
+    for name, annotation in fields.items():
+        parts = str(annotation).split(" | ")
+        types[name] = str if "str" in parts else next((t for t in (bool, int, float) if t.__name__ in parts), str)
+    return types
 
 
 class LLMEngine:

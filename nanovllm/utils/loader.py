@@ -165,12 +165,18 @@ def load_tokenizer(path: str):
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
-    """Every EOS id of a checkpoint: generation_config.json's (else config.json's; one or a list), the tokenizer's."""
-    eos = getattr(hf_config, "eos_token_id", None)
+    """Every EOS id of a checkpoint: generation_config.json's (else config.json's; one or a list), the tokenizer's.
+    The first is the model's own EOS (the tokenizer's, else config.json's first); vLLM reports the others as
+    stop token ids (``stop_reason``)."""
+    own = getattr(hf_config, "eos_token_id", None)
+    eos = own
     if os.path.isfile(path := os.path.join(model_dir, "generation_config.json")):
         with open(path) as f:
             eos = json.load(f).get("eos_token_id", eos)
     ids = {eos} if isinstance(eos, int) else set(eos or [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return tuple(sorted(ids))
+        own = tokenizer.eos_token_id
+    own = own[0] if isinstance(own, (list, tuple)) and own else own
+    if own is None:
+        return tuple(sorted(ids))
+    return (own, *sorted(ids - {own}))
