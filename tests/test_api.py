@@ -353,6 +353,12 @@ def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
             engine.generate(["text"], SamplingParams(), use_tqdm=False)
         with pytest.raises(ValueError, match="skip_tokenizer_init"):
             engine.generate([[1, 2]], SamplingParams(stop=["x"]), use_tqdm=False)
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            engine.get_tokenizer()  # vLLM's: an error, not None
+        with pytest.raises(ValueError, match="lora_request"):
+            engine.generate([[1, 2]], use_tqdm=False, lora_request=object())
+        with pytest.raises(ValueError, match="priority"):
+            engine.generate([[1, 2]], use_tqdm=False, priority=[1])
     finally:
         engine.exit()
 

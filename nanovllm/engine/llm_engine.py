@@ -135,7 +135,8 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         """How many admitted requests have not finished (vLLM's)."""
-        return len({id(r) for r in self.core.requests.values() if not r.finished})
+        with self.core.lock:
+            return len({id(r) for r in self.core.requests.values() if not r.finished})
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -152,7 +153,9 @@ class LLMEngine:
         return self.model_config
 
     def get_tokenizer(self):
-        """The tokenizer (a transformers tokenizer), or None with ``skip_tokenizer_init=True``."""
+        """The tokenizer (a transformers tokenizer); a ValueError with ``skip_tokenizer_init=True`` (vLLM's)."""
+        if self.tokenizer is None:
+            raise ValueError("get_tokenizer(): the engine has no tokenizer (skip_tokenizer_init=True)")
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -290,11 +293,17 @@ class LLMEngine:
 
     # ---- the offline API -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
         """Completions of ``prompts`` (strings, token-id lists, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": ...} dicts: ``nanovllm.inputs``), in prompt order, as vLLM's ``RequestOutput``s
         (``nanovllm.outputs``). ``sampling_params``: one for all, one per prompt, or None for
-        ``get_default_sampling_params()``."""
+        ``get_default_sampling_params()``. vLLM's ``lora_request`` and ``priority`` are refused unless None
+        (or all priorities 0)."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by nanovllm (no LoRA)")
+        if priority is not None and any(priority):
+            raise ValueError(f"priority={priority!r} is not supported (nanovllm schedules first come, first served)")
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
     def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
