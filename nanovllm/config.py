@@ -53,7 +53,6 @@ IGNORED_KEYWORDS = {
 # name -> (those values, accepted and named like the above; why any other is refused with a ValueError)
 UNSUPPORTED_KEYWORDS = {
     "quantization": ((None,), "no quantized weights or kernels"),
-    "kv_cache_dtype": (("auto",), "the KV cache is in the model's dtype"),
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
     "kv_cache_memory_bytes": ((None,), "the KV cache is sized by num_kvcache_blocks or gpu_memory_utilization"),
     "pipeline_parallel_size": ((1,), "tensor parallelism only"),
@@ -105,6 +104,8 @@ class Config:
     # Launch step N+1 while the device runs step N (its sampled tokens stay on the device). None: on for CUDA only.
     async_scheduling: bool | None = None
     cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, when num_kvcache_blocks is not given
+    # vLLM's: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (one byte a value, e4m3, scales of 1.0)
+    kv_cache_dtype: str = "auto"
     # vLLM's: where get_default_sampling_params reads its defaults: "auto" (the model's generation_config.json),
     # "vllm" (SamplingParams' own), or a directory holding a generation_config.json
     generation_config: str = "auto"
@@ -118,6 +119,7 @@ class Config:
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
+    kv_cache_torch_dtype: torch.dtype | None = field(default=None, init=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
 
     @classmethod
@@ -181,8 +183,10 @@ class Config:
         from nanovllm.layers.attention import resolve_backend
         from nanovllm.models.llama import head_dim_of
         # an unusable attention_backend fails here, naming what it does not support
+        self._set(kv_cache_torch_dtype=self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn)
         self._set(attention_backend=resolve_backend(self.attention_backend, self.device, self.torch_dtype,
-                                                    self.kvcache_block_size, head_dim_of(self.hf_config)))
+                                                    self.kvcache_block_size, head_dim_of(self.hf_config),
+                                                    self.kv_cache_torch_dtype))
 
     def _set(self, **values) -> Config:
         for name, value in values.items():
@@ -213,7 +217,7 @@ class Config:
                 self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config)):
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory holding a "
                              f"generation_config.json, got {self.generation_config!r}")
-        for name, choices in (("device", ("auto", "cuda", "cpu")),
+        for name, choices in (("device", ("auto", "cuda", "cpu")), ("kv_cache_dtype", ("auto", "fp8", "fp8_e4m3")),
                               ("attention_backend", ("auto", "flash-attn", "triton", "torch")),
                               ("load_format", ("auto", "safetensors", "dummy"))):
             if getattr(self, name) not in choices:

@@ -25,7 +25,8 @@ class LLM(LLMEngine):
     - ``enable_prefix_caching`` (True), ``load_format`` ("auto" or "dummy"), ``skip_tokenizer_init`` (False),
       ``tokenizer`` (a directory or Hub id other than the model's), ``revision``, ``tokenizer_revision``,
       ``download_dir``, ``hf_token`` (Hub ids), ``async_scheduling`` (None: on for CUDA),
-      ``cpu_kvcache_space`` (4.0 GiB per rank on CPU), ``generation_config`` ("auto": the defaults of
+      ``cpu_kvcache_space`` (4.0 GiB per rank on CPU), ``kv_cache_dtype`` ("auto", or "fp8": e4m3, one byte a
+      value, on the torch attention backend), ``generation_config`` ("auto": the defaults of
       ``get_default_sampling_params`` from the model's generation_config.json; "vllm": SamplingParams')
 
     vLLM's keywords that change nothing here are accepted and logged; those it would need and nanovllm lacks

@@ -89,12 +89,13 @@ def test_scenario_runs_on_cpu(tmp_path):
     from tiny_model import build_tiny_qwen3
     path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--scenario", "prefix",
-                           "--scale", "0.02", "--block-size", "16", "--json"], capture_output=True, text=True,
+                           "--scale", "0.02", "--block-size", "16", "--kv-cache-dtype", "fp8", "--json"],
+                          capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["scenario"] == "prefix" and result["num_seqs"] == 256 and result["output_tokens"] == 256 * 3
-    assert result["block_size"] == 16
+    assert result["block_size"] == 16 and result["kv_cache_dtype"] == "fp8"
 
 
 def test_roofline_reads_a_shared_prefix_once_per_step():

@@ -43,7 +43,7 @@ def test_ignored_keywords_are_logged_once_and_the_engine_runs(tiny, llm, caplog)
     (dict(enable_lora=True), "enable_lora=True"),
     (dict(max_lora_rank=16), "max_lora_rank=16"),
     (dict(cpu_offload_gb=4), "cpu_offload_gb=4"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype.*'fp8_e5m2'"),
     (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False"),
     (dict(load_format="gguf"), "load_format.*'gguf'"),
 ])

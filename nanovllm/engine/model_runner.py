@@ -39,6 +39,7 @@ class ModelRunner:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
         self.dtype = config.torch_dtype
+        self.kv_dtype = config.kv_cache_torch_dtype or self.dtype  # the KV cache's (fp8: one byte a value)
         self.head_dim = head_dim_of(hf_config)
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
             // config.tensor_parallel_size
@@ -89,7 +90,7 @@ class ModelRunner:
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len  # no block tables: slots of -1
-        dummy = torch.zeros(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype)
+        dummy = torch.zeros(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.kv_dtype)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = dummy
         self.run(build_prefill(seqs, self.block_size), self.prepare_sampling(seqs, True) if self.rank == 0 else None)
@@ -98,7 +99,7 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         return 2 * self.config.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim \
-            * self.dtype.itemsize
+            * self.kv_dtype.itemsize
 
     def _num_kvcache_blocks(self) -> int:
         config = self.config
@@ -136,7 +137,7 @@ class ModelRunner:
         # zeros, not empty: masked-out positions must not hold NaN bit patterns
         try:
             self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
-                                        self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+                                        self.num_kv_heads, self.head_dim, dtype=self.kv_dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({num_blocks * self._block_bytes()} "
                              f"bytes on {self.device}): lower num_kvcache_blocks (or leave it at -1)") from e

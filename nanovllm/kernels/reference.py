@@ -22,8 +22,28 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     slots = torch.where(valid, slot_mapping, slot_mapping.index_select(0, first)).clamp(min=0).long()
     keep = valid.view(-1, 1, 1)
     for x, cache in ((k, k_cache), (v, v_cache)):
-        rows = torch.where(keep, x, x.index_select(0, first))
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows.to(cache.dtype))
+        rows = to_cache_dtype(torch.where(keep, x, x.index_select(0, first)), cache.dtype)
+        _bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, _bytes(rows))
+
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; fp8 (e4m3, scale 1.0) saturates at +-448 instead of overflowing to NaN."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8 (same bytes), since indexing ops lack fp8 kernels on CPU; others unchanged."""
+    return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache[index]`` in ``dtype`` (the queries'), read from an fp8 cache through its bytes."""
+    return _bytes(cache)[index].view(cache.dtype).to(dtype)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -40,7 +60,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         else:  # the sequence's first len_k tokens, from their slots
             pos, block_size = torch.arange(len_k, device=q.device), k_cache.size(1)
             slots = block_tables[i][pos // block_size].long() * block_size + pos % block_size
-            k_i, v_i = k_cache.view(-1, *k_cache.shape[2:])[slots], v_cache.view(-1, *v_cache.shape[2:])[slots]
+            k_i, v_i = (_gather(c.view(-1, *c.shape[2:]), slots, q.dtype) for c in (k_cache, v_cache))
         # the queries are the last q1 - q0 of the len_k positions
         mask = torch.ones(q1 - q0, len_k, dtype=torch.bool, device=q.device).tril(diagonal=len_k - (q1 - q0))
         out[q0:q1] = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1),
@@ -52,7 +72,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence, q [B, H, D], over its first context_lens[b] cached tokens."""
     tables = block_tables.clamp(min=0).long()
-    k, v = k_cache[tables].flatten(1, 2), v_cache[tables].flatten(1, 2)   # [B, T, KVH, D]
+    k, v = (_gather(c, tables, q.dtype).flatten(1, 2) for c in (k_cache, v_cache))   # [B, T, KVH, D]
     positions = torch.arange(k.size(1), device=q.device)
     # position 0 is always visible so that padded rows (context_len 0) give finite values
     mask = (positions < context_lens.unsqueeze(1)) | (positions == 0)                # [B, T]

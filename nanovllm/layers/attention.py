@@ -76,7 +76,8 @@ def _flash_attn_backend() -> AttentionBackend:
 TRITON_HEAD_DIMS = (32, 64, 128)
 
 
-def _triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
+def _triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                        kv_dtype: torch.dtype) -> list[str]:
     """Our Triton kernels (triton ships for Linux only); on CPU only under TRITON_INTERPRET=1 (the tests)."""
     reasons = []
     if importlib.util.find_spec("triton") is None:
@@ -89,10 +90,13 @@ def _triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_d
         reasons.append(f"head_dim {head_dim} (Triton: {', '.join(map(str, TRITON_HEAD_DIMS))})")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         reasons.append(f"dtype {dtype}")
+    if kv_dtype != dtype:
+        reasons.append(f"kv_cache_dtype {kv_dtype} (Triton: the KV cache in the model's dtype, for now)")
     return reasons
 
 
-def _flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> list[str]:
+def _flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                            kv_dtype: torch.dtype) -> list[str]:
     reasons = []
     for package in ("flash_attn", "triton"):  # triton: for the KV store
         if importlib.util.find_spec(package) is None:
@@ -105,6 +109,8 @@ def _flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, he
         reasons.append(f"kvcache_block_size {block_size} (flash-attn paged KV: multiples of 256)")
     if head_dim % 8 or head_dim > 256:
         reasons.append(f"head_dim {head_dim}")
+    if kv_dtype != dtype:
+        reasons.append(f"kv_cache_dtype {kv_dtype} (flash-attn 2 reads the cache in the model's dtype)")
     if not reasons and (error := _flash_attn_probe(dtype, head_dim)):
         reasons.append(f"this flash-attn build has no {dtype} head_dim {head_dim} kernel ({error})")
     return reasons
@@ -135,13 +141,16 @@ BACKENDS: dict[str, tuple[Callable[..., list[str]], Callable[[], AttentionBacken
 }
 
 
-def resolve_backend(name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int) -> str:
+def resolve_backend(name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int,
+                    kv_dtype: torch.dtype | None = None) -> str:
     """The backend called ``name``, or with "auto" the first in BACKENDS that supports the configuration
-    (Triton's interpreter only on request); the choice and why the others were passed over are logged."""
+    (Triton's interpreter only on request; ``kv_dtype``: the KV cache's, the model's by default); the choice
+    and why the others were passed over are logged."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     candidates = [name] if name != "auto" else [b for b in BACKENDS if device == "cuda" or b != "triton"]
     skipped = []
     for backend in candidates:
-        reasons = BACKENDS[backend][0](device, dtype, block_size, head_dim)
+        reasons = BACKENDS[backend][0](device, dtype, block_size, head_dim, kv_dtype)
         if not reasons:
             why = "; ".join(f"{b} skipped: {r}" for b, r in skipped) or f"attention_backend={name!r}"
             logger.info("attention backend: %s (%s)", backend, why)
