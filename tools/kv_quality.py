@@ -1,0 +1,62 @@
+"""What an fp8 KV cache costs in quality: on the shipped demo model, the prompt perplexity of its held-out code
+(each file's first --tokens tokens, prefilled in chunks of --chunk so that every chunk after the first reads its
+prefix from the cache) and the share of greedy tokens that change on example.py's snippets, with the cache in
+the model's dtype ("auto") and in fp8.
+
+    python tools/kv_quality.py [--kv-cache-dtype fp8] [--device cpu] [--tokens 400] [--chunk 64]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import nanovllm  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+SNIPPETS = ["def fibonacci(n):", "class Stack:", "def is_prime(n):", "import os\n\ndef list_files(path):"]
+
+
+def measure(kv_cache_dtype: str, args) -> tuple[float, list[list[int]]]:
+    llm = LLM("nanovllm:demo", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=16, device=args.device,
+              max_num_batched_tokens=args.chunk, max_model_len=args.tokens + 128)
+    try:
+        tokenizer = llm.get_tokenizer()
+        files = sorted(glob.glob(os.path.join(os.path.dirname(nanovllm.__file__), "demo", "model", "heldout", "*.py")))
+        prompts = [{"prompt_token_ids": tokenizer.encode(open(f).read())[:args.tokens]} for f in files]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        nll = [-e[t] for o in outs for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+        greedy = llm.generate(SNIPPETS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+        return math.exp(sum(nll) / len(nll)), [o.outputs[0].token_ids for o in greedy]
+    finally:
+        llm.exit()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-cache-dtype", default="fp8")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--chunk", type=int, default=64)
+    args = parser.parse_args()
+    ppl, tokens = measure("auto", args)
+    ppl_kv, tokens_kv = measure(args.kv_cache_dtype, args)
+    # greedy continuations diverge after their first changed token: count positions up to it, and the first
+    first_change = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tokens, tokens_kv)]
+    changed = sum(a != b for x, y in zip(tokens, tokens_kv) for a, b in zip(x, y))
+    print(json.dumps(dict(kv_cache_dtype=args.kv_cache_dtype, device=args.device, perplexity_auto=round(ppl, 4),
+                          perplexity=round(ppl_kv, 4), perplexity_ratio=round(ppl_kv / ppl, 5),
+                          greedy_tokens_changed=changed, greedy_tokens=sum(map(len, tokens)),
+                          first_changed_position=first_change,
+                          date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))))
+
+
+if __name__ == "__main__":
+    main()
