@@ -59,10 +59,28 @@ def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
 
 
 def test_unsupported_rope_type_is_named(tmp_path):
-    path = build_tiny_model(str(tmp_path / "yarn"), "llama", head_dim=32,
-                            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256))
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+    path = build_tiny_model(str(tmp_path / "longrope"), "llama", head_dim=32,
+                            rope_scaling=dict(rope_type="longrope", factor=4.0, original_max_position_embeddings=256,
+                                              short_factor=[1.0] * 16, long_factor=[1.0] * 16))
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
         LLM(path, device="cpu", num_kvcache_blocks=16)
+
+
+@pytest.mark.parametrize("yarn", [dict(factor=4.0), dict(factor=8.0, beta_fast=16, beta_slow=2, mscale=0.8,
+                                                          mscale_all_dim=0.6), dict(factor=2.0, attention_factor=1.3)],
+                         ids=["defaults", "betas_mscale", "attention_factor"])
+def test_qwen3_yarn_matches_transformers(tmp_path, oracle, yarn):
+    """Qwen3 with YaRN (its long-context configuration) against transformers, with prompts and outputs past the
+    original context: the scaled frequencies and the attention factor applied to cos and sin."""
+    path = build_tiny_qwen3(str(tmp_path / "yarn"), rope_scaling=dict(rope_type="yarn",
+                                                                     original_max_position_embeddings=32, **yarn))
+    prompts = random_prompts(6, 20, 90, seed=71)
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=64, device="cpu")
+    try:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
 
 
 def test_unsupported_architecture(tiny, tmp_path):

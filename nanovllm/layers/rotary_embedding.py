@@ -1,5 +1,6 @@
 """Rotary position embedding (the rotate-half layout of Hugging Face's Llama/Qwen), with the
-``linear`` and Llama 3.1 (``llama3``) frequency scalings."""
+``linear``, Llama 3.1 (``llama3``) and YaRN (``yarn``: Qwen2.5's and Qwen3's long contexts) frequency
+scalings."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE = ("default", "linear", "llama3")
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -30,14 +31,45 @@ class RotaryEmbedding(nn.Module):
             blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
             inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
                                    torch.where(wavelen < old_len / high, inv_freq, blended))
+        attention_factor = 1.0
+        if rope_type == "yarn":
+            inv_freq, attention_factor = yarn(inv_freq, head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        # [max_position, head_dim]: cos then sin, each for half of the head
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        # [max_position, head_dim]: cos then sin, each for half of the head (YaRN scales both)
+        self.register_buffer("cos_sin_cache", attention_factor * torch.cat((freqs.cos(), freqs.sin()), dim=-1),
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [N]; q [N, num_heads, head_dim]; k [N, num_kv_heads, head_dim]
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+
+
+def yarn(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn fewer than ``beta_slow``
+    times over the original context are divided by ``factor`` (interpolated), those that turn more than
+    ``beta_fast`` times are kept (extrapolated), a linear ramp between; cos and sin are scaled by the
+    attention factor (``attention_factor``, else from ``mscale``/``mscale_all_dim``, else 0.1 ln(factor) + 1)."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times over old_len
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    return inv_freq, float(attention_factor)
 
 
 def get_rope(head_dim: int, max_position: int, hf_config) -> RotaryEmbedding:
@@ -48,4 +80,6 @@ def get_rope(head_dim: int, max_position: int, hf_config) -> RotaryEmbedding:
     if params["rope_type"] not in SUPPORTED_ROPE:
         raise ValueError(f"rope_type {params['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
     base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if params["rope_type"] == "yarn" and params.get("factor") is None:  # as transformers: the ratio of the lengths
+        params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     return RotaryEmbedding(head_dim, max_position, base, params)
