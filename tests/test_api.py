@@ -112,12 +112,13 @@ def test_vllms_engine_loop(llm):
     engine.add_request("cut", prompts[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     with pytest.raises(ValueError, match="req-0"):
         engine.add_request("req-0", prompts[0], sp)  # an id that is running
-    finished, seen, reported = {}, {}, []
+    finished, seen, texts, reported = {}, {}, {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens = out.outputs[0].token_ids
+            tokens, text = out.outputs[0].token_ids, out.outputs[0].text
             assert len(tokens) > seen.get(out.request_id, 0) or out.finished  # cumulative, only when it grew
-            seen[out.request_id] = len(tokens)
+            assert text.startswith(texts.get(out.request_id, ""))  # the text grows too (incrementally decoded)
+            seen[out.request_id], texts[out.request_id] = len(tokens), text
             reported.append(out)
             if out.finished:
                 assert out.request_id not in finished
@@ -126,6 +127,9 @@ def test_vllms_engine_loop(llm):
             engine.abort_request("cut")
             assert not any(r.request_id == "cut" for r in llm.requests.values())
     assert [finished[f"req-{i}"].outputs[0].token_ids for i in range(3)] == [r["token_ids"] for r in reference]
+    # the text is a stream's: the same pieces, whole
+    streamed = "".join(p["text"] for p in llm.stream([prompts[1]], sp))
+    assert finished["req-1"].outputs[0].text == streamed
     # an earlier report keeps what it said then
     assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in reported if o.request_id != "cut")
     assert "cut" not in finished and engine.model_config.max_model_len == llm.config.max_model_len

@@ -35,6 +35,7 @@ class Request:
     prompt: str | None = None        # the prompt's text, when it was given as text
     waiting_siblings: list[Sequence] = field(default_factory=list)
     stream: deque | None = None      # the pieces its stream() call has not yielded yet
+    incremental_text: bool = False   # its outputs' text is its detokenizers' (add_request's: step() reports it often)
     error: str | None = None         # why a completion ended with finish_reason "error"
 
     @property

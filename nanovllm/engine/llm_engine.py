@@ -198,7 +198,7 @@ class LLMEngine:
     def _add_nano(self, prompt, sampling_params: SamplingParams, index: int = 0,
                   stream: deque | None = None) -> Request:
         ids, text = self._parse_prompt(index, prompt)
-        request = self._add(ids, text, self._admitted(sampling_params), index, stream)
+        request = self._add(ids, text, self._admitted(sampling_params), index, stream, incremental=True)
         self._step_requests[request.request_id] = request
         return request
 
@@ -217,26 +217,30 @@ class LLMEngine:
         try:
             ids, text = self._parse_prompt(0, prompt)
             params = self.get_default_sampling_params() if params is None else params
-            self._step_requests[request_id] = self._add(ids, text, self._admitted(params), 0, None, request_id)
+            self._step_requests[request_id] = self._add(ids, text, self._admitted(params), 0, None, request_id,
+                                                        incremental=True)
         except BaseException:
             del self._step_requests[request_id]
             raise
 
     def _add(self, prompt_ids: list[int], text: str | None, params: SamplingParams, index: int,
-             stream: deque | None, request_id: str | None = None) -> Request:
-        """Admits a checked prompt with checked (``_admitted``) sampling parameters."""
+             stream: deque | None, request_id: str | None = None, incremental: bool = False) -> Request:
+        """Admits a checked prompt with checked (``_admitted``) sampling parameters. ``incremental``: its
+        outputs' text comes from an incremental detokenizer (``step()`` reports it again and again)."""
         chosen = request_id
         completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
                        for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
         if params.prompt_logprobs is not None:  # one completion computes them for the request
             seqs[0].prompt_logprobs = [None] * len(prompt_ids)
-        if stream is not None or params.stop_strings:
+        incremental = incremental and self.tokenizer is not None
+        if stream is not None or params.stop_strings or incremental:
             for seq in seqs:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         while request_id is None or request_id in self._step_requests and request_id != chosen:
             request_id = str(next(self._request_ids))  # a fresh id, not one that a caller of add_request chose
-        request = Request(index, prompt_ids, seqs, request_id, text, waiting_siblings=seqs[1:], stream=stream)
+        request = Request(index, prompt_ids, seqs, request_id, text, waiting_siblings=seqs[1:], stream=stream,
+                          incremental_text=incremental)
         self.core.add(request)
         return request
 

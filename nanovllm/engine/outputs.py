@@ -112,14 +112,15 @@ def _decode_entries(entries: list | None, tokenizer) -> None:
                 lp.decoded_token = "" if piece is None else tokenizer.convert_tokens_to_string([piece])
 
 
-def completion_output(seq: Sequence, index: int, tokenizer) -> CompletionOutput:
-    """Completion ``index`` of its request: the text (cut at a stop string; without a stop token's text), the
-    cumulative logprob of the chosen tokens (with logprobs), why it ended."""
+def completion_output(seq: Sequence, index: int, tokenizer, incremental: bool = False) -> CompletionOutput:
+    """Completion ``index`` of its request: the text (cut at a stop string; without a stop token's text; with
+    ``incremental``, its detokenizer's so far, in O(1) a report), the cumulative logprob of the chosen tokens
+    (with logprobs), why it ended."""
     sp = seq.sampling_params
     if tokenizer is None:
         text = ""
-    elif seq.detokenizer is not None and seq.finish_reason == "stop" and sp.stop_strings:
-        text = seq.detokenizer.text  # cut at the stop string
+    elif seq.detokenizer is not None and (incremental or seq.finish_reason == "stop" and sp.stop_strings):
+        text = seq.detokenizer.text  # (cut at the stop string)
     else:  # without the stop token's text unless include_stop_str_in_output (vLLM's)
         by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         ids = seq.completion_token_ids[:-1] if by_token and not sp.include_stop_str_in_output else \
@@ -148,5 +149,6 @@ def request_output(request, tokenizer) -> RequestOutput:
     if prompt_logprobs is not None and tokenizer is not None:
         _decode_entries(prompt_logprobs, tokenizer)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
-                         [completion_output(seq, i, tokenizer) for i, seq in enumerate(request.seqs)], finished,
+                         [completion_output(seq, i, tokenizer, request.incremental_text)
+                          for i, seq in enumerate(request.seqs)], finished,
                          first.num_prefix_cached_tokens or 0, metrics, request.error)
