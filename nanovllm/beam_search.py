@@ -4,8 +4,8 @@ Each step is one ``generate`` call over every live beam of every prompt (``max_t
 beam_width``, the search's temperature); the prefix cache makes the beams' shared prefixes cheap. vLLM's rules:
 
 - a beam's candidates are the entries of its step's logprobs (the top ``2 * beam_width`` and the sampled token);
-- a candidate ending in the tokenizer's EOS (unless ``ignore_eos``) is finished ("stop") and set aside; the
-  other candidates of a prompt are ranked and the best ``beam_width`` live on;
+- a candidate ending in the model's EOS (``config.eos_token_ids[0]``; unless ``ignore_eos``) is finished
+  ("stop") and set aside; the other candidates of a prompt are ranked and the best ``beam_width`` live on;
 - a beam is scored ``cum_logprob / len(tokens) ** length_penalty``, ``tokens`` being prompt + completion (a final
   EOS not counted);
 - after ``max_tokens`` steps the finished and the live beams ("length") are ranked together, best first, and the
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from nanovllm.engine.llm_engine import prompt_list
 from nanovllm.sampling_params import SamplingParams, check_int, check_number
 
 
@@ -93,8 +94,8 @@ def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
         raise ValueError(f"beam_width must be <= half the vocabulary size {vocab_size} (each step ranks "
                          f"2 * beam_width candidates per beam), got {params.beam_width}")
     tokenizer = llm.tokenizer
-    prompt_ids = [llm._parse_prompt(i, p)[0] for i, p in enumerate(_as_list(prompts))]  # as generate reads them
-    eos_token_id = _eos_token_id(llm)
+    prompt_ids = [llm._parse_prompt(i, p)[0] for i, p in enumerate(prompt_list(prompts))]  # as generate reads them
+    eos_token_id = llm.config.eos_token_ids[0] if llm.config.eos_token_ids else None  # the model's own
 
     def score(beam: BeamSearchSequence) -> float:
         return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, params.length_penalty)
@@ -168,20 +169,3 @@ def _text(tokenizer, beam: BeamSearchSequence, include_stop_str: bool) -> str:
         return ""
     tokens = beam.tokens[:-1] if beam.finish_reason == "stop" and not include_stop_str else beam.tokens
     return tokenizer.decode(tokens)
-
-
-def _eos_token_id(llm) -> int | None:
-    """The tokenizer's EOS (vLLM's choice: one id), else the model config's (its first, if a list)."""
-    tokenizer = llm.tokenizer
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = getattr(llm.config.hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-
-
-def _as_list(prompts) -> list:
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and type(prompts[0]) is int):
-        return [prompts]  # one prompt
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
-    return list(prompts)

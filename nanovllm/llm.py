@@ -1,6 +1,6 @@
 """The user-facing class: ``LLM(model, **config).generate(prompts, sampling_params)``."""
 from nanovllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.llm_engine import LLMEngine, refuse_unsupported
 
 
 class LLM(LLMEngine):
@@ -40,6 +40,5 @@ class LLM(LLMEngine):
         first by ``cum_logprob / len(tokens) ** length_penalty``, ``tokens`` being prompt + completion. Each step is
         one ``generate`` call over all live beams (see ``nanovllm.beam_search``). ``use_tqdm``: a bar over the
         steps; ``concurrency_limit``: how many prompts are searched at a time (all by default)."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported by nanovllm (no LoRA)")
+        refuse_unsupported(lora_request=lora_request)
         return beam_search(self, prompts, params, use_tqdm=use_tqdm, concurrency_limit=concurrency_limit)

@@ -236,8 +236,8 @@ class FakeEngine:
         gen = torch.Generator().manual_seed(1)
         self.table = torch.log_softmax(3 * torch.randn(self.VOCAB, self.VOCAB, generator=gen, dtype=torch.float64), -1)
         self.tokenizer = None
-        self.config = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=self.VOCAB, eos_token_id=eos),
-                                      max_model_len=max_model_len)
+        self.config = SimpleNamespace(hf_config=SimpleNamespace(vocab_size=self.VOCAB), max_model_len=max_model_len,
+                                      eos_token_ids=() if eos is None else (eos,))
         self.calls = []
 
     def _parse_prompt(self, i, prompt):

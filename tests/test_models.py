@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAMILIES, assert_matches_oracle, assert_no_leaks, edited_checkpoint, random_prompts
+from conftest import FAMILIES, assert_matches_oracle, assert_no_leaks, edited_checkpoint, random_prompts, run_engine
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model, build_tiny_qwen3
 from transformers import AutoConfig
@@ -75,11 +75,8 @@ def test_qwen3_yarn_matches_transformers(tmp_path, oracle, yarn):
     path = build_tiny_qwen3(str(tmp_path / "yarn"), rope_scaling=dict(rope_type="yarn",
                                                                      original_max_position_embeddings=32, **yarn))
     prompts = random_prompts(6, 20, 90, seed=71)
-    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=64, device="cpu")
-    try:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
-    finally:
-        llm.exit()
+    outputs, _ = run_engine(path, prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+                            num_kvcache_blocks=64, device="cpu")
     assert_matches_oracle(oracle, path, prompts, outputs, N)
 
 

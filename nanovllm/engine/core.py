@@ -36,6 +36,7 @@ class Request:
     waiting_siblings: list[Sequence] = field(default_factory=list)
     stream: deque | None = None      # the pieces its stream() call has not yielded yet
     incremental_text: bool = False   # its outputs' text is its detokenizers' (add_request's: step() reports it often)
+    num_reported: int = 0            # completion tokens step() has reported (add_request's requests)
     error: str | None = None         # why a completion ended with finish_reason "error"
 
     @property

@@ -43,6 +43,26 @@ def generation_config_defaults(model: str) -> dict:
     return {ours: fields[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if fields.get(theirs) is not None}
 
 
+def refuse_unsupported(priority=None, **keywords) -> None:
+    """vLLM's per-call keywords that nanovllm has no use for (``lora_request``, ...): a ValueError naming the
+    first one that is not None; ``priority`` (one, or one per prompt) unless 0."""
+    if priority is not None and any(priority if isinstance(priority, (list, tuple)) else [priority]):
+        raise ValueError(f"priority={priority!r} is not supported (nanovllm schedules first come, first served)")
+    for name, value in keywords.items():
+        if value is not None:
+            raise ValueError(f"{name}={value!r:.60} is not supported by nanovllm (it has no LoRA, no multimodal "
+                             "models, no per-request tokenization options or tracing, and its own clock)")
+
+
+def prompt_list(prompts) -> list:
+    """``prompts`` as a list: one prompt (a string, a token-id list or a dict) becomes a list of one."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The served model as vLLM's ``llm_engine.model_config`` shows it (the fields scripts read)."""
@@ -108,10 +128,8 @@ class LLMEngine:
         self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
         self.core = EngineCore(self.config, resources, self._finalizer)
         self._request_ids = itertools.count()
-        # requests admitted by add_request, reported by step(): {request_id: its Request}, and how many
-        # completion tokens step() has reported of each
+        # requests admitted by add_request, reported by step(): {request_id: its Request} (None while admitted)
         self._step_requests: dict[str, Request | None] = {}
-        self._reported: dict[str, int] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs):
@@ -206,12 +224,8 @@ class LLMEngine:
                   lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
-        for name, value in (("lora_request", lora_request), ("tokenization_kwargs", tokenization_kwargs),
-                            ("trace_headers", trace_headers)):
-            if value is not None:
-                raise ValueError(f"{name} is not supported by nanovllm")
-        if priority != 0:
-            raise ValueError(f"priority={priority!r} is not supported (nanovllm schedules first come, first served)")
+        refuse_unsupported(priority, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                           trace_headers=trace_headers, arrival_time=arrival_time)  # arrival: the engine's clock
         if self._step_requests.setdefault(request_id, None) is not None:  # reserved at once: one thread wins
             raise ValueError(f"request_id {request_id!r} is already running")
         try:
@@ -227,7 +241,6 @@ class LLMEngine:
              stream: deque | None, request_id: str | None = None, incremental: bool = False) -> Request:
         """Admits a checked prompt with checked (``_admitted``) sampling parameters. ``incremental``: its
         outputs' text comes from an incremental detokenizer (``step()`` reports it again and again)."""
-        chosen = request_id
         completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
                        for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
@@ -237,8 +250,8 @@ class LLMEngine:
         if stream is not None or params.stop_strings or incremental:
             for seq in seqs:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        while request_id is None or request_id in self._step_requests and request_id != chosen:
-            request_id = str(next(self._request_ids))  # a fresh id, not one that a caller of add_request chose
+        while request_id is None or request_id in self._step_requests and self._step_requests[request_id] is not None:
+            request_id = str(next(self._request_ids))  # a fresh id, not one that a caller of add_request holds
         request = Request(index, prompt_ids, seqs, request_id, text, waiting_siblings=seqs[1:], stream=stream,
                           incremental_text=incremental)
         self.core.add(request)
@@ -270,7 +283,6 @@ class LLMEngine:
                     target = self._step_requests.get(target)
                 if target is not None:
                     self._step_requests.pop(target.request_id, None)
-                    self._reported.pop(target.request_id, None)
                     self.core.abort(target)
 
     def step(self) -> list[RequestOutput]:
@@ -286,13 +298,13 @@ class LLMEngine:
                 if request is None:  # being admitted by another thread
                     continue
                 count = sum(seq.num_completion_tokens for seq in request.seqs)
-                if count == self._reported.get(request_id, 0) and not request.finished:
+                if count == request.num_reported and not request.finished:
                     continue
                 outputs.append(request_output(request, self.tokenizer))
-                self._reported[request_id] = count
+                request.num_reported = count
                 if request.finished:
                     self.core.forget(request)
-                    del self._step_requests[request_id], self._reported[request_id]
+                    del self._step_requests[request_id]
         return outputs
 
     # ---- the offline API -------------------------------------------------------------------
@@ -304,10 +316,7 @@ class LLMEngine:
         (``nanovllm.outputs``). ``sampling_params``: one for all, one per prompt, or None for
         ``get_default_sampling_params()``. vLLM's ``lora_request`` and ``priority`` are refused unless None
         (or all priorities 0)."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported by nanovllm (no LoRA)")
-        if priority is not None and any(priority):
-            raise ValueError(f"priority={priority!r} is not supported (nanovllm schedules first come, first served)")
+        refuse_unsupported(priority, lora_request=lora_request)
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
     def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
@@ -353,9 +362,7 @@ class LLMEngine:
         the tokenizer's chat template (or ``chat_template``), with vLLM's keywords: ``chat_template_kwargs`` become
         template variables (``{"enable_thinking": False}``), ``tools`` go to the template, ``add_generation_prompt``
         opens the assistant's turn, ``continue_final_message`` leaves the last message open."""
-        for name, value in (("lora_request", lora_request), ("mm_processor_kwargs", mm_processor_kwargs)):
-            if value is not None:
-                raise ValueError(f"{name} is not supported by nanovllm (no LoRA, no multimodal models)")
+        refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string' (message contents are "
                              f"strings), got {chat_template_content_format!r}")
@@ -384,10 +391,7 @@ class LLMEngine:
                       texts: list[str] | None = None) -> list[Request]:
         """Checks every prompt and every sampling parameter before admitting any. ``texts``: the prompts'
         text where they are token ids of a known text (chat's rendered conversations)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or \

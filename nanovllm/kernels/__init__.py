@@ -22,3 +22,9 @@ def _triton_linear() -> ModuleType:
 
 def dense_ops(x: torch.Tensor) -> ModuleType:
     return _triton_linear() if x.is_cuda else reference
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input_precision for inputs of ``dtype``: fp32 inputs would otherwise go through tf32
+    (10-bit mantissa); keep fp32 exact."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -13,12 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import dot_precision
+
 LOG2E = 1.4426950408889634
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs would otherwise go through tf32 (10-bit mantissa); keep fp32 exact.
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 # ---- KV store ---------------------------------------------------------------------------------
@@ -214,7 +211,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1), bt.stride(0),
         GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION=_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -313,7 +310,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits, PRECISION=_precision(q.dtype),
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),

@@ -21,11 +21,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import dot_precision
+
 SKINNY_MAX_M = 16
-
-
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact (not tf32)
 
 
 @triton.jit
@@ -145,5 +143,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x, weight, bias if bias is not None else x, residual if residual is not None else x, y, m, k, n,
             x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
-            PRECISION=_precision(x.dtype), **cfg)
+            PRECISION=dot_precision(x.dtype), **cfg)
     return y
