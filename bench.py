@@ -79,16 +79,32 @@ class Roofline:
         return self.output_tokens / max(self.seconds_memory, self.seconds_compute)
 
 
+def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
+    """The expected number of distinct experts a batch of ``batch`` tokens reads in one sparse layer, each
+    token choosing ``top_k`` of ``num_experts`` uniformly: E * (1 - (1 - k/E)^B)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+
+
 def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float,
              dtype_bytes: int = 2, shared_prefix: int = 0) -> Roofline:
     """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix that
-    every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per step)."""
+    every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per step). A
+    mixture of experts' sparse layer reads, per decode step, the experts its batch touches (``experts_touched``
+    at the step's number of running sequences) and computes top-k experts per token."""
+    from nanovllm.models.qwen3_moe import is_sparse_layer
     c = hf_config
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
     head_dim = getattr(c, "head_dim", None) or h // heads
-    params_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * c.intermediate_size
-    params = layers * params_layer + vocab * h * (1 if c.tie_word_embeddings else 2)
+    num_experts, top_k = getattr(c, "num_experts", 0), getattr(c, "num_experts_per_tok", 0)
+    sparse = sum(is_sparse_layer(c, i) for i in range(layers)) if num_experts else 0
+    expert = 3 * h * c.moe_intermediate_size if sparse else 0
+    attn = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h
+    # what every step reads (the routers too) and what a token multiplies by (top-k experts of each sparse layer)
+    params = layers * attn + (layers - sparse) * 3 * h * c.intermediate_size + sparse * num_experts * h \
+        + vocab * h * (1 if c.tie_word_embeddings else 2)
+    params_layer = (layers * attn + (layers - sparse) * 3 * h * c.intermediate_size
+                    + sparse * (num_experts * h + top_k * expert)) / layers
     kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
     prefill_tokens, total_out = sum(prompt_lens) - (len(prompt_lens) - 1) * shared_prefix, sum(output_lens)
     # decode step t (1 .. out-1) of a sequence attends over prompt + t tokens; the first token comes from prefill
@@ -100,7 +116,10 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     flops_attn = 4 * layers * heads * head_dim * (prefill_pairs + kv_reads)
     # a shared prefix's K/V need be read only once per decode step for the whole batch (its blocks are shared)
     kv_bytes_read = kv_reads - sum(shared_prefix * (o - 1) for o in output_lens) + shared_prefix * decode_steps
-    bytes_moved = decode_steps * params * dtype_bytes + (kv_bytes_read + prefill_tokens) * kv_per_token
+    # decode step t (1 .. max out - 1) runs the sequences with more than t outputs; its experts' weights
+    running = [sum(o - 1 >= t for o in output_lens) for t in range(1, decode_steps + 1)] if sparse else []
+    expert_reads = sparse * expert * sum(experts_touched(num_experts, top_k, b) for b in running)
+    bytes_moved = (decode_steps * params + expert_reads) * dtype_bytes + (kv_bytes_read + prefill_tokens) * kv_per_token
     return Roofline(total_out, bytes_moved / bandwidth, (flops_linear + flops_attn) / flops)
 
 

@@ -180,6 +180,11 @@ class Config:
             if value % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
                                  f"{name}={value}")
+        for name in ("intermediate_size", "moe_intermediate_size"):  # the MLPs' (and experts') sharded dimension
+            value = getattr(self.hf_config, name, None)
+            if value and value % self.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
+                                 f"{name}={value}")
         from nanovllm.layers.attention import resolve_backend
         from nanovllm.models.llama import head_dim_of
         # an unusable attention_backend fails here, naming what it does not support

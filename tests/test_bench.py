@@ -118,3 +118,26 @@ def test_kernel_table_counts_launches_busy_and_idle_time():
     assert table["idle_us_per_step"] == (1 + 20) / 2  # 11 -> 12 and 14 -> 34
     assert table["kernels"][0] == dict(name="gemm", launches_per_step=1.0, us_per_step=10.0)
     assert [row["name"] for row in table["kernels"]] == ["gemm", "copy", "norm"]
+
+
+def test_roofline_reads_the_experts_a_moe_step_touches():
+    """Qwen3-30B-A3B: a decode step reads the dense weights (attention, routers, embeddings) and, in each of
+    the 48 sparse layers, the distinct experts its B running sequences touch: exactly top-k = 8 at B = 1,
+    E (1 - (1 - k/E)^B) in expectation; a token computes with 8 of the 128 experts."""
+    moe = preset_config("qwen3-30b-a3b")
+    h, layers = 2048, 48
+    dense = layers * (h * (32 + 2 * 4) * 128 + 32 * 128 * h + 128 * h) + 2 * 151936 * h   # attention, routers, vocab
+    expert = 3 * h * 768
+    one = bench.roofline(moe, [10], [5], 1e12, 1e15)  # 4 decode steps at B = 1: 8 experts each
+    kv_token = 2 * layers * 4 * 128 * 2
+    kv = (10 * 4 + 5 * 4 // 2 + 10) * kv_token  # decode steps' reads of prompt + outputs, and the prefill's writes
+    assert one.seconds_memory * 1e12 == pytest.approx(4 * (dense + layers * 8 * expert) * 2 + kv, rel=1e-9)
+    three = bench.roofline(moe, [10] * 3, [3, 3, 2], 1e12, 1e15)  # step 1 runs 3 sequences, step 2 two
+    touched = 128 * (1 - (1 - 8 / 128) ** 3) + 128 * (1 - (1 - 8 / 128) ** 2)
+    kv = sum(10 * (o - 1) + o * (o - 1) // 2 for o in (3, 3, 2)) * kv_token + 30 * kv_token
+    assert three.seconds_memory * 1e12 == pytest.approx(2 * dense * 2 + layers * touched * expert * 2 + kv, rel=1e-9)
+    # compute: the active matrices (8 experts a token; the LM head apart, the embedding no matmul)
+    active = dense - 2 * 151936 * h + layers * 8 * expert
+    flops_linear = 2 * active * (10 + 5) + 2 * 151936 * h * (1 + 5)
+    flops_attn = 4 * layers * 32 * 128 * (10 * 10 / 2 + 10 * 4 + 5 * 4 // 2)
+    assert one.seconds_compute * 1e15 == pytest.approx(flops_linear + flops_attn, rel=1e-9)

@@ -1,11 +1,11 @@
 """Specification of tensor parallelism on CPU (gloo): TP=2, 4 and 8 give transformers' greedy output token
-for token (Qwen3 and Llama checkpoints, async scheduling, prompt logprobs), and TP engines run side by
-side with other engines in one process."""
+for token (Qwen3, Llama and Qwen3-MoE checkpoints, async scheduling, prompt logprobs), and TP engines run side
+by side with other engines in one process."""
 from __future__ import annotations
 
 import pytest
 from conftest import ENGINE, assert_matches_oracle, assert_no_leaks, assert_prompt_logprobs, random_prompts, run_engine
-from tiny_model import build_tiny_qwen3
+from tiny_model import build_tiny_model, build_tiny_qwen3
 
 from nanovllm import LLM, SamplingParams
 
@@ -50,6 +50,17 @@ def test_llama_tensor_parallel(family_checkpoints, oracle):
     finally:
         llm.exit()
     assert_matches_oracle(oracle, path, prompts, outputs, N)
+
+
+def test_qwen3_moe_tensor_parallel(tmp_path, oracle):
+    """Qwen3-MoE at TP=2: each rank holds half of every expert's intermediate dimension (and a dense layer's),
+    the router whole; the partial down projections are summed by the all-reduce."""
+    path = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", head_dim=32, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])
+    prompts = random_prompts(8, 3, 60, seed=72)
+    outputs, _ = run_engine(path, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            tensor_parallel_size=2, device="cpu")
+    assert_matches_oracle(oracle, path, prompts, outputs, 16)
 
 
 def test_async_tensor_parallel_gloo(checkpoints, oracle):

@@ -1,4 +1,4 @@
-"""Builds tiny random checkpoints (Qwen3, Qwen2, Llama, Mistral) with a byte-level tokenizer, offline.
+"""Builds tiny random checkpoints (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE) with a byte-level tokenizer, offline.
 
 Test code (not part of the package): the tests build their checkpoints with it, transformers being the oracle.
 """
@@ -51,7 +51,8 @@ def build_tiny_qwen3(path: str, **kwargs) -> str:
 
 
 ARCHITECTURES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                 "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+                 "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def build_tiny_model(path: str, arch: str = "qwen3", *, seed: int = 0, vocab_size: int = 320, hidden_size: int = 64,
@@ -59,8 +60,8 @@ def build_tiny_model(path: str, arch: str = "qwen3", *, seed: int = 0, vocab_siz
                      num_key_value_heads: int = 2, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
                      max_position_embeddings: int = 1024, initializer_range: float = 0.2,
                      max_shard_size: str | None = None, dtype: torch.dtype = torch.float32, **extra) -> str:
-    """Saves a random model of one of ARCHITECTURES with a byte tokenizer in ``path``; ``extra`` goes
-    to the transformers config (head_dim, tie_word_embeddings, attention_bias, mlp_bias, sliding_window...)."""
+    """Saves a random model of one of ARCHITECTURES with a byte tokenizer in ``path``; ``extra`` goes to the
+    transformers config (head_dim, tie_word_embeddings, attention_bias, mlp_bias, sliding_window, num_experts...)."""
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 

@@ -1,6 +1,7 @@
 """Kernels. Attention's backends are chosen once at start-up (``nanovllm.layers.attention``); the dense
 layers' ops (RMSNorm, SiLU-and-mul, the fused linear) follow the tensor: ``dense_ops(x)`` is Triton's
-(``triton_linear``) for a CUDA tensor when triton is installed, the PyTorch reference otherwise."""
+(``triton_linear``) for a CUDA tensor when triton is installed, the PyTorch reference otherwise; so do the
+mixture-of-experts layer's (``moe_ops(x)``: ``triton_moe``, else ``moe_reference``)."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-from nanovllm.kernels import reference
+from nanovllm.kernels import moe_reference, reference
 
 
 @functools.cache
@@ -22,6 +23,19 @@ def _triton_linear() -> ModuleType:
 
 def dense_ops(x: torch.Tensor) -> ModuleType:
     return _triton_linear() if x.is_cuda else reference
+
+
+@functools.cache
+def _triton_moe() -> ModuleType:
+    if importlib.util.find_spec("triton") is None:
+        return moe_reference
+    from nanovllm.kernels import triton_moe
+    return triton_moe
+
+
+def moe_ops(x: torch.Tensor) -> ModuleType:
+    """The module whose ``fused_moe`` runs the experts for tokens x."""
+    return _triton_moe() if x.is_cuda else moe_reference
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -43,6 +43,13 @@ class LinearBase(nn.Module):
         return dense_ops(x).linear(x, self.weight, self.bias)
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole layer on every rank (vLLM's; a mixture-of-experts router)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
+        param.data.copy_(self._shard(loaded, None, param.shape))
+
+
 class MergedColumnParallelLinear(LinearBase):
     """Column-parallel ``output_sizes`` in one matmul (gate and up); checkpoint part ``shard_id`` at its offset."""
 

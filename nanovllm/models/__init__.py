@@ -1,11 +1,13 @@
 """Model registry, keyed by the checkpoint's ``config.json`` ``architectures``: every family is the
-Llama decoder (``llama.py``) with its own ``DecoderOptions``."""
+Llama decoder (``llama.py``) with its own ``DecoderOptions`` (Qwen3-MoE's, with its sparse MLPs, in
+``qwen3_moe.py``)."""
 from __future__ import annotations
 
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.models.llama import DecoderOptions, LlamaForCausalLM
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -26,11 +28,12 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's options; ``check_config`` refuses a sliding window shorter than max_model_len."""
+    """Mistral: Llama's options; ``sliding_window`` (when set) on every layer."""
 
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                  Qwen3MoeForCausalLM)}
 
 
 def get_model_class(hf_config) -> type[nn.Module]:

@@ -3,6 +3,7 @@ shared layers and tensor-parallel throughout. What differs between the families 
 (``DecoderOptions``): biases on q/k/v, o and the MLP, and Qwen3's per-head q/k RMSNorm."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ class DecoderOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # layer i's MLP when a family's differs from DecoderMLP (a mixture of experts): (config, options, i) -> module
+    # whose forward(x, residual) returns residual + its output
+    mlp: Callable[[PretrainedConfig, DecoderOptions, int], nn.Module] | None = None
 
 
 class DecoderAttention(nn.Module):
@@ -81,10 +85,11 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
+                 layer_idx: int = 0):
         super().__init__()
         self.self_attn = DecoderAttention(config, options, rotary_emb)
-        self.mlp = DecoderMLP(config, options)
+        self.mlp = options.mlp(config, options, layer_idx) if options.mlp else DecoderMLP(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -102,8 +107,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one cos/sin table for all layers, of max_model_len rows: positions stay below max_model_len
         self.rotary_emb = get_rope(head_dim_of(config), max_model_len, config)
-        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb)
-                                     for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i)
+                                     for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Architecture presets: configs of real models built into the code, so benchmarks run with
 ``load_format="dummy"`` and no checkpoint (``LLM("qwen3-0.6b", load_format="dummy", ...)``).
 The fields are the config.json values of Qwen/Qwen3-0.6B, Qwen/Qwen3-8B, meta-llama/Llama-3.2-1B,
-meta-llama/Llama-3.1-8B and Qwen/Qwen2.5-7B-Instruct: a family's shared ones, then each model's."""
+meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B-Instruct and Qwen/Qwen3-30B-A3B: a family's shared ones, then each
+model's."""
 from __future__ import annotations
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 _QWEN = dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
              bos_token_id=151643, eos_token_id=151645, dtype="bfloat16")
@@ -31,6 +32,12 @@ PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
                                      intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                                      num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False,
                                      use_sliding_window=False)),
+    # 48 sparse layers of 128 experts (8 a token, 768 wide); intermediate_size is the unused dense MLP's
+    "qwen3-30b-a3b": (Qwen3MoeConfig, dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], num_key_value_heads=4,
+                                           hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                           num_attention_heads=32, tie_word_embeddings=False, num_experts=128,
+                                           num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                                           decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)),
 }
 
 

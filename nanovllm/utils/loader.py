@@ -114,6 +114,8 @@ def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 
 def load_model(model: nn.Module, path: str):
     packed = getattr(model, "packed_modules_mapping", {})
+    # a model's own names first (a mixture of experts' per-expert tensors), then the packed q/k/v and gate/up
+    own_target = getattr(model, "checkpoint_target", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[int] = set()  # ids: a tied parameter counts as loaded under any of its names
     for file in checkpoint_files(path):
@@ -122,7 +124,7 @@ def load_model(model: nn.Module, path: str):
                 for name in f.keys():
                     if name.endswith(SKIPPED_TENSORS):
                         continue
-                    target, shard_args = _packed_target(name, packed)
+                    target, shard_args = own_target(name) or _packed_target(name, packed)
                     if target not in params:
                         raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} matches no "
                                          f"parameter of {type(model).__name__}")
@@ -136,6 +138,9 @@ def load_model(model: nn.Module, path: str):
             raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file (truncated or an "
                              f"interrupted download?): {e}") from None
     missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
+    # a module whose parameters take many tensors (a mixture of experts) names the ones it got no value for
+    missing += [f"{name} ({', '.join(parts[:4])}{' ...' if len(parts) > 4 else ''})"
+                for name, module in model.named_modules() if (parts := getattr(module, "missing_weights", list)())]
     if missing:
         raise ValueError(f"checkpoint has no weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 

@@ -1,0 +1,92 @@
+"""A mixture-of-experts layer's experts (vLLM's ``FusedMoE``) and its router's top-k (``fused_topk``).
+
+The experts are packed into two parameters, ``w13_weight [E, 2 * I/tp, H]`` (each expert's gate rows,
+then its up rows) and ``w2_weight [E, H, I/tp]``, and sharded for tensor parallelism along the experts'
+intermediate dimension, as vLLM shards them: every rank holds every expert's slice, computes its partial
+down projection, and the all-reduce sums them (the residual added on rank 0 only, as in a row-parallel
+layer). ``weight_loader`` takes the checkpoint in either layout Hugging Face checkpoints ship: one tensor
+per expert and projection (``experts.{e}.gate_proj.weight``; the Hub's Qwen3-MoE checkpoints, and what
+transformers' ``save_pretrained`` writes) or packed 3-D tensors (``experts.gate_up_proj``,
+``experts.down_proj``, transformers' in-memory layout). Which kernels run follows the tensor:
+``kernels.moe_ops(x)``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.kernels import moe_ops
+from nanovllm.layers.linear import check_shape
+from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
+
+# checkpoint shard names (vLLM's): w1 the gate, w3 the up, w2 the down projection; w13 both of a packed tensor
+SHARD_IDS = ("w1", "w3", "w2", "w13")
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [M, top_k], topk_ids [M, top_k]): the softmax over experts in float32, its top-k,
+    renormalized to sum to 1 when ``renormalize`` (the checkpoint's ``norm_topk_prob``). The weights stay
+    in float32, as vLLM keeps them (transformers rounds them to the model's dtype)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp()
+        self.tp_group = get_tp_group()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"tensor_parallel_size={self.tp_size} must divide the experts' "
+                             f"intermediate size {intermediate_size}")
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.intermediate_size_per_partition = ip = intermediate_size // self.tp_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * ip, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ip), requires_grad=False)
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader
+        self._loaded: set[tuple[int, str]] = set()  # (expert, shard id) pairs the checkpoint gave
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int | None, shard_id: str):
+        """One checkpoint tensor: expert ``expert_id``'s gate (w1), up (w3) or down (w2) projection, or, with
+        ``expert_id`` None, every expert's packed gate and up (w13, [E, 2 * I, H]) or down (w2, [E, H, I])."""
+        ip, e, h = self.intermediate_size_per_partition, self.num_experts, self.hidden_size
+        i, lo = ip * self.tp_size, self.tp_rank * ip
+        if expert_id is not None and not 0 <= expert_id < e:
+            raise ValueError(f"is expert {expert_id} but the model has {e} experts")
+        experts = range(e) if expert_id is None else [expert_id]
+        target = param.data if expert_id is None else param.data[expert_id:expert_id + 1]
+        if shard_id in ("w1", "w3"):  # this rank's rows of one expert's gate or up
+            check_shape(loaded, (i, h))
+            target.narrow(1, 0 if shard_id == "w1" else ip, ip).copy_(loaded.narrow(0, lo, ip))
+        elif shard_id == "w13":  # [E, gate rows; up rows, H]: this rank's rows of each half
+            check_shape(loaded, (e, 2 * i, h))
+            target.narrow(1, 0, ip).copy_(loaded.narrow(1, lo, ip))
+            target.narrow(1, ip, ip).copy_(loaded.narrow(1, i + lo, ip))
+        elif shard_id == "w2":  # this rank's columns of the down projection
+            check_shape(loaded, (h, i) if expert_id is not None else (e, h, i))
+            target.copy_(loaded.narrow(-1, lo, ip).expand_as(target))
+        else:
+            raise ValueError(f"unknown expert shard {shard_id!r} (one of {SHARD_IDS})")
+        shards = ("w1", "w3") if shard_id == "w13" else (shard_id,)
+        self._loaded.update((expert, shard) for expert in experts for shard in shards)
+
+    def missing_weights(self) -> list[str]:
+        """The experts' tensors a checkpoint that gave some of them left out (they would be uninitialized
+        memory); [] when it gave none (the loader names the parameters then) or all."""
+        if not self._loaded:
+            return []
+        return [f"expert {e} {s}" for e in range(self.num_experts) for s in ("w1", "w3", "w2")
+                if (e, s) not in self._loaded]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + sum over top-k of each chosen expert's MLP of x, weighted (the residual on rank 0 only,
+        before the sum over ranks)."""
+        first = self.tp_rank == 0
+        y = moe_ops(x).fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                 residual=residual if first else None)
+        return all_reduce(y, self.tp_group)

@@ -1,0 +1,259 @@
+"""Specification of Qwen3-MoE (``Qwen3MoeForCausalLM``) and its fused MoE kernel.
+
+The model: tiny random checkpoints built by transformers in Qwen3-MoE's configurations (8 experts, top-2;
+norm_topk_prob on and off; dense layers mixed in by mlp_only_layers and decoder_sparse_step) give
+transformers' greedy output token for token on CPU, with prefix-cache hits, chunked prefill and preemption;
+the checkpoint's experts load from either layout (per expert, as the Hub and save_pretrained write them, or
+packed 3-D tensors), and a checkpoint that lacks an expert's tensor is refused by name; dummy weights; the
+Qwen3-30B-A3B preset's parameter count. TP=2 is in test_tensor_parallel.py.
+
+The kernel: ``triton_moe.fused_moe`` against ``moe_reference.fused_moe`` (computed in float64) under
+TRITON_INTERPRET=1 at small shapes, in fp32 and fp16, with skewed and uniform routing; its alignment
+step's invariants; at Qwen3-30B-A3B's shapes in bf16 and inside a CUDA graph on the GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import assert_matches_oracle, assert_no_leaks, edited_checkpoint, random_prompts, run_engine
+from safetensors.torch import load_file, save_file
+from tiny_model import build_tiny_model
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.kernels import moe_reference
+from nanovllm.layers.fused_moe import fused_topk
+
+triton_moe = pytest.importorskip("nanovllm.kernels.triton_moe")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+N = 24
+
+MOE = dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+CHECKPOINTS = {  # name: build_tiny_model("qwen3_moe") overrides
+    # a dense layer (mlp_only_layers) between sparse ones, renormalized top-k (Qwen3-30B-A3B's norm_topk_prob)
+    "topk_norm_mixed": dict(MOE, norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1]),
+    # every other layer sparse (decoder_sparse_step 2), top-k weights as the softmax gives them, tied embeddings
+    "topk_raw_step2": dict(MOE, norm_topk_prob=False, num_hidden_layers=4, decoder_sparse_step=2,
+                           num_experts_per_tok=3, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: build_tiny_model(str(root / name), "qwen3_moe", **kw) for name, kw in CHECKPOINTS.items()}
+
+
+# ---- the model against transformers ----------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_qwen3_moe_matches_transformers(moe_checkpoints, oracle, name):
+    """With prefix-cache hits (a second wave sharing the first's prefixes), chunked prefill (a 40-token
+    budget) and preemption (a 40-block cache), as every family's test runs."""
+    path = moe_checkpoints[name]
+    prompts = random_prompts(12, 3, 90, seed=80)
+    again = [p + [1, 2] for p in prompts[-3:]]
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=40, max_num_batched_tokens=40,
+              device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    try:
+        layers = llm.model_runner.model.model.layers
+        sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in layers]
+        assert sparse == {"topk_norm_mixed": [True, False, True], "topk_raw_step2": [False, True, False, True]}[name]
+        outputs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(again, sp, use_tqdm=False)
+        assert llm.scheduler.block_manager.num_cache_hits > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts + again, outputs, N)
+
+
+def _pack_experts(src: str, dst) -> str:
+    """A copy of checkpoint ``src`` whose experts are packed per layer as transformers holds them in memory:
+    experts.gate_up_proj [E, 2I, H] (gate rows, then up rows) and experts.down_proj [E, H, I]."""
+    import shutil
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json")) as f:
+        experts = json.load(f)["num_local_experts"]  # what Qwen3MoeConfig saves num_experts as
+    for prefix in sorted({n.split("experts.")[0] for n in tensors if ".experts." in n}):
+        gate, up, down = ([tensors.pop(f"{prefix}experts.{e}.{proj}.weight") for e in range(experts)]
+                          for proj in ("gate_proj", "up_proj", "down_proj"))
+        tensors[f"{prefix}experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        tensors[f"{prefix}experts.down_proj"] = torch.stack(down)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_packed_expert_layout_loads_the_same_model(moe_checkpoints, tmp_path):
+    """save_pretrained writes one tensor per expert (the Hub's layout, which the test above loads); the packed
+    3-D layout must give the same model, hence the same greedy tokens."""
+    path = moe_checkpoints["topk_norm_mixed"]
+    assert any(".experts.0.gate_proj.weight" in n for n in load_file(os.path.join(path, "model.safetensors")))
+    packed = _pack_experts(path, tmp_path / "packed")
+    prompts = random_prompts(4, 5, 40, seed=81)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    per_expert, _ = run_engine(path, prompts, sp, device="cpu", num_kvcache_blocks=64)
+    from_packed, _ = run_engine(packed, prompts, sp, device="cpu", num_kvcache_blocks=64)
+    assert [o["token_ids"] for o in from_packed] == [o["token_ids"] for o in per_expert]
+
+
+def test_missing_or_misshapen_expert_is_named(moe_checkpoints, tmp_path):
+    path = moe_checkpoints["topk_norm_mixed"]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    dropped = edited_checkpoint(path, tmp_path / "dropped")
+    save_file({n: t for n, t in tensors.items() if n != "model.layers.2.mlp.experts.5.up_proj.weight"},
+              os.path.join(dropped, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts \(expert 5 w3\)"):
+        LLM(dropped, device="cpu", num_kvcache_blocks=16)
+    bad = edited_checkpoint(path, tmp_path / "bad")
+    name = "model.layers.0.mlp.experts.3.down_proj.weight"
+    save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, os.path.join(bad, "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}.*has shape \(64, 31\) but the model expects \(64, 32\)"):
+        LLM(bad, device="cpu", num_kvcache_blocks=16)
+    extra = edited_checkpoint(path, tmp_path / "extra")
+    save_file({**tensors, "model.layers.0.mlp.experts.8.up_proj.weight": tensors[name.replace("down", "up")].clone()},
+              os.path.join(extra, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.8\.up_proj.*is expert 8 but the model has 8 experts"):
+        LLM(extra, device="cpu", num_kvcache_blocks=16)
+
+
+def test_dummy_weights_and_bad_configs(moe_checkpoints, tmp_path):
+    path = moe_checkpoints["topk_norm_mixed"]
+    llm = LLM(path, load_format="dummy", device="cpu", num_kvcache_blocks=32, kvcache_block_size=16)
+    try:
+        experts = llm.model_runner.model.model.layers[0].mlp.experts
+        assert experts.w13_weight.std() == pytest.approx(0.02, rel=0.1) and experts.w2_weight.abs().sum() > 0
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0]["token_ids"]) == 4
+    finally:
+        llm.exit()
+    odd = edited_checkpoint(path, tmp_path / "odd", moe_intermediate_size=33)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's moe_intermediate_size=33"):
+        LLM(odd, device="cpu", tensor_parallel_size=2)
+    many = edited_checkpoint(path, tmp_path / "many", num_experts_per_tok=9)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"):
+        LLM(many, device="cpu")
+
+
+def test_qwen3_30b_a3b_preset_builds():
+    """The preset's config builds (meta device) with Qwen3-30B-A3B's 30.5B parameters, all 48 layers sparse."""
+    from nanovllm.models import get_model_class
+    from nanovllm.models.presets import preset_config
+    from nanovllm.utils.distributed import tensor_parallel
+    config = preset_config("qwen3-30b-a3b")
+    with torch.device("meta"), tensor_parallel(0, 1):
+        model = get_model_class(config)(config)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(30.53, abs=0.01)
+    assert all(tuple(layer.mlp.experts.w13_weight.shape) == (128, 1536, 2048) for layer in model.model.layers)
+
+
+# ---- the kernel against the reference -------------------------------------------------------------
+def _moe_inputs(m: int, hidden: int, inter: int, experts: int, top_k: int, dtype, seed: int, skew: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g).to(dtype).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(DEVICE)
+    logits = torch.randn(m, experts, generator=g)
+    if skew:  # most tokens to two experts: runs of many tiles for one expert, most experts untouched
+        logits[:, 3] += 8.0
+        logits[:, 5] += 7.0
+    topk_weights, topk_ids = fused_topk(logits.to(DEVICE), top_k, renormalize=True)
+    return x, w13, w2, topk_weights, topk_ids
+
+
+def _check_fused_moe(m, hidden, inter, experts, top_k, dtype, seed=0, skew=False, config=None, residual=False):
+    x, w13, w2, tw, ti = _moe_inputs(m, hidden, inter, experts, top_k, dtype, seed, skew)
+    ref = moe_reference.fused_moe(x.double(), w13.double(), w2.double(), tw, ti)
+    res = torch.randn(m, hidden, device=DEVICE).to(dtype) if residual else None
+    if residual:
+        ref = ref + res.double()
+    out = triton_moe.fused_moe(x, w13, w2, tw, ti, residual=res.clone() if residual else None, config=config)
+    assert out.shape == (m, hidden) and not out.isnan().any()
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < TOL[dtype], err
+
+
+SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2)  # several tiles of N and K
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,skew,residual", [(1, False, False), (7, False, True), (40, True, False)],
+                         ids=["decode1", "batch7_residual", "skewed40"])
+def test_fused_moe_matches_reference(m, skew, residual, dtype):
+    """I = 48: a partial column tile; skewed routing puts ~40 rows on one expert (three tiles of 16)."""
+    _check_fused_moe(m, 64, 48, 8, 2, dtype, seed=m, skew=skew, config=SMALL, residual=residual)
+
+
+def test_moe_align_block_size_invariants():
+    """Every (token, slot) pair once, in a tile of its expert's; tiles padded with the sentinel; the
+    padded total covers exactly the experts' runs rounded up to the block; tiles past it are num_experts."""
+    g = torch.Generator().manual_seed(3)
+    experts, top_k, block = 16, 4, 16
+    for m in (1, 5, 33, 200):
+        topk_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)]).to(DEVICE)
+        sorted_ids, expert_ids, total = triton_moe.moe_align_block_size(topk_ids, block, experts)
+        pairs = m * top_k
+        counts = torch.bincount(topk_ids.flatten().cpu(), minlength=experts)
+        assert int(total) == int(((counts + block - 1) // block * block).sum())
+        assert sorted_ids.numel() == expert_ids.numel() * block >= int(total)
+        real = sorted_ids[sorted_ids < pairs].cpu()
+        assert sorted(real.tolist()) == list(range(pairs))
+        tiles = sorted_ids.view(-1, block).cpu()
+        for t, expert in enumerate(expert_ids.cpu().tolist()):
+            rows = tiles[t][tiles[t] < pairs]
+            if t * block >= int(total):
+                assert expert == experts and rows.numel() == 0
+            else:
+                assert (topk_ids.flatten().cpu()[rows] == expert).all()
+
+
+def test_fused_topk_renormalizes_as_norm_topk_prob_says():
+    logits = torch.randn(5, 8)
+    w, ids = fused_topk(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert torch.equal(ids, probs.topk(2).indices) and torch.allclose(w, probs.topk(2).values)
+    w_norm, _ = fused_topk(logits, 2, renormalize=True)
+    assert torch.allclose(w_norm.sum(-1), torch.ones(5)) and torch.allclose(w_norm, w / w.sum(-1, keepdim=True))
+
+
+# ---- on the GPU: Qwen3-30B-A3B's shapes, CUDA graphs, the engine ------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 256, 2048])
+def test_fused_moe_at_qwen3_30b_a3b_shapes(m):
+    """H 2048, I 768, 128 experts, top-8, bf16, with the default tile sizes of each batch size."""
+    _check_fused_moe(m, 2048, 768, 128, 8, torch.bfloat16, seed=m, residual=m == 64)
+
+
+@pytest.mark.gpu
+def test_fused_moe_in_a_cuda_graph():
+    """Captured once, replayed on new routing (as decode graphs replay): the same values as eager calls."""
+    x, w13, w2, tw, ti = _moe_inputs(48, 256, 128, 32, 4, torch.bfloat16, seed=5)
+    eager = triton_moe.fused_moe(x, w13, w2, tw, ti)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_moe.fused_moe(x, w13, w2, tw, ti)
+    graph.replay()
+    assert torch.equal(out, eager)
+    x2, _, _, tw2, ti2 = _moe_inputs(48, 256, 128, 32, 4, torch.bfloat16, seed=6)
+    for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
+        dst.copy_(src)
+    graph.replay()
+    assert torch.equal(out, triton_moe.fused_moe(x, w13, w2, tw, ti))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_qwen3_moe_float32_on_cuda_matches_transformers(moe_checkpoints, oracle, enforce_eager):
+    path = moe_checkpoints["topk_norm_mixed"]
+    prompts = random_prompts(21, 3, 90, seed=82)  # graph bucket 32, padded rows
+    outputs, _ = run_engine(path, prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
+                            device="cuda", dtype="float32", enforce_eager=enforce_eager)
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
