@@ -24,7 +24,6 @@ from tiny_model import build_tiny_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import moe_reference
-from nanovllm.layers.fused_moe import fused_topk
 
 triton_moe = pytest.importorskip("nanovllm.kernels.triton_moe")
 
@@ -164,7 +163,7 @@ def _moe_inputs(m: int, hidden: int, inter: int, experts: int, top_k: int, dtype
     if skew:  # most tokens to two experts: runs of many tiles for one expert, most experts untouched
         logits[:, 3] += 8.0
         logits[:, 5] += 7.0
-    topk_weights, topk_ids = fused_topk(logits.to(DEVICE), top_k, renormalize=True)
+    topk_weights, topk_ids = moe_reference.fused_topk(logits.to(DEVICE), top_k, renormalize=True)
     return x, w13, w2, topk_weights, topk_ids
 
 
@@ -214,13 +213,20 @@ def test_moe_align_block_size_invariants():
                 assert (topk_ids.flatten().cpu()[rows] == expert).all()
 
 
-def test_fused_topk_renormalizes_as_norm_topk_prob_says():
-    logits = torch.randn(5, 8)
-    w, ids = fused_topk(logits, 2, renormalize=False)
-    probs = torch.softmax(logits, -1)
-    assert torch.equal(ids, probs.topk(2).indices) and torch.allclose(w, probs.topk(2).values)
-    w_norm, _ = fused_topk(logits, 2, renormalize=True)
-    assert torch.allclose(w_norm.sum(-1), torch.ones(5)) and torch.allclose(w_norm, w / w.sum(-1, keepdim=True))
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_fused_topk_kernel_matches_reference(renormalize):
+    """The softmax's top-k (weights and experts, in order), renormalized or not, for 128 and 6 experts."""
+    g = torch.Generator().manual_seed(4)
+    for m, experts, top_k in ((5, 128, 8), (3, 6, 3)):
+        logits = torch.randn(m, experts, generator=g).to(DEVICE)
+        w, ids = triton_moe.fused_topk(logits, top_k, renormalize)
+        probs = torch.softmax(logits.double(), -1)
+        ref_w, ref_ids = probs.topk(top_k)
+        if renormalize:
+            ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        assert torch.equal(ids.long(), ref_ids) and torch.allclose(w.double(), ref_w, atol=1e-6)
+        ref_w32, ref_ids32 = moe_reference.fused_topk(logits, top_k, renormalize)
+        assert torch.equal(ref_ids32, ref_ids) and torch.allclose(ref_w32.double(), ref_w, atol=1e-6)
 
 
 # ---- on the GPU: Qwen3-30B-A3B's shapes, CUDA graphs, the engine ------------------------------------

@@ -1,4 +1,5 @@
-"""The mixture-of-experts layer's experts in plain PyTorch: the CPU path, and the oracle of ``triton_moe``.
+"""The mixture-of-experts layer in plain PyTorch (the router's top-k, the experts): the CPU path, and the oracle
+of ``triton_moe``.
 
 Weights are packed per layer as vLLM packs them: ``w13 [E, 2 * I, H]`` (each expert's gate rows, then its up
 rows) and ``w2 [E, H, I]``; ``topk_ids``/``topk_weights`` ``[M, top_k]`` are the router's choice for each of
@@ -11,6 +12,17 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels.reference import silu_and_mul
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [M, top_k], topk_ids [M, top_k]): the softmax over experts in float32, its top-k,
+    renormalized to sum to 1 when ``renormalize`` (the checkpoint's ``norm_topk_prob``). The weights stay
+    in float32, as vLLM keeps them (transformers rounds them to the model's dtype)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

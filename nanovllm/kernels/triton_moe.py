@@ -1,8 +1,9 @@
-"""The mixture-of-experts layer's experts in Triton: vLLM's fused MoE design, in three steps.
+"""The mixture-of-experts layer in Triton: the router's top-k (``fused_topk``, one launch) and the experts
+(``fused_moe``), vLLM's fused MoE design in three steps.
 
-1. ``moe_align_block_size``: the M * top_k (token, expert) pairs the router chose are sorted by expert,
-   and each expert's run is padded to a multiple of BLOCK_M, so that every tile of BLOCK_M sorted rows
-   belongs to one expert (``expert_ids[tile]``); padding rows hold the sentinel M * top_k.
+1. ``moe_align_block_size`` (one launch): the M * top_k (token, expert) pairs the router chose are grouped
+   by expert, and each expert's run is padded to a multiple of BLOCK_M, so that every tile of BLOCK_M
+   rows belongs to one expert (``expert_ids[tile]``); padding rows hold the sentinel M * top_k.
 2. One grouped GEMM for gate and up (``w13``): a program takes one tile of rows and BLOCK_N columns of
    its expert's gate and the same columns of its up, and stores SiLU(gate) * up (the activation in the
    epilogue, as the skinny dense kernel does) into the pairs' rows of the intermediate [M * top_k, I].
@@ -12,9 +13,11 @@
 A tile reads only its expert's weights: a step reads the weights of the experts its batch touches,
 once per tile of their rows (once at decode batch sizes, where an expert gets a few rows). Nothing here
 waits for the host: the grid is sized by the most tiles the padding can make (known from the shapes),
-and tiles past the padded total (a device scalar) return at once, so decode graphs capture it.
+and tiles past the padded total (a device scalar) return at once, so decode graphs capture it. A sparse
+layer is seven launches: the router's projection, top-k, the alignment, the two GEMMs, the top-k sum and
+the residual add.
 
-Same function as ``moe_reference.fused_moe`` (the oracle and the CPU path).
+Same functions as ``moe_reference`` (the oracle and the CPU path).
 """
 from __future__ import annotations
 
@@ -25,30 +28,100 @@ import triton.language as tl
 from nanovllm.kernels import dot_precision
 
 
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                         RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: the softmax of its router logits in float32, its TOP_K largest (the first index among equals),
+    renormalized to sum to 1 with RENORMALIZE."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    mask = offs < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(mask, p / tl.sum(p, 0), -1.0)
+    ks = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
+        weights = tl.where(ks == j, best, weights)
+        ids = tl.where(ks == j, idx, ids)
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + row * TOP_K + ks, weights, mask=ks < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + ks, ids, mask=ks < TOP_K)
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), as ``moe_reference.fused_topk``, in one launch."""
+    m, num_experts = router_logits.shape
+    weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
+    if m:
+        _topk_softmax_kernel[(m,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                   RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+                                   BLOCK_K=triton.next_power_of_2(top_k))
+    return weights, ids
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
+def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, cursor_ptr, num_pairs,
+                      capacity, NUM_EXPERTS: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
+    """One program (the whole step's pairs are few thousand at decode): each expert's count, the padded runs'
+    starts (into ``cursor``), each tile's expert, the sentinels; then each pair claims the next slot of its
+    expert's run by an atomic add on that expert's cursor (the order within a run is free: a row's result
+    does not depend on the other rows of its tile)."""
+    bins = tl.arange(0, NUM_BINS)
+    counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32)
+        counts += tl.histogram(ids, NUM_BINS, mask=offs < num_pairs)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(num_post_padded_ptr, total)
+    tl.store(cursor_ptr + bins, padded_end - padded)
+    num_tiles = capacity // BLOCK_M
+    for t0 in range(0, num_tiles, TILE_CHUNK):  # a tile's expert: the experts whose runs end at or before it
+        tiles = t0 + tl.arange(0, TILE_CHUNK)
+        before = (padded_end[None, :] <= tiles[:, None] * BLOCK_M) & (bins[None, :] < NUM_EXPERTS)
+        tl.store(expert_ids_ptr + tiles, tl.sum(before.to(tl.int32), 1), mask=tiles < num_tiles)
+    for s0 in range(0, capacity, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < capacity)
+    tl.debug_barrier()  # cursors and sentinels written before any pair claims a slot
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        ids = tl.load(topk_ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        slot = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+        tl.store(sorted_ids_ptr + slot, offs.to(tl.int32), mask=mask)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """(sorted_token_ids, expert_ids, num_tokens_post_padded) for topk_ids [M, top_k] (vLLM's names).
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded) for topk_ids [M, top_k] (vLLM's names), in one launch.
 
     ``sorted_token_ids`` [capacity]: pair indices (token * top_k + slot) grouped by expert, each group
     padded to a multiple of ``block_m`` with the sentinel M * top_k; ``expert_ids`` [capacity / block_m]:
-    each tile's expert (num_experts past the end); ``num_tokens_post_padded`` [1]: the padded total.
-    Device ops only (no host sync; CUDA-graph capturable); capacity is a function of the shapes alone:
-    the pairs plus at most block_m - 1 padding rows for each expert that can be touched."""
+    each tile's expert (num_experts past the padded total); ``num_tokens_post_padded`` [1]: the padded total.
+    No host sync (CUDA-graph capturable): capacity is a function of the shapes alone, the pairs plus at most
+    block_m - 1 padding rows for each expert that can be touched."""
     pairs = topk_ids.numel()
-    flat = topk_ids.reshape(-1)
-    capacity = pairs + min(num_experts, pairs) * (block_m - 1)
-    capacity = triton.cdiv(capacity, block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))   # bincount would sync (it sizes by the max)
-    padded_end = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
-    padded_start, start = padded_end - (counts + block_m - 1) // block_m * block_m, torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)               # pair indices by expert, in token order within one
-    expert = flat[order].long()
-    dest = padded_start[expert] + torch.arange(pairs, device=flat.device) - start[expert]
-    sorted_token_ids = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_token_ids[dest] = order.to(torch.int32)
-    tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
-    expert_ids = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
-    return sorted_token_ids, expert_ids, padded_end[-1:].to(torch.int32)
+    capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
+    device = topk_ids.device
+    sorted_token_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts)
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1), sorted_token_ids, expert_ids, num_post_padded, cursor, pairs,
+                            capacity, NUM_EXPERTS=num_experts, NUM_BINS=bins, BLOCK_M=block_m, CHUNK=1024,
+                            TILE_CHUNK=max(1, 8192 // bins), num_warps=8)
+    return sorted_token_ids, expert_ids, num_post_padded
 
 
 @triton.jit(do_not_specialize=["num_pairs"])  # one compilation for every batch size (CUDA graph buckets)

@@ -1,4 +1,6 @@
-"""A mixture-of-experts layer's experts (vLLM's ``FusedMoE``) and its router's top-k (``fused_topk``).
+"""A mixture-of-experts layer's experts (vLLM's ``FusedMoE``): given the router's logits, each token's top-k
+experts (``fused_topk``: the softmax's top-k, renormalized as the checkpoint's ``norm_topk_prob`` says) and
+the weighted sum of their MLPs.
 
 The experts are packed into two parameters, ``w13_weight [E, 2 * I/tp, H]`` (each expert's gate rows,
 then its up rows) and ``w2_weight [E, H, I/tp]``, and sharded for tensor parallelism along the experts'
@@ -23,26 +25,15 @@ from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 SHARD_IDS = ("w1", "w3", "w2", "w13")
 
 
-def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [M, top_k], topk_ids [M, top_k]): the softmax over experts in float32, its top-k,
-    renormalized to sum to 1 when ``renormalize`` (the checkpoint's ``norm_topk_prob``). The weights stay
-    in float32, as vLLM keeps them (transformers rounds them to the model's dtype)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    topk_weights, topk_ids = probs.topk(top_k, dim=-1)
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
-
-
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp()
         self.tp_group = get_tp_group()
         if intermediate_size % self.tp_size:
             raise ValueError(f"tensor_parallel_size={self.tp_size} must divide the experts' "
                              f"intermediate size {intermediate_size}")
-        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.num_experts, self.top_k, self.hidden_size, self.renormalize = num_experts, top_k, hidden_size, renormalize
         self.intermediate_size_per_partition = ip = intermediate_size // self.tp_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * ip, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ip), requires_grad=False)
@@ -82,11 +73,12 @@ class FusedMoE(nn.Module):
         return [f"expert {e} {s}" for e in range(self.num_experts) for s in ("w1", "w3", "w2")
                 if (e, s) not in self._loaded]
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + sum over top-k of each chosen expert's MLP of x, weighted (the residual on rank 0 only,
-        before the sum over ranks)."""
-        first = self.tp_rank == 0
-        y = moe_ops(x).fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                 residual=residual if first else None)
+        """residual + the sum over each token's top-k experts of their MLPs of x, weighted by the router (the
+        residual on rank 0 only, before the sum over ranks)."""
+        ops = moe_ops(x)
+        topk_weights, topk_ids = ops.fused_topk(router_logits, self.top_k, self.renormalize)
+        y = ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                          residual=residual if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp_group)

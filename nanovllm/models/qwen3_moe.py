@@ -13,8 +13,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.kernels import dense_ops
-from nanovllm.layers.fused_moe import FusedMoE, fused_topk
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.models.llama import DecoderMLP, DecoderOptions, LlamaForCausalLM
 
@@ -33,14 +32,12 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
-        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedMoE(config.num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, renormalize=config.norm_topk_prob)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        router_logits = dense_ops(x).linear(x, self.gate.weight)
-        topk_weights, topk_ids = fused_topk(router_logits, self.top_k, self.norm_topk_prob)
-        return self.experts(x, topk_weights, topk_ids, residual)
+        return self.experts(x, self.gate(x), residual)
 
 
 def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
