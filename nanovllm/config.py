@@ -41,7 +41,6 @@ IGNORED_KEYWORDS = {
     "prefix_caching_hash_algo": "prefix blocks are keyed by xxhash",
     "max_logprobs": "logprobs are bounded by the vocabulary",
     "served_model_name": "no server",
-    "enable_expert_parallel": "no mixture-of-experts models",
     "limit_mm_per_prompt": "text-only models",
     "mm_processor_kwargs": "text-only models",
     "allowed_local_media_path": "text-only models",
@@ -56,6 +55,8 @@ UNSUPPORTED_KEYWORDS = {
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
     "kv_cache_memory_bytes": ((None,), "the KV cache is sized by num_kvcache_blocks or gpu_memory_utilization"),
     "pipeline_parallel_size": ((1,), "tensor parallelism only"),
+    "enable_expert_parallel": ((False,), "experts are sharded along their intermediate size, as tensor parallelism "
+                                         "shards them, not placed whole on ranks"),
     "data_parallel_size": ((1,), "one replica per engine (nanovllm.distributed.ray runs several)"),
     "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel ranks are local processes"),
     "speculative_config": ((None,), "no speculative decoding"),

@@ -139,6 +139,9 @@ def test_dummy_weights_and_bad_configs(moe_checkpoints, tmp_path):
     many = edited_checkpoint(path, tmp_path / "many", num_experts_per_tok=9)
     with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"):
         LLM(many, device="cpu")
+    with pytest.raises(ValueError, match="enable_expert_parallel=True.*sharded along their intermediate size"):
+        LLM(path, device="cpu", enable_expert_parallel=True)  # vLLM's expert parallelism: not honoured, so refused
+    LLM(path, device="cpu", enable_expert_parallel=False, num_kvcache_blocks=16).exit()
 
 
 def test_qwen3_30b_a3b_preset_builds():

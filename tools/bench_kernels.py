@@ -7,7 +7,12 @@ query-key pair) at 1-16 sequences x 512-8192 tokens, with and without a cached p
 the device copy bandwidth (bytes read + written). Linear (``--only linear`` for these alone): the
 decode projections of Qwen3-0.6B and -8B and 0.6B's LM head at 1-256 rows, weight bytes read per second
 by cuBLAS alone, by the unfused chain (norm kernel, cuBLAS, SiLU-and-mul kernel) and by the fused skinny
-kernel (M <= 64), with ``--sweep`` over its tile sizes. Shapes: Qwen3-0.6B's attention (16 query / 8
+kernel (M <= 64), with ``--sweep`` over its tile sizes. MoE (``--only moe``): Qwen3-30B-A3B's experts (128 of
+2048 x 768, top-8; one layer) at 1-4096 tokens, the fused kernel against a loop over the experts the batch
+touches of cuBLAS GEMMs (gather, gate/up, SiLU-and-mul, down, weighted index_add; the routing found
+beforehand, so the loop has no host sync), both replayed from CUDA Graphs over 8 routings, in expert weight
+bytes read per second (each touched expert once; ``layer_us`` adds the top-k), ``--sweep`` over its tiles.
+Shapes: Qwen3-0.6B's attention (16 query / 8
 KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
 calls are captured in a CUDA Graph and replayed, as the engine runs them.
 
@@ -30,6 +35,7 @@ sys.path.insert(0, ROOT)
 
 from nanovllm.kernels import triton_attention as ta  # noqa: E402
 from nanovllm.kernels import triton_linear as tlin  # noqa: E402
+from nanovllm.kernels import triton_moe as tmoe  # noqa: E402
 
 H, KVH, D, PAGE, DTYPE = 16, 8, 128, 256, torch.bfloat16
 SCALE = D ** -0.5
@@ -173,6 +179,71 @@ def _unfused(x, weight, silu: bool, residual):
     return tlin.silu_and_mul(y) if silu else y
 
 
+MOE_SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B (Qwen3-Coder-30B-A3B's too), TP 1
+MOE_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+               for bm, bn, bk, w, st in [(16, 32, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
+                                         (32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
+                                         (128, 128, 64, 8, 3)]]
+
+
+def _expert_loop(x, w13, w2, plan):
+    """The unfused baseline: per touched expert, its rows gathered, cuBLAS gate/up, SiLU-and-mul, cuBLAS down,
+    scaled by the routing weights and added into the output."""
+    out = torch.zeros_like(x)
+    for expert, rows, weights in plan:
+        act = tlin.silu_and_mul(torch.nn.functional.linear(x.index_select(0, rows), w13[expert]))
+        out.index_add_(0, rows, torch.nn.functional.linear(act, w2[expert]) * weights)
+    return out
+
+
+def moe_rows(sweep: bool, bw: float, routings: int = 8):
+    """The fused MoE kernel against the per-expert cuBLAS loop at Qwen3-30B-A3B's shapes (one layer)."""
+    rows = []
+    e, top_k, h, i = (MOE_SHAPE[name] for name in ("experts", "top_k", "hidden", "inter"))
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DTYPE) / h ** 0.5
+    w2 = torch.randn(e, h, i, device="cuda", dtype=DTYPE) / i ** 0.5
+    expert_bytes = 3 * h * i * DTYPE.itemsize
+    for m in (1, 16, 64, 256, 1024, 4096):
+        x = torch.randn(m, h, device="cuda", dtype=DTYPE)
+        logits = [torch.randn(m, e, device="cuda", dtype=DTYPE) for _ in range(routings)]
+        routed = [tmoe.fused_topk(lg, top_k, True) for lg in logits]
+        plans = []
+        for weights, ids in routed:  # the loop's routing, found on the host before timing
+            plan = []
+            for expert in ids.unique().tolist():
+                token, slot = torch.where(ids == expert)
+                plan.append((expert, token, weights[token, slot].to(DTYPE).unsqueeze(1)))
+            plans.append(plan)
+        touched = sum(len(p) for p in plans) / routings
+        nbytes = touched * expert_bytes
+        fused = [partial(tmoe.fused_moe, x, w13, w2, w, ids) for w, ids in routed]
+        t_fused = bench_graph_each(fused)
+        t_layer = bench_graph_each([partial(_routed_moe, x, w13, w2, lg, top_k) for lg in logits])
+        t_loop = bench_graph_each([partial(_expert_loop, x, w13, w2, plan) for plan in plans])
+        ref = _expert_loop(x, w13, w2, plans[0]).float()
+        err = float((fused[0]().float() - ref).norm() / ref.norm())
+        row = dict(kind="moe", m=m, **MOE_SHAPE, experts_touched=touched, weight_mb=nbytes / 1e6,
+                   fused_us=t_fused * 1e6, fused_of_copy=nbytes / t_fused / bw, layer_us=t_layer * 1e6,
+                   loop_us=t_loop * 1e6, loop_of_copy=nbytes / t_loop / bw, speedup=t_loop / t_fused, rel_err=err,
+                   config=tmoe.moe_config(m, e, top_k))
+        if sweep and m in (1, 64, 256, 4096):
+            best = (t_fused, "default")
+            for cfg in MOE_CONFIGS:
+                tc = bench_graph_each([partial(tmoe.fused_moe, x, w13, w2, w, ids, config=cfg) for w, ids in routed],
+                                      30)
+                if tc < best[0]:
+                    best = (tc, cfg)
+            row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw, best_config=best[1])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _routed_moe(x, w13, w2, logits, top_k: int):
+    """The layer as the engine runs it from the router's logits: top-k, then the experts."""
+    return tmoe.fused_moe(x, w13, w2, *tmoe.fused_topk(logits, top_k, True))
+
+
 PREFILL_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
                    for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
 
@@ -259,11 +330,11 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--no-flash", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
-    parser.add_argument("--only", choices=["attention", "linear"], help="one group of benchmarks")
+    parser.add_argument("--only", choices=["attention", "linear", "moe"], help="one group of benchmarks")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     flash = None
-    if not args.no_flash and args.only != "linear":
+    if not args.no_flash and args.only not in ("linear", "moe"):
         try:
             import flash_attn as flash
         except ImportError:
@@ -274,15 +345,17 @@ def main():
             print(f"built flash-attn in {time.time() - t:.0f} s", flush=True)
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
-    rows = [] if args.only == "linear" else decode_rows(flash, args.sweep) + prefill_rows(flash, args.sweep)
-    rows += [] if args.only == "attention" else linear_rows(args.sweep, bw)
+    rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep)
+                                                       + prefill_rows(flash, args.sweep))
+    rows += [] if args.only in ("attention", "moe") else linear_rows(args.sweep, bw)
+    rows += moe_rows(args.sweep, bw) if args.only in (None, "moe") else []
     for r in rows:
         r["copy_tbs"] = bw / 1e12
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     with open(os.path.join(args.out, f"kernels{'_' + args.only if args.only else ''}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    if args.only != "linear":
+    if args.only not in ("linear", "moe"):
         plot(rows, os.path.join(args.out, "kernels.png"))
     print(json.dumps(meta))
 

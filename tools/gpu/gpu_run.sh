@@ -24,6 +24,10 @@
 #   ab        bench.py of the code before a change (its tree carried in the ignored folder .old) and of this
 #             tree, alternating, twice each: bench_before.jsonl, bench.jsonl
 #   tp1, tp2  bench.py for qwen3-8b at TP 1; at TP 2 (2 GPUs) for both presets, and the TP GPU tests
+#   moe       Qwen3-MoE: tests/test_moe.py (its GPU tests: the fused kernel at Qwen3-30B-A3B's shapes, in a graph, the
+#             engine on CUDA), the fused MoE kernel against a per-expert cuBLAS loop (bench_kernels.py --only moe
+#             --sweep), then bench.py --model qwen3-30b-a3b (bf16 dummy weights, ~61 GB), default workload and
+#             --scenario batch1; moebench: the two bench.py runs alone
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -115,6 +119,13 @@ for phase in "$@"; do
       step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_bfloat16 or dead_worker" ;;
     tp2a) ;;
     tp2tests) step test_tp.log python3 -m pytest tests/test_gpu.py -q -s -rA -k "tensor_parallel_2_bfloat16 or dead_worker" ;;
+    moe|moebench)
+      if [[ $phase == moe ]]; then
+        step test_moe.log python3 -m pytest tests/test_moe.py -q -rA
+        step bench_moe.log python3 tools/bench_kernels.py --only moe --sweep --out "$OUT"
+      fi
+      step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --json
+      step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --scenario batch1 --json ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
