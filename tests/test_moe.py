@@ -89,12 +89,16 @@ def _pack_experts(src: str, dst) -> str:
     return str(dst)
 
 
-def test_packed_expert_layout_loads_the_same_model(moe_checkpoints, tmp_path):
+def test_packed_expert_layout_loads_the_same_model(moe_checkpoints, oracle, tmp_path):
     """save_pretrained writes one tensor per expert (the Hub's layout, which the test above loads); the packed
-    3-D layout must give the same model, hence the same greedy tokens."""
+    3-D layout must give the same model, hence the same greedy tokens. transformers reads the packed copy as
+    the same model too (so gate rows come first, as packed here)."""
     path = moe_checkpoints["topk_norm_mixed"]
     assert any(".experts.0.gate_proj.weight" in n for n in load_file(os.path.join(path, "model.safetensors")))
     packed = _pack_experts(path, tmp_path / "packed")
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    with torch.no_grad():
+        assert torch.equal(oracle.model(packed)(ids).logits, oracle.model(path)(ids).logits)
     prompts = random_prompts(4, 5, 40, seed=81)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     per_expert, _ = run_engine(path, prompts, sp, device="cpu", num_kvcache_blocks=64)
