@@ -197,12 +197,17 @@ def test_fused_moe_matches_reference(m, skew, residual, dtype):
     _check_fused_moe(m, 64, 48, 8, 2, dtype, seed=m, skew=skew, config=SMALL, residual=residual)
 
 
-def test_moe_align_block_size_invariants():
+# (experts, top_k, block, token counts): 300 x 4 pairs take the kernel two chunks of 1024; on the GPU
+# also Qwen3-30B-A3B's routing at a prefill's size (32 chunks, pairs racing for 128 cursors)
+ALIGN_CASES = [(16, 4, 16, (1, 5, 33, 300))] + ([(128, 8, 64, (1, 256, 4096))] if CUDA else [])
+
+
+@pytest.mark.parametrize("experts,top_k,block,sizes", ALIGN_CASES)
+def test_moe_align_block_size_invariants(experts, top_k, block, sizes):
     """Every (token, slot) pair once, in a tile of its expert's; tiles padded with the sentinel; the
     padded total covers exactly the experts' runs rounded up to the block; tiles past it are num_experts."""
     g = torch.Generator().manual_seed(3)
-    experts, top_k, block = 16, 4, 16
-    for m in (1, 5, 33, 200):
+    for m in sizes:
         topk_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(m)]).to(DEVICE)
         sorted_ids, expert_ids, total = triton_moe.moe_align_block_size(topk_ids, block, experts)
         pairs = m * top_k
