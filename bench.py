@@ -86,9 +86,10 @@ def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
 
 
 def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float,
-             dtype_bytes: int = 2, shared_prefix: int = 0) -> Roofline:
+             dtype_bytes: int = 2, shared_prefix: int = 0, kv_dtype_bytes: int | None = None) -> Roofline:
     """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix that
-    every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per step). A
+    every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per step; K/V of
+    ``kv_dtype_bytes`` a value, the weights' by default, 1 for an fp8 cache). A
     mixture of experts' sparse layer reads, per decode step, the experts its batch touches (``experts_touched``
     at the step's number of running sequences) and computes top-k experts per token."""
     from nanovllm.models.qwen3_moe import is_sparse_layer
@@ -105,7 +106,7 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
         + vocab * h * (1 if c.tie_word_embeddings else 2)
     params_layer = (layers * attn + (layers - sparse) * 3 * h * c.intermediate_size
                     + sparse * (num_experts * h + top_k * expert)) / layers
-    kv_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes
+    kv_per_token = 2 * layers * kv_heads * head_dim * (dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
     prefill_tokens, total_out = sum(prompt_lens) - (len(prompt_lens) - 1) * shared_prefix, sum(output_lens)
     # decode step t (1 .. out-1) of a sequence attends over prompt + t tokens; the first token comes from prefill
     kv_reads = sum(i * (o - 1) + o * (o - 1) // 2 for i, o in zip(prompt_lens, output_lens))
@@ -174,6 +175,7 @@ def run_nanovllm(args, prompts, params) -> float:
     args.block_size = llm.config.kvcache_block_size
     args.async_scheduling = llm.config.async_scheduling
     args.attention_backend = llm.model_runner.attention_backend.name
+    args.kv_cache_tokens = llm.config.num_kvcache_blocks * args.block_size  # what the cache holds
     if args.scenario == "default":
         llm.generate(warmup_prompts(prompts, llm.config.hf_config.vocab_size), SamplingParams(max_tokens=2),
                      use_tqdm=False)
@@ -290,7 +292,7 @@ def main():
     total = sum(sp.max_tokens for sp in params)
     result = dict(engine=args.engine, model=args.model, scenario=args.scenario,
                   attention_backend=args.attention_backend, tp=args.tp, block_size=args.block_size,
-                  kv_cache_dtype=args.kv_cache_dtype,
+                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   cuda_graphs=not args.enforce_eager, async_scheduling=getattr(args, "async_scheduling", None),
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
@@ -300,7 +302,8 @@ def main():
         result["gpu_busy_fraction"] = args.gpu_busy_fraction
     if ceilings:
         limit = roofline(model_config(args.model), [len(p) for p in prompts], [sp.max_tokens for sp in params],
-                         *ceilings, shared_prefix=shared_prefix)
+                         *ceilings, shared_prefix=shared_prefix,
+                         kv_dtype_bytes=1 if args.kv_cache_dtype.startswith("fp8") else None)
         result.update(copy_tb_s=round(ceilings[0] / 1e12, 3), matmul_tflop_s=round(ceilings[1] / 1e12, 1),
                       roofline_tok_per_s=round(limit.tok_per_s),
                       fraction_of_roofline=round(total / seconds / limit.tok_per_s, 3), roofline=asdict(limit))

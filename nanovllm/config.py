@@ -79,7 +79,8 @@ UNSUPPORTED_KEYWORDS = {
     "hf_overrides": ((None, {}), "the model's config.json is used as it is"),
     "rope_scaling": ((None,), "the model's config.json is used as it is"),
     "rope_theta": ((None,), "the model's config.json is used as it is"),
-    "disable_sliding_window": ((False,), "no sliding-window attention: pass max_model_len <= the window instead"),
+    "disable_sliding_window": ((False,), "sliding-window layers always attend within their window; pass "
+                                         "max_model_len <= the window for full attention"),
 }
 
 

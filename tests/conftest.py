@@ -59,6 +59,10 @@ FAMILIES = {  # name: (architecture, build_tiny_model overrides)
                                                    num_key_value_heads=4, rope_scaling=dict(rope_type="linear",
                                                                                             factor=2.0))),
     "mistral": ("mistral", dict(head_dim=32, sliding_window=None, num_key_value_heads=1)),
+    # sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's from max_window_layers on
+    "mistral_window": ("mistral", dict(head_dim=32, sliding_window=24, num_key_value_heads=1)),
+    "qwen2_window_mixed": ("qwen2", dict(head_dim=32, num_key_value_heads=2, use_sliding_window=True,
+                                         sliding_window=20, max_window_layers=1)),
     # Qwen2.5's long-context configuration (YaRN), with an original context the prompts run past
     "qwen2_yarn": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2,
                                  rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),

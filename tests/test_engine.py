@@ -336,6 +336,99 @@ def test_fp8_store_saturates_and_reads_back():
     assert torch.equal(out, ref)
 
 
-def test_fp8_kv_cache_is_refused_by_kernels_that_lack_it(tiny):
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        LLM(tiny, kv_cache_dtype="fp8", attention_backend="triton", **ENGINE)
+def test_fp8_kv_cache_is_refused_by_flash_attn():
+    """flash-attn 2 reads the cache in the model's dtype: it names the setting ("auto" passes over it)."""
+    from nanovllm.layers.attention import BACKENDS
+    reasons = BACKENDS["flash-attn"][0]("cuda", torch.bfloat16, 256, 128, torch.float8_e4m3fn)
+    assert any("kv_cache_dtype" in r for r in reasons)
+    assert not any("kv_cache_dtype" in r for r in BACKENDS["triton"][0]("cpu", torch.float32, 16, 64,
+                                                                          torch.float8_e4m3fn))
+
+
+def demo_with_kv_scales(tmp_path, tensors: dict[str, torch.Tensor]) -> str:
+    """The demo checkpoint plus a safetensors file of KV-cache scales, as fp8 checkpoints ship them."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    import nanovllm
+    path = str(tmp_path / "demo_kv_scales")
+    shutil.copytree(os.path.join(os.path.dirname(nanovllm.__file__), "demo", "model"), path)
+    save_file(tensors, os.path.join(path, "kv_scales.safetensors"))
+    return path
+
+
+def heldout_prompts(tokenizer, n: int, tokens: int) -> list[dict]:
+    import glob
+    import os
+
+    import nanovllm
+    files = sorted(glob.glob(os.path.join(os.path.dirname(nanovllm.__file__), "demo", "model", "heldout", "*.py")))
+    return [{"prompt_token_ids": tokenizer.encode(open(f).read())[:tokens]} for f in files[:n]]
+
+
+def test_fp8_kv_cache_with_checkpoint_scales_on_triton_and_reference(tmp_path):
+    """A checkpoint's k_scale/v_scale (vLLM's names, on the attention or its k/v projection) are loaded per layer
+    and undone on read: the fp8 cache stored at scales 4 and 0.25 gives the demo's held-out perplexity within 2%
+    of the float32 cache's (had the read not multiplied them back, attention would change wholesale). The Triton
+    kernels (interpreted on CPU: store, chunked prefill reading the cache, split decode) give the reference
+    backend's prompt logprobs and greedy tokens on the same scaled fp8 cache."""
+    import math
+    tensors = {}
+    for i in range(4):
+        names = (("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale") if i % 2
+                 else ("self_attn.k_scale", "self_attn.v_scale"))
+        tensors[f"model.layers.{i}.{names[0]}"] = torch.tensor(4.0)
+        tensors[f"model.layers.{i}.{names[1]}"] = torch.tensor([0.25])
+    path = demo_with_kv_scales(tmp_path, tensors)
+    results = {}
+    for kv, backend in (("auto", "torch"), ("fp8", "torch"), ("fp8", "triton")):
+        llm = LLM(path, kv_cache_dtype=kv, attention_backend=backend, kvcache_block_size=16, max_num_batched_tokens=64,
+                  max_model_len=256, cpu_kvcache_space=0.01, device="cpu")
+        try:
+            layers = llm.model_runner.attention_layers
+            assert [(a.k_scale, a.v_scale) for a in layers] == [(4.0, 0.25)] * 4
+            prompts = heldout_prompts(llm.get_tokenizer(), 2, 120)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+            logprobs = [e[t] for o in outs for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+            greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1),
+                                  use_tqdm=False)
+            results[kv, backend] = (logprobs, [o.outputs[0] for o in greedy])
+        finally:
+            llm.exit()
+    ppl = {key: math.exp(-sum(lp) / len(lp)) for key, (lp, _) in results.items()}
+    assert abs(ppl["fp8", "torch"] / ppl["auto", "torch"] - 1) < 0.02 and ppl["fp8", "torch"] != ppl["auto", "torch"]
+    (ref_lp, ref_out), (lp, out) = results["fp8", "torch"], results["fp8", "triton"]
+    assert max(abs(a - b) for a, b in zip(ref_lp, lp)) < 1e-3
+    for want, got in zip(ref_out, out):   # greedy, up to a near-tie of the reference
+        for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)):
+            if a != b:
+                top2 = sorted(want.logprobs[i].values(), key=lambda e: -e.logprob)[:2]
+                assert len(top2) == 2 and top2[0].logprob - top2[1].logprob < 1e-3
+                break
+
+
+@pytest.mark.parametrize("tensor,error", [("model.layers.0.self_attn.k_scale", None),
+                                          ("model.layers.1.self_attn.kv_scale", None),
+                                          ("model.layers.0.self_attn.q_scale", None),
+                                          ("model.layers.0.self_attn.k_scale", "positive finite"),
+                                          ("model.layers.0.self_attn.v_scale", "per-tensor"),
+                                          ("model.layers.9.self_attn.k_scale", "matches no parameter")])
+def test_kv_scale_tensors(tmp_path, tensor, error):
+    """kv_scale (older checkpoints) sets both scales; q_scale is skipped; a scale that is not one positive finite
+    value, or of a layer the model lacks, is refused naming the tensor."""
+    value = {"positive finite": torch.tensor(-1.0), "per-tensor": torch.ones(2)}.get(error, torch.tensor(3.0))
+    path = demo_with_kv_scales(tmp_path, {tensor: value})
+    if error:
+        with pytest.raises(ValueError, match=f"{tensor}.*{error}|{error}.*{tensor}|{tensor!r}"):
+            LLM(path, kv_cache_dtype="fp8", device="cpu", enforce_eager=True)
+        return
+    llm = LLM(path, kv_cache_dtype="fp8", device="cpu", cpu_kvcache_space=0.01)
+    try:
+        scales = [(a.k_scale, a.v_scale) for a in llm.model_runner.attention_layers]
+    finally:
+        llm.exit()
+    want = {"k_scale": [(3.0, 1.0)] + [(1.0, 1.0)] * 3, "kv_scale": [(1.0, 1.0), (3.0, 3.0)] + [(1.0, 1.0)] * 2,
+            "q_scale": [(1.0, 1.0)] * 4}[tensor.rsplit(".", 1)[1]]
+    assert scales == want

@@ -7,6 +7,7 @@ so an unwritten element fails.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 
@@ -210,6 +211,35 @@ def test_prefill_attention(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
+@pytest.mark.parametrize("window", [0, 100])
+def test_flash_attn_backend_sliding_window_matches_reference(window):
+    """The flash-attn backend's window_size (w - 1 keys to the left) is the reference's window: decode and
+    paged prefill through the backend's own functions."""
+    from types import SimpleNamespace
+
+    from nanovllm.layers.attention import bind_backend
+    backend = bind_backend("flash-attn")
+    lens = [1, 300, 1000]
+    k_cache, v_cache, tables = paged_cache(lens, 8, 128, 256, torch.bfloat16, seed=11)
+    layer = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, scale=128 ** -0.5, sliding_window=window,
+                            k_scale=1.0, v_scale=1.0)
+    q = torch.randn(3, 16, 128, device=DEVICE, dtype=torch.bfloat16)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = backend.decode(q, layer, SimpleNamespace(context_lens=ctx, block_tables=tables))
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, tables, layer.scale,
+                                     window=window)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    qp = torch.randn(sum(lens), 16, 128, device=DEVICE, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 301, 1301], dtype=torch.int32, device=DEVICE)
+    ctxp = SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1000, max_seqlen_k=1000, block_tables=tables)
+    out = backend.prefill(qp, None, None, layer, ctxp)
+    ref = reference.prefill_attention(qp.double(), None, None, k_cache.double(), v_cache.double(), cu, cu, 1000,
+                                      tables, layer.scale, window=window)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
 @pytest.mark.parametrize("case", [(16, 8, 128, 256, [1, 300, 1000]), (32, 8, 128, 256, [2048, 17])])
 def test_flash_attn_decode_matches_reference(case):
     from flash_attn import flash_attn_with_kvcache
@@ -236,7 +266,8 @@ def test_kernels_at_real_shapes(dtype):
     ref = reference.decode_attention(q.float(), k_cache.float(), v_cache.float(), ctx, block_tables, 128 ** -0.5)
     for splits in (None, 1, 8):
         out = torch.full_like(q, float("nan"))
-        triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, 128 ** -0.5, splits, out=out)
+        triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, 128 ** -0.5, num_splits=splits,
+                                          out=out)
         assert rel_err(out, ref.double()) < TOL[dtype]
     seq_lens = [1000, 2048, 1, 513]
     n = sum(seq_lens)
@@ -248,6 +279,239 @@ def test_kernels_at_real_shapes(dtype):
                                       128 ** -0.5)
     out = triton_attention.prefill_attention(q, k, v, k_cache, v_cache, cu, cu, 2048, None, 128 ** -0.5)
     assert rel_err(out, ref.double()) < TOL[dtype]
+
+
+# ---- sliding windows and the fp8 cache -----------------------------------------------------------------
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int], window: int, scale: float):
+    """Float64 attention of queries q [Q, H, D] at positions q_pos over keys k, v [K, KVH, D] at positions
+    0..K-1, key j visible to query i when j <= q_pos[i] and (window == 0 or j > q_pos[i] - window)."""
+    group = q.size(1) // k.size(1)
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, p in enumerate(q_pos):
+        lo = max(0, p - window + 1) if window else 0
+        s = torch.einsum("hd,khd->hk", q[i].double(), k[lo:p + 1]) * scale
+        out[i] = torch.einsum("hk,khd->hd", s.softmax(-1), v[lo:p + 1])
+    return out
+
+
+def sequence_kv(k_cache, v_cache, block_tables, seq: int, length: int):
+    """Sequence ``seq``'s first ``length`` cached K/V, gathered from its blocks (fp8 dequantized at scale 1)."""
+    block_size = k_cache.size(1)
+    pos = torch.arange(length)
+    slots = block_tables[seq].cpu()[pos // block_size].long() * block_size + pos % block_size
+    return [c.cpu().view(-1, *c.shape[2:])[slots].double() for c in (k_cache, v_cache)]
+
+
+WINDOWS = [1, 7, 16, 33]
+
+
+def test_reference_window_matches_naive_attention():
+    """The reference's sliding-window masks (decode and a chunked, paged prefill) against explicit loops."""
+    lens = [40, 9, 70]
+    k_cache, v_cache, tables = paged_cache(lens, 2, 32, 16, torch.float64, seed=5)
+    q = torch.randn(3, 4, 32, dtype=torch.float64)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    for window in WINDOWS:
+        out = reference.decode_attention(q, k_cache.cpu(), v_cache.cpu(), ctx, tables.cpu(), 0.2, window=window)
+        for i, n in enumerate(lens):
+            k, v = sequence_kv(k_cache, v_cache, tables, i, n)
+            torch.testing.assert_close(out[i:i + 1], naive_attention(q[i:i + 1], k, v, [n - 1], window, 0.2))
+        # prefill: the last 30 positions of sequence 2 as one chunk (40 cached before it)
+        k, v = sequence_kv(k_cache, v_cache, tables, 2, 70)
+        qp = torch.randn(30, 4, 32, dtype=torch.float64)
+        cu_q, cu_k = torch.tensor([0, 30], dtype=torch.int32), torch.tensor([0, 70], dtype=torch.int32)
+        out = reference.prefill_attention(qp, k[40:], v[40:], k_cache.cpu(), v_cache.cpu(), cu_q, cu_k, 30,
+                                          tables[2:].cpu(), 0.2, window=window)
+        torch.testing.assert_close(out, naive_attention(qp, k, v, list(range(40, 70)), window, 0.2))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("case", [DECODE_CASES[1], DECODE_CASES[4]], ids=lambda c: f"H{c[0]}-KV{c[1]}-S{c[5]}")
+def test_decode_attention_sliding_window(case, window):
+    num_heads, num_kv_heads, head_dim, block_size, lens, splits = case
+    dtype = torch.float32
+    k_cache, v_cache, block_tables = paged_cache(lens, num_kv_heads, head_dim, block_size, dtype, seed=window)
+    q = torch.randn(len(lens), num_heads, head_dim, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, block_tables, 0.1,
+                                     window=window)
+    for s in (1, splits):
+        out = torch.full_like(q, float("nan"))
+        triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, 0.1, window=window, num_splits=s,
+                                          out=out)
+        assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [5, 16, 40])
+@pytest.mark.parametrize("case", [PREFILL_CASES[0], PREFILL_CASES[2], PREFILL_CASES[4]],
+                         ids=lambda c: f"H{c[0]}-KV{c[1]}-{c[4]}")
+def test_prefill_attention_sliding_window(case, window):
+    """Windows shorter and longer than the 64-row tiles: rows whose window starts past a key tile see none
+    of it (no NaN), cached prefixes and chunks across the window's edge."""
+    num_heads, num_kv_heads, head_dim, block_size, seqs = case
+    q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables = prefill_inputs(case, torch.float32, seed=window)
+    ref = reference.prefill_attention(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(),
+                                      cu_q, cu_k, max_q, tables, 0.1, window=window)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables, 0.1, window=window,
+                                       config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), out=out)
+    assert rel_err(out, ref) < TOL[torch.float32]
+
+
+def fp8_close(got: torch.Tensor, want: torch.Tensor):
+    """Two fp8 tensors equal to within one e4m3 rounding step (3 mantissa bits; 2^-9 below the normals)."""
+    got, want = got.float(), want.float()
+    assert ((got - want).abs() <= want.abs() / 8 + 2 ** -9).all()
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (2.5, 0.25)], ids=["scale1", "scaled"])
+def test_store_kvcache_fp8(scales):
+    """The Triton store writes the reference's bytes: x / scale rounded to e4m3, saturated at +-448."""
+    k_scale, v_scale = scales
+    for dtype in DTYPES:
+        n, kvh, d = 7, 2, 64
+        k = (torch.randn(n, kvh, d) * 40).to(dtype)
+        k[0, 0, :4] = torch.tensor([1e4, -1e4, 449.0 * k_scale, 0.0])      # saturation at +-448 (not NaN)
+        v = (torch.randn(n, kvh, d) * 3).to(dtype)
+        slots = torch.tensor([3, -1, 0, 15, 8, -1, 9], dtype=torch.int32)
+        ref_k, ref_v = torch.zeros(4, 4, kvh, d, dtype=FP8), torch.zeros(4, 4, kvh, d, dtype=FP8)
+        reference.store_kvcache(k, v, ref_k, ref_v, slots, k_scale, v_scale)
+        k_cache, v_cache = torch.zeros(4, 4, kvh, d, dtype=FP8, device=DEVICE), torch.zeros_like(ref_v, device=DEVICE)
+        triton_attention.store_kvcache(k.to(DEVICE), v.to(DEVICE), k_cache, v_cache, slots.to(DEVICE), k_scale,
+                                       v_scale)
+        assert torch.equal(k_cache.cpu().view(torch.uint8), ref_k.view(torch.uint8))
+        assert torch.equal(v_cache.cpu().view(torch.uint8), ref_v.view(torch.uint8))
+        flat = ref_k.view(16, kvh, d).float()
+        assert flat[3, 0, :3].tolist() == [448.0, -448.0, 448.0]
+        torch.testing.assert_close(flat[0] * k_scale, k[2].float(), rtol=1 / 8, atol=2 ** -9 * k_scale)
+
+
+def test_store_kvcache_fp8_rounds_as_torch():
+    """Every e4m3 value, every midpoint between neighbours (ties to even) and just off each midpoint, stored by
+    the Triton kernel: the bytes of torch's float32 -> e4m3 conversion (saturated at +-448)."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mid, mid.nextafter(grid[1:]), mid.nextafter(grid[:-1]), torch.tensor([500.0, -1e6])])
+    x = torch.cat([x, torch.zeros(-len(x) % 16)]).view(-1, 1, 16)
+    k_cache = torch.zeros(len(x), 1, 1, 16, dtype=FP8, device=DEVICE)
+    slots = torch.arange(len(x), dtype=torch.int32, device=DEVICE)
+    triton_attention.store_kvcache(x.to(DEVICE), x.to(DEVICE), k_cache, torch.zeros_like(k_cache), slots)
+    want = x.clamp(-448, 448).to(FP8)
+    assert torch.equal(k_cache.cpu().view(torch.uint8).flatten(), want.view(torch.uint8).flatten())
+
+
+def fp8_cache(lens, num_kv_heads, head_dim, block_size, seed):
+    k_cache, v_cache, tables = paged_cache(lens, num_kv_heads, head_dim, block_size, torch.float32, seed)
+    return (k_cache * 30).to(FP8), (v_cache * 0.1).to(FP8), tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", DECODE_CASES[:3], ids=lambda c: f"H{c[0]}-KV{c[1]}-D{c[2]}-S{c[5]}")
+def test_decode_attention_fp8(case, dtype):
+    """Triton reads the fp8 cache as the reference does: each value times its scale (the reference in float64)."""
+    num_heads, num_kv_heads, head_dim, block_size, lens, splits = case
+    k_cache, v_cache, block_tables = fp8_cache(lens, num_kv_heads, head_dim, block_size, seed=len(lens))
+    q = torch.randn(len(lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref = reference.decode_attention(q.double(), k_cache, v_cache, ctx, block_tables, 0.05, 0.5, 4.0)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, 0.05, 0.5, 4.0, num_splits=splits,
+                                      out=out)
+    assert rel_err(out, ref) < TOL[dtype]
+    # the scales matter: at 1.0 the result differs (so neither kernel ignores them)
+    assert rel_err(reference.decode_attention(q.double(), k_cache, v_cache, ctx, block_tables, 0.05), ref) > 0.1
+
+
+def prefill_inputs(case, dtype, seed: int, fp8_scales: tuple[float, float] | None = None):
+    """PREFILL_CASES' inputs: the new tokens' q, k, v, stored into a paged cache (fp8 at the scales when given)
+    when any sequence has a cached part, which then comes from the same cache."""
+    num_heads, num_kv_heads, head_dim, block_size, seqs = case
+    paged = any(cached for cached, _ in seqs)
+    lens_k = [c + n for c, n in seqs]
+    k_cache, v_cache, block_tables = (fp8_cache if fp8_scales else functools.partial(paged_cache, dtype=dtype))(
+        lens_k, num_kv_heads, head_dim, block_size, seed=seed)
+    num_new = sum(n for _, n in seqs)
+    q = torch.randn(num_new, num_heads, head_dim, device=DEVICE).to(dtype)
+    k = (torch.randn(num_new, num_kv_heads, head_dim, device=DEVICE) * 3).to(dtype)
+    v = torch.randn(num_new, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    cu_q = torch.tensor([0] + [sum(n for _, n in seqs[:i + 1]) for i in range(len(seqs))], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [sum(lens_k[:i + 1]) for i in range(len(seqs))], dtype=torch.int32)
+    if paged:
+        slots = [block_tables[i, p // block_size].item() * block_size + p % block_size
+                 for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]
+        reference.store_kvcache(k, v, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32, device=DEVICE),
+                                *(fp8_scales or (1.0, 1.0)))
+    return (q, k, v, k_cache, v_cache, cu_q.to(DEVICE), cu_k.to(DEVICE), max(n for _, n in seqs),
+            block_tables if paged else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PREFILL_CASES[2:], ids=lambda c: f"H{c[0]}-KV{c[1]}-D{c[2]}-{c[4]}")
+def test_prefill_attention_fp8(case, dtype):
+    """Paged prefill (cached prefix and chunks) over an fp8 cache, new tokens stored at scales 2 and 0.5."""
+    q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables = prefill_inputs(case, dtype, seed=1, fp8_scales=(2.0, 0.5))
+    ref = reference.prefill_attention(q.double(), k.double(), v.double(), k_cache, v_cache, cu_q, cu_k, max_q,
+                                      tables, 0.1, 2.0, 0.5)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables, 0.1, 2.0, 0.5, out=out)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+def test_fp8_kernels_at_real_shapes():
+    """Qwen3-0.6B's attention over an fp8 cache at page 256, compiled (the interpreter rounds e4m3 its own
+    way): the store's bytes equal torch's conversion; decode (split and not) and paged prefill match the
+    reference reading the same cache, with scales and with a window."""
+    rng = random.Random(2)
+    lens = [rng.randint(1, 3000) for _ in range(64)]
+    k_cache, v_cache, tables = fp8_cache(lens, 8, 128, 256, seed=2)
+    q = torch.randn(len(lens), 16, 128, device=DEVICE, dtype=torch.bfloat16)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for window in (0, 1000):
+        ref = reference.decode_attention(q.float(), k_cache, v_cache, ctx, tables, 0.05, 0.5, 4.0, window)
+        for splits in (None, 1, 8):
+            out = triton_attention.decode_attention(q, k_cache, v_cache, ctx, tables, 0.05, 0.5, 4.0, window,
+                                                    num_splits=splits)
+            assert rel_err(out, ref.double()) < TOL[torch.bfloat16]
+    x = torch.randn(4096, 8, 128, device=DEVICE, dtype=torch.bfloat16) * 100
+    kc, vc = (torch.zeros(16, 256, 8, 128, dtype=FP8, device=DEVICE) for _ in range(2))
+    slots = torch.randperm(4096, device=DEVICE).int()
+    triton_attention.store_kvcache(x, x, kc, vc, slots, 2.0, 0.5)
+    flat = kc.view(-1, 8, 128)[slots.long()]
+    assert torch.equal(flat.view(torch.uint8), (x.float() / 2.0).clamp(-448, 448).to(FP8).view(torch.uint8))
+    case = (16, 8, 128, 256, [(1000, 300), (0, 700), (2048, 1)])
+    q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables = prefill_inputs(case, torch.bfloat16, seed=3,
+                                                                          fp8_scales=(2.0, 0.5))
+    for window in (0, 512):
+        ref = reference.prefill_attention(q.float(), k.float(), v.float(), k_cache, v_cache, cu_q, cu_k, max_q,
+                                          tables, 0.05, 2.0, 0.5, window)
+        out = triton_attention.prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables, 0.05, 2.0,
+                                                 0.5, window)
+        assert rel_err(out, ref.double()) < TOL[torch.bfloat16]
+
+
+def test_qk_norm_rope_store_fp8():
+    """The fused prologue writes the fp8 cache as the reference store does with the same scales."""
+    num_heads, num_kv_heads, d, n = 4, 2, 64, 6
+    g = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(n, (num_heads + 2 * num_kv_heads) * d, generator=g) * 20).to(DEVICE)
+    positions = torch.tensor([0, 5, 17, 3, 99, 1], device=DEVICE)
+    slots = torch.tensor([3, -1, 0, 31, 8, 9], dtype=torch.int32, device=DEVICE)
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    rope = RotaryEmbedding(d, 128, 10000.0).to(DEVICE)
+    k_cache, v_cache = (torch.zeros(8, 4, num_kv_heads, d, dtype=FP8, device=DEVICE) for _ in range(2))
+    _, out_k, out_v = triton_attention.qk_norm_rope_store(qkv, positions, rope.cos_sin_cache, None, None, 0.0,
+                                                          k_cache, v_cache, slots, num_heads, num_kv_heads, d, 3.0, 0.5)
+    ref_k, ref_v = (torch.zeros(8, 4, num_kv_heads, d, dtype=FP8) for _ in range(2))
+    reference.store_kvcache(out_k.cpu(), out_v.cpu(), ref_k, ref_v, slots.cpu(), 3.0, 0.5)
+    fp8_close(k_cache.cpu(), ref_k)
+    fp8_close(v_cache.cpu(), ref_v)
+    assert k_cache.float().abs().max() > 0
 
 
 # ---- the dense layers: RMSNorm, SiLU-and-mul, the skinny linear -------------------------------------

@@ -50,12 +50,48 @@ def test_family_matches_transformers(family_checkpoints, oracle, name):
     assert_matches_oracle(oracle, path, prompts + again, outputs, N)
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
-    path = build_tiny_model(str(tmp_path / "mistral"), "mistral", head_dim=32, sliding_window=128)
-    with pytest.raises(ValueError, match="sliding_window=128 is shorter than max_model_len=512"):
-        LLM(path, max_model_len=512, device="cpu")
-    llm = LLM(path, max_model_len=128, num_kvcache_blocks=16, kvcache_block_size=16, device="cpu")  # fits the window
-    llm.exit()
+def test_sliding_windows_per_layer():
+    """Each layer's window as transformers reads the config: layer_types (Qwen2 and Qwen3 derive them from
+    use_sliding_window and max_window_layers, or take them as given), Mistral's on every layer; a window of
+    max_model_len or more is full attention; unknown layer types are refused by name."""
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+
+    from nanovllm.models.llama import sliding_windows
+    assert sliding_windows(Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
+                                       max_window_layers=2)) == [0, 0, 8, 8]
+    assert sliding_windows(Qwen2Config(num_hidden_layers=3, use_sliding_window=False, sliding_window=8)) == [0] * 3
+    assert sliding_windows(Qwen3Config(num_hidden_layers=4, sliding_window=8, use_sliding_window=True,
+                                       layer_types=["sliding_attention", "full_attention"] * 2)) == [8, 0, 8, 0]
+    assert sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=16)) == [16, 16]
+    assert sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [0, 0]
+    config = Qwen3Config(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
+    with pytest.raises(ValueError, match="layer_types.*chunked_attention"):
+        sliding_windows(config)
+    model = get_model_class(MistralConfig(architectures=["MistralForCausalLM"]))(
+        MistralConfig(num_hidden_layers=2, sliding_window=16, hidden_size=64, intermediate_size=64,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=32), max_model_len=16)
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [0, 0]  # 16 >= max_model_len
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window_mixed"])
+def test_sliding_window_on_triton_backend(family_checkpoints, oracle, name):
+    """The Triton kernels' windows (interpreted on CPU): prompts past the window, chunks of 40 across its edge,
+    decode after it, a prefix-cache hit inside it."""
+    path = family_checkpoints[name]
+    prompts = random_prompts(3, 30, 70, seed=72)
+    prompts.append(prompts[0] + [5, 6, 7])
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=64, max_num_batched_tokens=40,
+              attention_backend="triton", device="cpu")
+    try:
+        windows = [layer.sliding_window for layer in llm.model_runner.attention_layers]
+        assert windows == ([24, 24] if name == "mistral_window" else [0, 20])
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        outputs = llm.generate(prompts[:3], sp, use_tqdm=False) + llm.generate(prompts[3:], sp, use_tqdm=False)
+        assert llm.scheduler.block_manager.num_cache_hits > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, path, prompts, outputs, 16)
 
 
 def test_unsupported_rope_type_is_named(tmp_path):

@@ -14,7 +14,8 @@ beforehand, so the loop has no host sync), both replayed from CUDA Graphs over 8
 bytes read per second (each touched expert once; ``layer_us`` adds the top-k), ``--sweep`` over its tiles.
 Shapes: Qwen3-0.6B's attention (16 query / 8
 KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
-calls are captured in a CUDA Graph and replayed, as the engine runs them.
+calls are captured in a CUDA Graph and replayed, as the engine runs them. ``--kv-cache-dtype fp8``: the
+decode rows alone over an fp8 (e4m3) cache, its bytes counted at one a value (kernels_fp8.json).
 
     python tools/bench_kernels.py [--out DIR] [--no-flash] [--sweep]
 """
@@ -63,12 +64,12 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / bench(lambda: y.copy_(x))
 
 
-def paged_kv(lens: list[int], page: int = PAGE):
+def paged_kv(lens: list[int], page: int = PAGE, kv_dtype: torch.dtype = DTYPE):
     """Caches holding every sequence's context in shuffled pages, and its block tables."""
     pages = [triton.cdiv(n, page) for n in lens]
     total = sum(pages)
-    k_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE)
+    k_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE).to(kv_dtype)
+    v_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE).to(kv_dtype)
     order = torch.randperm(total, device="cuda", dtype=torch.int32)
     width = max(pages)
     tables = torch.full((len(lens), width), -1, dtype=torch.int32, device="cuda")
@@ -82,16 +83,16 @@ def paged_kv(lens: list[int], page: int = PAGE):
 DECODE_CONFIGS = [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
 
 
-def decode_rows(flash, sweep: bool):
+def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE):
     rows = []
     for batch in (1, 16, 64, 256, 512):
         for ctx in (512, 2048, 8192):
             lens = [ctx] * batch
-            k_cache, v_cache, tables = paged_kv(lens)
+            k_cache, v_cache, tables = paged_kv(lens, kv_dtype=kv_dtype)
             q = torch.randn(batch, H, D, device="cuda", dtype=DTYPE)
             cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-            nbytes = 2 * batch * ctx * KVH * D * DTYPE.itemsize
-            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9)
+            nbytes = 2 * batch * ctx * KVH * D * kv_dtype.itemsize
+            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9, kv_cache_dtype=str(kv_dtype))
             args = (q, k_cache, v_cache, cl, tables, SCALE)
             t = bench_graph(partial(ta.decode_attention, *args))
             row.update(triton_us=t * 1e6, triton_tbs=nbytes / t / 1e12,
@@ -331,10 +332,13 @@ def main():
     parser.add_argument("--no-flash", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
     parser.add_argument("--only", choices=["attention", "linear", "moe"], help="one group of benchmarks")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the decode attention rows alone, over an e4m3 cache")
     args = parser.parse_args()
+    fp8 = args.kv_cache_dtype == "fp8"
     os.makedirs(args.out, exist_ok=True)
     flash = None
-    if not args.no_flash and args.only not in ("linear", "moe"):
+    if not args.no_flash and args.only not in ("linear", "moe") and not fp8:  # flash-attn 2 has no fp8 cache
         try:
             import flash_attn as flash
         except ImportError:
@@ -345,17 +349,21 @@ def main():
             print(f"built flash-attn in {time.time() - t:.0f} s", flush=True)
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
-    rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep)
-                                                       + prefill_rows(flash, args.sweep))
-    rows += [] if args.only in ("attention", "moe") else linear_rows(args.sweep, bw)
-    rows += moe_rows(args.sweep, bw) if args.only in (None, "moe") else []
+    if fp8:
+        rows = decode_rows(None, args.sweep, torch.float8_e4m3fn)
+    else:
+        rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep)
+                                                           + prefill_rows(flash, args.sweep))
+        rows += [] if args.only in ("attention", "moe") else linear_rows(args.sweep, bw)
+        rows += moe_rows(args.sweep, bw) if args.only in (None, "moe") else []
     for r in rows:
         r["copy_tbs"] = bw / 1e12
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    with open(os.path.join(args.out, f"kernels{'_' + args.only if args.only else ''}.json"), "w") as f:
+    name = "kernels_fp8" if fp8 else f"kernels{'_' + args.only if args.only else ''}"
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    if args.only not in ("linear", "moe"):
+    if args.only not in ("linear", "moe") and not fp8:
         plot(rows, os.path.join(args.out, "kernels.png"))
     print(json.dumps(meta))
 

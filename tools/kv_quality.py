@@ -1,9 +1,12 @@
 """What an fp8 KV cache costs in quality: on the shipped demo model, the prompt perplexity of its held-out code
 (each file's first --tokens tokens, prefilled in chunks of --chunk so that every chunk after the first reads its
 prefix from the cache) and the share of greedy tokens that change on example.py's snippets, with the cache in
-the model's dtype ("auto") and in fp8.
+the model's dtype ("auto") and in fp8. With ``--preset`` (a benchmark preset, random weights): the KL divergence
+of the fp8 cache's next-token distributions from the model-dtype cache's, over every position of random prompts
+(prefilled in chunks, so that later chunks read the cache), and the share of positions whose argmax changes.
 
     python tools/kv_quality.py [--kv-cache-dtype fp8] [--device cpu] [--tokens 400] [--chunk 64]
+    python tools/kv_quality.py --preset qwen3-0.6b [--device cuda] [--prompts 8] [--tokens 1024] [--chunk 256]
 """
 from __future__ import annotations
 
@@ -39,13 +42,48 @@ def measure(kv_cache_dtype: str, args) -> tuple[float, list[list[int]]]:
         llm.exit()
 
 
+def preset_kl(kv_cache_dtype: str, args) -> dict:
+    """Every position's log-softmax with each cache (the LM head's output, captured), compared."""
+    import torch
+
+    from nanovllm.models.presets import preset_config
+    vocab = preset_config(args.preset).vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(vocab, (args.tokens,), generator=g).tolist()}
+               for _ in range(args.prompts)]
+    logprobs = {}
+    for kv in ("auto", kv_cache_dtype):
+        llm = LLM(args.preset, load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=kv, device=args.device,
+                  max_num_batched_tokens=args.chunk, max_model_len=args.tokens + 16, enforce_eager=True)
+        rows = []
+        hook = llm.model_runner.model.lm_head.register_forward_hook(
+            lambda module, inputs, out, rows=rows: rows.append(out.float().log_softmax(-1).cpu()))
+        try:
+            llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        finally:
+            hook.remove()
+            llm.exit()
+        logprobs[kv] = torch.cat(rows)
+    ref, got = logprobs["auto"], logprobs[kv_cache_dtype]
+    kl = (ref.exp() * (ref - got)).sum(-1)
+    return dict(preset=args.preset, kv_cache_dtype=kv_cache_dtype, device=args.device, positions=len(kl),
+                kl_mean=float(kl.mean()), kl_max=float(kl.max()),
+                argmax_changed=float((ref.argmax(-1) != got.argmax(-1)).float().mean()),
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--preset", help="a benchmark preset (random weights): the KL divergence on random prompts")
+    parser.add_argument("--prompts", type=int, default=8, help="--preset: how many random prompts")
     args = parser.parse_args()
+    if args.preset:
+        print(json.dumps(preset_kl(args.kv_cache_dtype, args)))
+        return
     ppl, tokens = measure("auto", args)
     ppl_kv, tokens_kv = measure(args.kv_cache_dtype, args)
     # greedy continuations diverge after their first changed token: count positions up to it, and the first

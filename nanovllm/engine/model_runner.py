@@ -65,6 +65,10 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
+        scaled = sum(layer.k_scale != 1.0 or layer.v_scale != 1.0 for layer in self.attention_layers)
+        if scaled and self.kv_dtype != torch.float8_e4m3fn and self.rank == 0:
+            logger.info("the checkpoint's KV-cache scales (%d layers) apply to an fp8 cache only: unused with "
+                        "kv_cache_dtype=%r", scaled, self.config.kv_cache_dtype)
         if self.is_cuda:
             self.warmup_model()
         self.allocate_kv_cache()

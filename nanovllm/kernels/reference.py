@@ -3,7 +3,10 @@ the test oracle.
 
 Caches are one layer's views ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token at
 logical position p of a sequence lives at slot ``block_table[p // block_size] * block_size +
-p % block_size``. Everything here is capturable in a CUDA Graph except prefill, which runs eagerly.
+p % block_size``. An fp8 cache holds K/V divided by the layer's ``k_scale``/``v_scale`` (vLLM's
+convention), multiplied back when read. ``window``: sliding-window attention, a query at position i seeing the
+keys at positions (i - window, i] (0: the whole context). Everything here is capturable in a CUDA Graph except
+prefill, which runs eagerly.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import torch.nn.functional as F
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped. Without
     data-dependent shapes: a skipped row writes the first valid row's value to that row's slot, so every
     duplicate write of a slot carries the same value (all -1, as in the warmup forward: slot 0 of its
@@ -21,18 +24,19 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     first = valid.int().argmax().view(1)  # 0 when no row is valid; a tensor index: no host sync (graphs)
     slots = torch.where(valid, slot_mapping, slot_mapping.index_select(0, first)).clamp(min=0).long()
     keep = valid.view(-1, 1, 1)
-    for x, cache in ((k, k_cache), (v, v_cache)):
-        rows = to_cache_dtype(torch.where(keep, x, x.index_select(0, first)), cache.dtype)
+    for x, cache, kv_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = to_cache_dtype(torch.where(keep, x, x.index_select(0, first)), cache.dtype, kv_scale)
         _bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, _bytes(rows))
 
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache's dtype; fp8 (e4m3, scale 1.0) saturates at +-448 instead of overflowing to NaN."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
+    """x in the cache's dtype; fp8 (e4m3) holds x / kv_scale, saturated at +-448 instead of overflowing to NaN.
+    A cache in the model's dtype holds x itself (scales apply to fp8 only, as in vLLM)."""
     if dtype == torch.float8_e4m3fn:
-        x = x.float().clamp(-FP8_MAX, FP8_MAX)
+        x = (x.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX)
     return x.to(dtype)
 
 
@@ -41,14 +45,22 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``cache[index]`` in ``dtype`` (the queries'), read from an fp8 cache through its bytes."""
-    return _bytes(cache)[index].view(cache.dtype).to(dtype)
+def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """``cache[index]`` in ``dtype`` (the queries'), read from an fp8 cache through its bytes, times its scale."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache[index].to(dtype)
+    return (_bytes(cache)[index].view(cache.dtype).float() * kv_scale).to(dtype)
+
+
+def _window_mask(mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` [..., Q, K] also hiding the keys at or before q_pos - window (all visible for window 0)."""
+    return mask & (k_pos > q_pos.unsqueeze(-1) - window) if window else mask
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                      max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float) -> torch.Tensor:
+                      max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float,
+                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0) -> torch.Tensor:
     """Causal attention for packed variable-length queries q [N, H, D] (k, v: the same N new tokens); with
     ``block_tables`` the keys (cached prefix + new) come from the cache. ``max_seqlen_q``: unused (a host loop)."""
     out = torch.empty_like(q)
@@ -60,22 +72,28 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         else:  # the sequence's first len_k tokens, from their slots
             pos, block_size = torch.arange(len_k, device=q.device), k_cache.size(1)
             slots = block_tables[i][pos // block_size].long() * block_size + pos % block_size
-            k_i, v_i = (_gather(c.view(-1, *c.shape[2:]), slots, q.dtype) for c in (k_cache, v_cache))
+            k_i, v_i = (_gather(c.view(-1, *c.shape[2:]), slots, q.dtype, s)
+                        for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         # the queries are the last q1 - q0 of the len_k positions
         mask = torch.ones(q1 - q0, len_k, dtype=torch.bool, device=q.device).tril(diagonal=len_k - (q1 - q0))
+        k_pos = torch.arange(len_k, device=q.device)
+        mask = _window_mask(mask, k_pos[len_k - (q1 - q0):], k_pos, window)
         out[q0:q1] = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1),
                                                     attn_mask=mask, scale=scale, enable_gqa=True).transpose(0, 1)
     return out
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence, q [B, H, D], over its first context_lens[b] cached tokens."""
+                     block_tables: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                     window: int = 0) -> torch.Tensor:
+    """One query per sequence, q [B, H, D], over its first context_lens[b] cached tokens (the last ``window``)."""
     tables = block_tables.clamp(min=0).long()
-    k, v = (_gather(c, tables, q.dtype).flatten(1, 2) for c in (k_cache, v_cache))   # [B, T, KVH, D]
+    k, v = (_gather(c, tables, q.dtype, s).flatten(1, 2)                             # [B, T, KVH, D]
+            for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
     positions = torch.arange(k.size(1), device=q.device)
+    mask = _window_mask(positions < context_lens.unsqueeze(1), context_lens - 1, positions, window)
     # position 0 is always visible so that padded rows (context_len 0) give finite values
-    mask = (positions < context_lens.unsqueeze(1)) | (positions == 0)                # [B, T]
+    mask |= (positions == 0) & (context_lens.unsqueeze(1) == 0)                       # [B, T]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
     return out.squeeze(2)

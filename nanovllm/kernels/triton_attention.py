@@ -6,8 +6,16 @@ packs the query heads of one KV head into the rows of a single ``tl.dot``, so ev
 once for its whole group, and splits long contexts over several programs (merged by log-sum-exp) when
 batch x kv_heads is too small to fill the GPU. Nothing here reads device values on the host during
 decode, so the decode path can be captured in a CUDA Graph.
+
+An fp8 (e4m3) cache holds K/V divided by the layer's ``k_scale``/``v_scale``, saturated at +-448: the store
+kernels divide and round, the attention kernels convert each tile to the queries' dtype and fold the scales
+into the softmax scale (K) and the output (V). ``window`` > 0 is sliding-window attention: a query at
+position i sees the keys at (i - window, i]; decode starts at its first visible key, prefill skips the tiles
+wholly before every row's window and masks the rest.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -16,39 +24,75 @@ import triton.language as tl
 from nanovllm.kernels import dot_precision
 
 LOG2E = 1.4426950408889634
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+# Triton's interpreter (the CPU tests) rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4,
+# not 8): under it the store kernels round to e4m3's grid themselves, so that the conversion has nothing to round.
+_ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even: steps of 2^(e - 3) for exponent e,
+    2^-9 below the normals (2^-6)."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    y = x / step                                   # exact: a power of two
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)   # a tie goes to even
+    return ((r * step).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # -0 too
+
+
+@triton.jit
+def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """x in the cache's dtype: divided by the scale and saturated for fp8, unchanged otherwise."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+        if ROUND_FP8:
+            x = _round_to_e4m3(x)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 # ---- KV store ---------------------------------------------------------------------------------
 @triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
-                          D: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v, inv_k_scale,
+                          inv_v_scale, D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
+                          ROUND_FP8: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot < 0:
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < D
-    tl.store(k_cache_ptr + slot * D + offs, tl.load(k_ptr + i * stride_k + offs, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + slot * D + offs, tl.load(v_ptr + i * stride_v + offs, mask=mask), mask=mask)
+    k = _to_cache(tl.load(k_ptr + i * stride_k + offs, mask=mask), inv_k_scale, k_cache_ptr, FP8, ROUND_FP8)
+    v = _to_cache(tl.load(v_ptr + i * stride_v + offs, mask=mask), inv_v_scale, v_cache_ptr, FP8, ROUND_FP8)
+    tl.store(k_cache_ptr + slot * D + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * D + offs, v, mask=mask)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+                  slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped."""
     n, num_kv_heads, head_dim = k.shape
     d = num_kv_heads * head_dim
     assert k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == n
     if n:
-        _store_kvcache_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                    D=d, BLOCK=triton.next_power_of_2(d))
+        _store_kvcache_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), 1.0 / k_scale,
+                                    1.0 / v_scale, D=d, BLOCK=triton.next_power_of_2(d), FP8=is_fp8(k_cache),
+                                    ROUND_FP8=_ROUND_FP8)
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_ptr,
-                               k_cache_ptr, v_cache_ptr, stride_t, eps, NUM_HEADS: tl.constexpr,
-                               NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                               BLOCK_KV: tl.constexpr, NORM: tl.constexpr):
+                               k_cache_ptr, v_cache_ptr, stride_t, eps, inv_k_scale, inv_v_scale,
+                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+                               ROUND_FP8: tl.constexpr):
     """One token, its q and k heads the rows of one tile. Rounds where the separate ops round (norm
     output to the dtype, times the weight in the dtype; rotary in fp32)."""
     i = tl.program_id(0)
@@ -81,20 +125,21 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
         kv_row = rows[:, None] - NUM_HEADS
         k_mask = mask & (kv_row >= 0)
         k_ptr = k_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kv_row * HEAD_DIM + cols[None, :]
-        tl.store(k_ptr, o1, mask=k_mask)
-        tl.store(k_ptr + HALF, o2, mask=k_mask)
+        tl.store(k_ptr, _to_cache(o1, inv_k_scale, k_cache_ptr, FP8, ROUND_FP8), mask=k_mask)
+        tl.store(k_ptr + HALF, _to_cache(o2, inv_k_scale, k_cache_ptr, FP8, ROUND_FP8), mask=k_mask)
         vr = tl.arange(0, BLOCK_KV)[:, None]
         d = tl.arange(0, HEAD_DIM)[None, :]
         v_mask = vr < NUM_KV_HEADS
         v = tl.load(qkv_ptr + i.to(tl.int64) * stride_t + (NUM_HEADS + NUM_KV_HEADS + vr) * HEAD_DIM + d,
                     mask=v_mask)
-        tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + vr * HEAD_DIM + d, v, mask=v_mask)
+        tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + vr * HEAD_DIM + d,
+                 _to_cache(v, inv_v_scale, v_cache_ptr, FP8, ROUND_FP8), mask=v_mask)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, head_dim: int):
+                       num_heads: int, num_kv_heads: int, head_dim: int, k_scale: float = 1.0, v_scale: float = 1.0):
     """The attention prologue in one launch instead of four, for qkv [N, (num_heads + 2 * num_kv_heads) *
     head_dim] from the fused QKV projection: per-head RMSNorm of q and k (Qwen3; skipped when the weights are
     None), then the rotate-half rotary embedding at ``positions`` (``cos_sin_cache`` [max_position, head_dim]:
@@ -107,9 +152,9 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     if n:
         _qk_norm_rope_store_kernel[(n,)](
             qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv, slot_mapping,
-            k_cache, v_cache, qkv.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-            NORM=norm)
+            k_cache, v_cache, qkv.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
     return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
@@ -118,17 +163,18 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
 def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
                  k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on (decode),
-    2 those and the causal diagonal (q_pos read only then); q_start, k_ptr, v_ptr, stride_kt/vt only unpaged."""
+    2 those and the causal diagonal (q_pos read only then), and with WINDOW the keys at or before q_pos - WINDOW;
+    q_start, k_ptr, v_ptr, stride_kt/vt only unpaged. Cached tiles are converted to the queries' dtype (fp8)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_n < k_len
     if PAGED:
         page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
         kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
     else:  # the keys are the new tokens themselves
         rows = (q_start + offs_n)[:, None].to(tl.int64)
         k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -137,8 +183,13 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
     if MASK == 1:
         s = tl.where(valid[None, :], s, float("-inf"))
     if MASK == 2:
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < k_len), s, float("-inf"))
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] < k_len)
+        if WINDOW > 0:
+            visible &= offs_n[None, :] > q_pos[:, None] - WINDOW
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if WINDOW > 0:  # a row may see no key of this tile yet (its window starts later): keep it at zero, not NaN
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -148,10 +199,10 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
-                    qk_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
+                    qk_scale, out_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_start = tl.load(cu_q_ptr + seq)
@@ -171,12 +222,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     first_q_pos = k_len - q_len + m_block * BLOCK_M
     unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N   # keys before it are visible to every row of the tile
     end = tl.minimum(k_len, first_q_pos + BLOCK_M)
-    for masked in tl.static_range(2):   # the keys every row sees, then the causal diagonal (unrolled)
-        for start in range(unmasked_end if masked else 0, end if masked else unmasked_end, BLOCK_N):
+    if WINDOW > 0:  # from the tile of the first row's first visible key, every tile masked
+        for start in range(tl.maximum(first_q_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N, end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
                                          k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
-                                         stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2 * masked, PRECISION)
-    out = acc / l_i[:, None]
+                                         stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2, PRECISION, WINDOW)
+    else:
+        for masked in tl.static_range(2):   # the keys every row sees, then the causal diagonal (unrolled)
+            for start in range(unmasked_end if masked else 0, end if masked else unmasked_end, BLOCK_N):
+                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
+                                             k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
+                                             stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2 * masked,
+                                             PRECISION, 0)
+    out = acc / l_i[:, None] * out_scale
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
@@ -194,9 +252,11 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, paged:
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float,
+                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
                       config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for packed variable-length queries q [N, H, D]; k, v [N, KVH, D] are the
-    same N new tokens. With ``block_tables`` every key (cached prefix and new) is read from the cache."""
+    same N new tokens. With ``block_tables`` every key (cached prefix and new) is read from the cache
+    (dequantized with k_scale, v_scale when it is fp8)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(1)
     paged = block_tables is not None
@@ -205,27 +265,30 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if num_tokens == 0:
         return out
     bt = block_tables if paged else cu_seqlens_q  # any int32 tensor: not read when not paged
+    if not (paged and is_fp8(k_cache)):
+        k_scale = v_scale = 1.0
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), cu_seqlens_q.numel() - 1, num_heads)
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, bt, scale * LOG2E,
+        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, bt, scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1), bt.stride(0),
         GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PRECISION=dot_precision(q.dtype), WINDOW=window, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
 # ---- decode -------------------------------------------------------------------------------------
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_lse_ptr,
-                   qk_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+                   qk_scale, out_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    first = tl.maximum(ctx - WINDOW, 0) if WINDOW > 0 else 0      # the first visible key
+    per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, ctx)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -239,8 +302,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
     for n in range(start, end, BLOCK_N):   # paged keys, masked from the end of this split on
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, None, None,
                                      k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
-                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                 # an empty range (context 0) gives 0
+                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * out_scale     # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -290,9 +353,10 @@ def _decode_config(head_dim: int, dtype: torch.dtype, batch: int) -> dict:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, num_splits: int | None = None,
-                     config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence, q [B, H, D], over its first context_lens[b] cached tokens."""
+                     block_tables: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                     window: int = 0, num_splits: int | None = None, config: dict | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence, q [B, H, D], over its first context_lens[b] cached tokens (the last ``window``)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
@@ -301,17 +365,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
+    if not is_fp8(k_cache):
+        k_scale = v_scale = 1.0
     if splits > 1:
         part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # not written
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        WINDOW=window, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                           NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,

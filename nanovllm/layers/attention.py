@@ -29,9 +29,9 @@ class AttentionBackend:
     """One backend's kernels, bound (their modules imported) when it is chosen."""
 
     name: str
-    store_kvcache: Callable  # (k, v, k_cache, v_cache, slot_mapping): slot -1 is skipped
-    prefill: Callable        # (q, k, v, k_cache, v_cache, ctx, scale) -> [N, num_heads, head_dim]
-    decode: Callable         # (q, k_cache, v_cache, ctx, scale) -> [B, num_heads, head_dim]
+    store_kvcache: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale): slot -1 is skipped
+    prefill: Callable        # (q, k, v, layer: Attention, ctx) -> [N, num_heads, head_dim]
+    decode: Callable         # (q, layer: Attention, ctx) -> [B, num_heads, head_dim]
     # Optional: q/k RMSNorm, rotary and the KV store in one kernel, with
     # ``triton_attention.qk_norm_rope_store``'s signature (power-of-two head_dim).
     qk_norm_rope_store: Callable | None = None
@@ -41,12 +41,14 @@ def _kernel_module_backend(name: str) -> AttentionBackend:
     """"torch" (``kernels/reference.py``) or "triton" (``kernels/triton_attention.py``, same functions)."""
     module = importlib.import_module("nanovllm.kernels." + ("triton_attention" if name == "triton" else "reference"))
 
-    def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
-        return module.prefill_attention(q, k, v, k_cache, v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
-                                        ctx.max_seqlen_q, ctx.block_tables, scale)
+    def prefill(q, k, v, layer: Attention, ctx: Context):
+        return module.prefill_attention(q, k, v, layer.k_cache, layer.v_cache, ctx.cu_seqlens_q, ctx.cu_seqlens_k,
+                                        ctx.max_seqlen_q, ctx.block_tables, layer.scale, layer.k_scale, layer.v_scale,
+                                        layer.sliding_window)
 
-    def decode(q, k_cache, v_cache, ctx: Context, scale: float):
-        return module.decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
+    def decode(q, layer: Attention, ctx: Context):
+        return module.decode_attention(q, layer.k_cache, layer.v_cache, ctx.context_lens, ctx.block_tables,
+                                       layer.scale, layer.k_scale, layer.v_scale, layer.sliding_window)
 
     return AttentionBackend(name, module.store_kvcache, prefill, decode,
                             module.qk_norm_rope_store if name == "triton" else None)
@@ -58,16 +60,21 @@ def _flash_attn_backend() -> AttentionBackend:
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
     triton = _kernel_module_backend("triton")
 
-    def prefill(q, k, v, k_cache, v_cache, ctx: Context, scale: float):
+    def window(layer: Attention) -> tuple[int, int]:  # keys (i - w, i]: w - 1 to the left, none to the right
+        return (layer.sliding_window - 1, 0) if layer.sliding_window else (-1, -1)
+
+    def prefill(q, k, v, layer: Attention, ctx: Context):
         if ctx.block_tables is not None:
-            k, v = k_cache, v_cache
+            k, v = layer.k_cache, layer.v_cache
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
                                       max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                                      softmax_scale=scale, causal=True, block_table=ctx.block_tables)
+                                      softmax_scale=layer.scale, causal=True, window_size=window(layer),
+                                      block_table=ctx.block_tables)
 
-    def decode(q, k_cache, v_cache, ctx: Context, scale: float):
-        out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=ctx.context_lens,
-                                      block_table=ctx.block_tables, softmax_scale=scale, causal=True)
+    def decode(q, layer: Attention, ctx: Context):
+        out = flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, cache_seqlens=ctx.context_lens,
+                                      block_table=ctx.block_tables, softmax_scale=layer.scale, causal=True,
+                                      window_size=window(layer))
         return out.squeeze(1)
 
     return AttentionBackend("flash-attn", triton.store_kvcache, prefill, decode, triton.qk_norm_rope_store)
@@ -90,8 +97,10 @@ def _triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_d
         reasons.append(f"head_dim {head_dim} (Triton: {', '.join(map(str, TRITON_HEAD_DIMS))})")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         reasons.append(f"dtype {dtype}")
-    if kv_dtype != dtype:
-        reasons.append(f"kv_cache_dtype {kv_dtype} (Triton: the KV cache in the model's dtype, for now)")
+    if kv_dtype not in (dtype, torch.float8_e4m3fn):
+        reasons.append(f"kv_cache_dtype {kv_dtype} (Triton: the model's dtype or fp8 e4m3)")
+    elif kv_dtype != dtype and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        reasons.append("kv_cache_dtype fp8 (Triton's e4m3 needs compute capability 8.9 or newer)")
     return reasons
 
 
@@ -164,9 +173,16 @@ def bind_backend(name: str) -> AttentionBackend:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    """Paged attention over the layer's K/V cache views. ``sliding_window``: a query at position i sees the keys
+    at (i - sliding_window, i] (None or 0: all before it). ``k_scale``/``v_scale``: what an fp8 cache's values are
+    multiplied by when read (stored divided by them; 1.0 unless the checkpoint ships them; vLLM's names)."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.sliding_window = sliding_window or 0
+        self.k_scale = self.v_scale = 1.0
         # Set by the model runner: views of its KV-cache tensor, and the bound backend.
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
@@ -175,9 +191,8 @@ class Attention(nn.Module):
         # q [N, num_heads, head_dim]; k, v [N, num_kv_heads, head_dim] -> [N, num_heads, head_dim];
         # kv_stored: the caller's fused prologue (qk_norm_rope_store) already wrote k, v into the cache
         ctx = get_context()
-        k_cache, v_cache = self.k_cache, self.v_cache
         if not kv_stored:
-            self.backend.store_kvcache(k, v, k_cache, v_cache, ctx.slot_mapping)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         if ctx.is_prefill:
-            return self.backend.prefill(q, k, v, k_cache, v_cache, ctx, self.scale)
-        return self.backend.decode(q, k_cache, v_cache, ctx, self.scale)
+            return self.backend.prefill(q, k, v, self, ctx)
+        return self.backend.decode(q, self, ctx)

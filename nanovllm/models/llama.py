@@ -22,6 +22,27 @@ def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_windows(config: PretrainedConfig) -> list[int]:
+    """Each layer's sliding window (0: full attention), as transformers reads the config: ``layer_types`` where
+    the config has them (Qwen2/Qwen3 derive them from ``use_sliding_window`` and ``max_window_layers``), else
+    Qwen2's rule in older transformers (layers from ``max_window_layers`` on), else ``sliding_window`` on every
+    layer (Mistral)."""
+    window, n = getattr(config, "sliding_window", None) or 0, config.num_hidden_layers
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"the model's sliding_window={window!r} is not a positive int")
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown or len(types) != n:
+            raise ValueError(f"the model's layer_types {unknown or types} are not supported "
+                             f"(one of 'full_attention', 'sliding_attention' per layer)")
+        return [window if t == "sliding_attention" else 0 for t in types]
+    if not getattr(config, "use_sliding_window", True):
+        return [0] * n
+    first = getattr(config, "max_window_layers", 0) or 0
+    return [window if i >= first else 0 for i in range(n)]
+
+
 @dataclass(frozen=True)
 class DecoderOptions:
     qkv_bias: bool = False
@@ -34,7 +55,8 @@ class DecoderOptions:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
+                 sliding_window: int = 0):
         super().__init__()
         self.head_dim = head_dim_of(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -44,7 +66,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=options.o_bias)
         self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, sliding_window)
         if options.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before the rotary embedding
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -58,7 +80,7 @@ class DecoderAttention(nn.Module):
             q, k, v = fused(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight if norm else None,
                             self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                             self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping,
-                            self.num_heads, self.num_kv_heads, self.head_dim)
+                            self.num_heads, self.num_kv_heads, self.head_dim, self.attn.k_scale, self.attn.v_scale)
             o = self.attn(q, k, v, kv_stored=True)
         else:
             q, k, v = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split(
@@ -86,9 +108,9 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 layer_idx: int = 0):
+                 layer_idx: int = 0, sliding_window: int = 0):
         super().__init__()
-        self.self_attn = DecoderAttention(config, options, rotary_emb)
+        self.self_attn = DecoderAttention(config, options, rotary_emb, sliding_window)
         self.mlp = options.mlp(config, options, layer_idx) if options.mlp else DecoderMLP(config, options)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -107,7 +129,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one cos/sin table for all layers, of max_model_len rows: positions stay below max_model_len
         self.rotary_emb = get_rope(head_dim_of(config), max_model_len, config)
-        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i)
+        # a window of max_model_len or more hides nothing: those layers run the unwindowed kernels
+        windows = [w if w < max_model_len else 0 for w in sliding_windows(config)]
+        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, windows[i])
                                      for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -132,12 +156,8 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def check_config(config: PretrainedConfig, max_model_len: int):
-        """A sliding window shorter than max_model_len would need kernels that skip old keys; ours attend
-        to the whole context, so that configuration is refused rather than silently computed wrong."""
-        window = getattr(config, "sliding_window", None)
-        if window and getattr(config, "use_sliding_window", True) and window < max_model_len:
-            raise ValueError(f"the model's sliding_window={window} is shorter than max_model_len={max_model_len}, "
-                             f"and nanovllm's attention has no sliding window: pass max_model_len <= {window}")
+        """Refuses, before anything is loaded, what the decoder cannot build (its attention layer types)."""
+        sliding_windows(config)
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):
         super().__init__()

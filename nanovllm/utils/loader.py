@@ -7,7 +7,9 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
+import re
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,6 +28,9 @@ HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # huggingface_hub's, for HF_HUB_OFFLINE
 
 logger = logging.getLogger("nanovllm")
+# fp8 KV-cache scales as checkpoints name them (vLLM reads the same): per layer, on the attention or its k/v proj
+KV_SCALE = re.compile(r"(?P<layer>.*\.self_attn)\.(?:[kvq]_proj\.|attn\.)?(?P<which>k_scale|v_scale|kv_scale|"
+                      r"q_scale|prob_scale)")
 
 
 def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
@@ -112,6 +117,31 @@ def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
     return name, ()
 
 
+def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
+    """A checkpoint's fp8 KV-cache scale, set on its layer's ``Attention`` (``k_scale``/``v_scale``; an old
+    ``kv_scale`` sets both); q_scale/prob_scale (fp8 attention arithmetic, which nanovllm does not do) are
+    skipped. False when ``name`` is no such tensor."""
+    match = KV_SCALE.fullmatch(name)
+    if match is None:
+        return False
+    if match["which"] in ("q_scale", "prob_scale"):
+        logger.info("checkpoint tensor %s skipped: fp8 attention arithmetic is not supported", name)
+        return True
+    try:
+        attn = model.get_submodule(match["layer"] + ".attn")
+    except AttributeError:
+        return False
+    tensor = file.get_tensor(name)
+    value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"checkpoint tensor {name!r}: a KV-cache scale must be one positive finite value "
+                         f"(per-tensor scales only), got shape {tuple(tensor.shape)}"
+                         f"{'' if value is None else f' value {value}'}")
+    for which in ("k_scale", "v_scale") if match["which"] == "kv_scale" else (match["which"],):
+        setattr(attn, which, value)
+    return True
+
+
 def load_model(model: nn.Module, path: str):
     packed = getattr(model, "packed_modules_mapping", {})
     # a model's own names first (a mixture of experts' per-expert tensors), then the packed q/k/v and gate/up
@@ -122,7 +152,7 @@ def load_model(model: nn.Module, path: str):
         try:
             with safe_open(file, "pt", "cpu") as f:
                 for name in f.keys():
-                    if name.endswith(SKIPPED_TENSORS):
+                    if name.endswith(SKIPPED_TENSORS) or _load_kv_scale(model, name, f):
                         continue
                     target, shard_args = own_target(name) or _packed_target(name, packed)
                     if target not in params:

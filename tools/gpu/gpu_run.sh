@@ -17,6 +17,8 @@
 #   linear    the dense-layer kernel tests, then the linear-layer microbenchmarks against cuBLAS with a tile sweep
 #   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload
 #   blocksizes bench.py (default, prefix, batch16) at kvcache_block_size 16, 32, 64, 128, 256
+#   fp8       the fp8-cache and sliding-window kernel tests compiled, decode microbenchmarks over an fp8 cache,
+#             bench.py with the model's dtype and with an fp8 cache (same run), the presets' KL divergence
 #   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
 #   ktests    the kernel tests alone (no flash-attn build)
 #   onegpu    one GPU without flash-attn: test_gpu.py (no TP) and the GPU tests elsewhere, then the engine,
@@ -95,6 +97,14 @@ for phase in "$@"; do
     scenarios)  # SCENARIOS: which (default all four)
       for s in ${SCENARIOS:-batch1 batch16 long prefix}; do step bench.jsonl python3 bench.py --scenario $s --json; done
       [[ -z ${SCENARIOS:-} ]] && step bench.jsonl python3 bench.py --model qwen3-8b --json ;;
+    fp8)  # issue 20's GPU measurements: kernels, the cache's speed and capacity, quality on the presets' logits
+      step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "fp8 or window"
+      step bench_kernels_fp8.log python3 tools/bench_kernels.py --kv-cache-dtype fp8 --out "$OUT"
+      step bench_fp8.jsonl python3 bench.py --json
+      step bench_fp8.jsonl python3 bench.py --json --kv-cache-dtype fp8
+      for m in qwen3-0.6b qwen3-8b; do
+        step kv_quality.jsonl python3 tools/kv_quality.py --preset $m --device cuda --prompts 4 --tokens 1024 --chunk 256
+      done ;;
     train)  # the standard library alone, and with its test suites, side by side on one GPU
       step train.log python3 tools/train_demo_model.py --out "$OUT/demo" &
       step train_tests.log python3 tools/train_demo_model.py --out "$OUT/demo_tests" --include-tests &
