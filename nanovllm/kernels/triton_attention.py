@@ -286,7 +286,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
                    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
-    first = tl.maximum(ctx - WINDOW, 0) if WINDOW > 0 else 0      # the first visible key
+    first = 0                                                      # the first visible key
+    if WINDOW > 0:
+        first = tl.maximum(ctx - WINDOW, 0)
     per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * per_split
     end = tl.minimum(start + per_split, ctx)
