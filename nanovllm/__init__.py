@@ -6,10 +6,11 @@ from nanovllm.engine.llm_engine import EngineArgs, LLMEngine
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "TextPrompt", "TokensPrompt", "BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "TextPrompt", "TokensPrompt", "BeamSearchParams", "BeamSearchSequence",
+           "BeamSearchOutput"]
 
 _logger = logging.getLogger("nanovllm")
 if not _logger.handlers:  # like vLLM: INFO lines (e.g. the attention backend) show by default

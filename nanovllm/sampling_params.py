@@ -4,12 +4,86 @@ and copies (``clone``) the object when a request is admitted, so a later assignm
 from __future__ import annotations
 
 import copy
+import json as _json
 import math
 from dataclasses import dataclass
 from functools import cached_property
 
 SAMPLING_EPS = 1e-5  # temperatures below it are greedy (as in vLLM): 1 / T would overflow the logits
 MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
+
+
+# StructuredOutputsParams' constraint fields (vLLM's); a request sets exactly one
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint of one request (``SamplingParams(structured_outputs=...)``): exactly
+    one of ``json`` (a JSON schema, as a dict or a string), ``regex``, ``choice`` (the output is one of these
+    strings), ``grammar`` (xgrammar's EBNF, with a ``root`` rule) or ``json_object=True`` (any JSON object).
+    ``disable_any_whitespace`` keeps JSON on one line with no spaces between tokens. The output then follows the
+    constraint token by token (compiled by xgrammar, the ``structured`` extra) and ends at EOS only where the
+    constraint is complete. vLLM's ``structural_tag``, ``whitespace_pattern`` and ``disable_additional_properties``
+    are refused by name (xgrammar already refuses properties a schema does not list, unless it allows them)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Raises ``ValueError``/``TypeError`` naming the field: exactly one constraint, of its type."""
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(CONSTRAINTS)}; got "
+                             f"{', '.join(given) if given else 'none'}")
+        for name in ("structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"structured_outputs.{name} is not supported by nanovllm (json, regex, choice, "
+                                 f"grammar and json_object are), got {getattr(self, name)!r:.60}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.disable_additional_properties:
+            raise ValueError("structured_outputs.disable_additional_properties=True is not supported: xgrammar "
+                             "already refuses properties a schema does not list, unless the schema allows them")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
+            elif isinstance(self.json, dict):
+                schema = self.json
+            else:
+                raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or a string), got "
+                                f"{self.json!r:.80}")
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise TypeError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                            f"{self.choice!r:.80}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True when given, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: one of CONSTRAINTS."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
 
 
 @dataclass
@@ -20,7 +94,9 @@ class SamplingParams:
     token's logprob and the top k, from the raw model distribution (before temperature and penalties);
     ``prompt_logprobs=k`` the same for every prompt token after the first (the actual token's and the top k
     at its position; such a request computes its whole prompt, never taking it from the prefix cache).
-    ``n`` completions of one prompt share its KV blocks; with a ``seed``, completion i uses (seed + i) mod 2**64."""
+    ``n`` completions of one prompt share its KV blocks; with a ``seed``, completion i uses (seed + i) mod 2**64.
+    ``structured_outputs``: a ``StructuredOutputsParams`` constraint (JSON schema, regex, choice, grammar); the
+    grammar ends such an output, so it takes neither ``ignore_eos`` nor ``min_tokens``."""
 
     n: int = 1
     temperature: float = 1.0
@@ -40,6 +116,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __setattr__(self, name: str, value):
         super().__setattr__(name, value)
@@ -77,6 +154,18 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
         self.temperature = float(self.temperature)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                                f"{self.structured_outputs!r:.80}")
+            self.structured_outputs.verify()
+            # the grammar decides where the output ends: EOS is allowed exactly where it is complete
+            if self.ignore_eos:
+                raise ValueError("ignore_eos=True cannot be honoured with structured_outputs: the output ends "
+                                 "with EOS where its grammar is complete")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens} cannot be honoured with structured_outputs: the "
+                                 "grammar decides where the output ends")
 
     __post_init__ = verify  # at construction, and again when a request is admitted
 

@@ -16,6 +16,7 @@ from nanovllm.engine.model_runner import ModelRunner, SamplingInputs
 from nanovllm.engine.outputs import SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger("nanovllm")
@@ -83,9 +84,12 @@ class Resources:
 
 
 class EngineCore:
-    def __init__(self, config: Config, resources: Resources, shutdown):
-        """``shutdown()`` frees ``resources`` (the engine's finalizer)."""
+    def __init__(self, config: Config, resources: Resources, shutdown,
+                 structured_outputs: StructuredOutputManager | None = None):
+        """``shutdown()`` frees ``resources`` (the engine's finalizer); ``structured_outputs`` fills the bitmasks
+        of constrained sequences (those with a ``Sequence.grammar``)."""
         self.config, self.resources, self.shutdown = config, resources, shutdown
+        self.structured_outputs = structured_outputs
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
@@ -124,8 +128,11 @@ class EngineCore:
             block_size = self.config.kvcache_block_size
             step = batch.build_prefill(seqs, block_size) if is_prefill else \
                 batch.build_decode(seqs, block_size, self.inflight and self.inflight[0])
-            output = self.guarded(self._launch, step, sampling)
-            launched = self.scheduler.launched(seqs, is_prefill), output
+            if any(seq.grammar is not None for seq in seqs):
+                launched = self._launch_constrained(step, seqs, is_prefill, sampling, done)
+            else:
+                output = self.guarded(self._launch, step, sampling)
+                launched = self.scheduler.launched(seqs, is_prefill), output
         elif self.inflight is None and not done:
             raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
         if self.inflight is not None:
@@ -167,6 +174,32 @@ class EngineCore:
             self.resources.workers.call("run", step)
         return self.resources.runner.run(step, sampling)
 
+    def _launch_constrained(self, step: batch.StepInput, seqs: list[Sequence], is_prefill: bool,
+                            sampling: SamplingInputs, done: list[Sequence]) -> tuple[ScheduledStep, SampledTokens]:
+        """Launches a step with constrained sequences. Their bitmask needs every known token, so when one of
+        them has its token in the step in flight (async scheduling), the forward is launched first, the step in
+        flight is read back (its tokens advance the matchers) while the device runs it, and the bitmask is
+        filled and the sampler launched after: the device waits only if that host work outlasts the forward."""
+        rows = [row for row, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens
+                == seq.num_tokens]  # the rows whose sampled token is kept (Scheduler.launched's)
+        pin = self.config.device == "cuda"
+        if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
+                                            for row in rows):
+            sampling.token_bitmask = self.structured_outputs.grammar_bitmask(seqs, rows, pin)
+            output = self.guarded(self._launch, step, sampling)
+            return self.scheduler.launched(seqs, is_prefill), output
+        forward = self.guarded(self._launch_forward, step, sampling)
+        scheduled = self.scheduler.launched(seqs, is_prefill)
+        self._finish_inflight(done)
+        sampling.token_bitmask = self.structured_outputs.grammar_bitmask(seqs, rows, pin)
+        return scheduled, self.guarded(self.resources.runner.sample, step, forward, sampling)
+
+    def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs):
+        """``_launch`` up to the logits: the workers run the whole step (they do not sample)."""
+        if self.resources.workers is not None:
+            self.resources.workers.call("run", step)
+        return self.resources.runner.forward(step, sampling)
+
     def _prepare_sampling(self, seqs: list[Sequence], is_prefill: bool, done: list[Sequence]):
         """Rank 0's sampling inputs, built before any rank starts the step: a sequence whose own
         parameters make this fail is ended alone (``fail``) and the step goes on without it."""
@@ -199,6 +232,8 @@ class EngineCore:
         token_ids, logprobs, prompt_logprobs = self.guarded(output.result, alive)
         for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs):
             try:
+                if seq.grammar is not None:  # its matcher follows the known tokens
+                    seq.grammar.accept(token_id)
                 self._check_stop(seq, token_id)
             except Exception as e:  # the sequence's own text failed to decode
                 self.fail(seq, e)

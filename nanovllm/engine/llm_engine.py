@@ -23,6 +23,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.outputs import request_output
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
@@ -126,7 +127,9 @@ class LLMEngine:
             resources.fail(e, self._finalizer)
         runner = resources.runner
         self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
-        self.core = EngineCore(self.config, resources, self._finalizer)
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
+                                                          self.config.eos_token_ids)
+        self.core = EngineCore(self.config, resources, self._finalizer, self.structured_outputs)
         self._request_ids = itertools.count()
         # requests admitted by add_request, reported by step(): {request_id: its Request} (None while admitted)
         self._step_requests: dict[str, Request | None] = {}
@@ -244,6 +247,9 @@ class LLMEngine:
         completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
                        for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
+        if params.structured_outputs is not None:  # each completion its own matcher (compiled at admission)
+            for seq in seqs:
+                seq.grammar = self.structured_outputs.grammar(params.structured_outputs)
         if params.prompt_logprobs is not None:  # one completion computes them for the request
             seqs[0].prompt_logprobs = [None] * len(prompt_ids)
         incremental = incremental and self.tokenizer is not None
@@ -271,6 +277,9 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if sp.stop_strings:
             self._require_tokenizer("stop strings")
+        if sp.structured_outputs is not None:
+            self._require_tokenizer("structured outputs")
+            self.structured_outputs.compile(sp.structured_outputs)  # a ValueError now if it does not compile
         return sp
 
     def abort_request(self, request: Request | str | Iterable[str]):

@@ -255,16 +255,34 @@ class ModelRunner:
         Returns rank 0's ``SampledTokens`` (read them with ``result()``); None elsewhere. With async
         scheduling the sampled tokens stay on every rank's device as the next forward's inputs (TP:
         broadcast from rank 0)."""
+        return self.sample(step, self.forward(step, sampling), sampling)
+
+    @torch.inference_mode()
+    def forward(self, step: StepInput, sampling: SamplingInputs | None = None) -> tuple | None:
+        """The first half of ``run``: launches the forward; on rank 0 returns (the logits of the rows to sample,
+        the prompt logprobs or None) for ``sample``, None elsewhere. Apart, so that rank 0 can build what
+        sampling needs (a structured-output bitmask) while the device runs the forward."""
         input_ids, positions, context = self.step_tensors(step)
-        token_ids = logprobs = prompt_lps = None
         with set_context(step.is_prefill, **context):
             logits = self.run_model(input_ids, positions, step.is_prefill)
-            if self.rank == 0:
-                prompt = sampling.prompt
-                if prompt is not None:  # logits of every position of some sequences: theirs, then the last ones
-                    prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
-                    logits = logits[prompt.sample_rows]
-                token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
+        if self.rank != 0:
+            return None
+        prompt, prompt_lps = sampling.prompt, None
+        if prompt is not None:  # logits of every position of some sequences: theirs, then the last ones
+            prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
+            logits = logits[prompt.sample_rows]
+        return logits, prompt_lps
+
+    @torch.inference_mode()
+    def sample(self, step: StepInput, forward: tuple | None, sampling: SamplingInputs | None = None):
+        """The second half of ``run``: rank 0 samples ``forward``'s logits (with ``sampling.token_bitmask``
+        applied, moved to the device now); with async scheduling every rank keeps the sampled tokens."""
+        token_ids = logprobs = prompt_lps = None
+        if self.rank == 0:
+            logits, prompt_lps = forward
+            if sampling.token_bitmask is not None:
+                sampling.batch.token_bitmask = self._to_device(sampling.token_bitmask)
+            token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
         if self.config.async_scheduling:
             if self.group is not None:
                 if self.rank != 0:

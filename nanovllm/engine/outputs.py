@@ -34,6 +34,7 @@ class SamplingInputs:
     batch: SamplingBatch
     prompt: PromptLogprobsBatch | None      # prefills whose sequences compute prompt logprobs
     num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
+    token_bitmask: torch.Tensor | None = None  # structured outputs: the step's bitmask on the host, or None
 
 
 def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,

@@ -49,6 +49,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.detokenizer = None            # an IncrementalDetokenizer when text is needed as it grows
+        self.grammar = None                # rank 0: a constrained completion's structured_output.Grammar
 
     @property
     def num_tokens(self) -> int:

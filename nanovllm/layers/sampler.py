@@ -1,11 +1,13 @@
 """Sampling on rank 0, vectorized over a batch in which every request has its own parameters.
 
-Order (vLLM's): raw logprobs are taken first; then penalties, the min_tokens ban, greedy argmax,
-temperature, top-k / top-p / min-p, and a Gumbel-max draw (argmax p / E with E ~ Exp(1)). Each
-optional stage runs only when a request in the batch asks for it, so a plain batch pays for none.
-Seeded requests draw their noise from their own generator: the same seed gives the same tokens
-whatever else is in the batch. On CUDA a plain batch (temperatures only, bench.py's) takes one
-Triton pass over the logits instead (``kernels/triton_sampler.py``, keyed by a seed and a draw counter).
+Order (vLLM's): a structured-output bitmask is applied to the logits first (disallowed tokens at -inf,
+so logprobs are those of the constrained distribution, as vLLM's); then raw logprobs are taken; then
+penalties, the min_tokens ban, greedy argmax, temperature, top-k / top-p / min-p, and a Gumbel-max draw
+(argmax p / E with E ~ Exp(1)). Each optional stage runs only when a request in the batch asks for it,
+so a plain batch pays for none. Seeded requests draw their noise from their own generator: the same seed
+gives the same tokens whatever else is in the batch. On CUDA a plain batch (temperatures only, bench.py's;
+a bitmask keeps it plain) takes one Triton pass over the logits instead (``kernels/triton_sampler.py``,
+keyed by a seed and a draw counter).
 """
 from __future__ import annotations
 
@@ -44,11 +46,21 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None          # [B, E] bool: row b is under min_tokens and bans id e
     generators: list[torch.Generator | None] | None = None  # per row; None = the engine's generator
     num_logprobs: int = -1                           # max top-k logprobs asked for in the batch; -1 = none
+    token_bitmask: torch.Tensor | None = None        # [B, ceil(V / 32)] int32: bit t of row b allows token t
 
     @property
     def is_plain(self) -> bool:
         return self.num_logprobs < 0 and all(getattr(self, f) is None for f in (
             "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators"))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets the logits of disallowed tokens to -inf, in place: token t of row b is allowed when bit t % 32 of
+    ``bitmask[b, t // 32]`` is set (xgrammar's layout; a free row is all ones). A few elementwise kernels over
+    [B, V], on whatever device the logits are."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.size(1)]
+    return logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -92,7 +104,10 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
         """Returns (token ids [B], logprobs): logprobs is None unless asked for, else ``logprobs_of``'s
-        (the sampled tokens' logprobs and ranks, the top k) from the raw distribution."""
+        (the sampled tokens' logprobs and ranks, the top k) from the raw distribution (after the bitmask).
+        The bitmask leaves a plain batch plain: the fast path samples the masked logits."""
+        if b.token_bitmask is not None:
+            logits = apply_token_bitmask(logits, b.token_bitmask)
         fast = _triton_sampler() if b.is_plain and logits.is_cuda else None
         if fast is not None:
             self.num_draws += 1

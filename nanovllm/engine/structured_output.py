@@ -1,0 +1,148 @@
+"""Structured outputs on rank 0: constraints compiled by xgrammar (the ``structured`` extra; vLLM's default
+backend), one grammar matcher per constrained sequence, and each step's token bitmask.
+
+The bitmask is filled on the host (one int32 row of ``ceil(vocab / 32)`` words per sequence of the step, bit t
+set where token t is allowed; free rows all ones) and applied to the logits on the device by the sampler
+(``layers.sampler.apply_token_bitmask``), before every other stage. A step without constrained sequences has
+no bitmask and pays nothing. A matcher accepts exactly a sequence's known completion tokens: it is advanced
+when a token is appended (``EngineCore._finish_inflight``), so preemption, which recomputes known tokens,
+leaves it as it is. Its stop tokens are the engine's EOS ids: EOS is allowed exactly where the output is
+complete, and accepting it terminates the matcher.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import StructuredOutputsParams
+
+# xgrammar's C++ errors begin with a time and a source location: "[19:07:16] /project/cpp/x.cc:94: "
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+# fill masks for at least this many rows through xgrammar's thread pool
+BATCH_FILL_MIN_ROWS = 8
+# compiled grammars kept, least recently used dropped first (one holds masks over the whole vocabulary)
+CACHE_SIZE = 256
+
+
+def import_xgrammar():
+    """The xgrammar module, or a ValueError saying how to install it."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError("structured_outputs needs xgrammar, nanovllm's optional extra: pip install -e "
+                         "'.[structured]' (or pip install xgrammar)") from e
+    return xgrammar
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose strings are exactly ``choices`` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class Grammar:
+    """One sequence's matcher: it has accepted the sequence's known completion tokens, in order."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> None:
+        """Advances the matcher by the token just appended; a token the grammar refuses (it was sampled
+        under this matcher's mask, so it never should be) raises ``RuntimeError``."""
+        if not self.matcher.accept_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id} after {self.num_accepted} accepted tokens")
+        self.num_accepted += 1
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Rank 0's structured outputs: the compiler (made on the first constrained request: reading the
+    vocabulary takes a while), compiled grammars cached per constraint, matchers, bitmasks."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        """``vocab_size``: the model's (the logits' width), which may exceed the tokenizer's; ids past the
+        tokenizer's are never allowed."""
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
+        self.compiler = None
+        self.cache: OrderedDict[tuple, object] = OrderedDict()  # (what, spec, any_whitespace) -> CompiledGrammar
+        self.lock = threading.Lock()           # admissions compile from the callers' threads
+        self.batch_matcher = None
+
+    def _compiler(self):
+        if self.compiler is None:
+            xgr = import_xgrammar()
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, but the engine has skip_tokenizer_init=True")
+            if not self.eos_token_ids:
+                raise ValueError("structured_outputs need an EOS token to end an output, and the model has none")
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+            self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our cache, keyed by the constraint
+        return self.compiler
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of a constraint, from the cache when it was compiled before; a constraint that
+        does not compile raises ``ValueError`` naming the field and xgrammar's reason."""
+        kind = params.kind
+        spec = {"json": lambda: params.json if isinstance(params.json, str) else json.dumps(params.json),
+                "json_object": lambda: '{"type": "object"}', "regex": lambda: params.regex,
+                "grammar": lambda: params.grammar, "choice": lambda: choice_grammar(params.choice)}[kind]()
+        if kind == "grammar" and "::=" not in spec:  # vLLM would take it for a Lark grammar
+            raise ValueError("structured_outputs.grammar must be xgrammar's EBNF (rules `name ::= ...`, one of them "
+                             f"`root`); Lark grammars are not supported, got {spec!r:.80}")
+        # keyed by what xgrammar compiles: a choice is the grammar choice_grammar writes, json_object a schema
+        key = ({"json_object": "json", "choice": "grammar"}.get(kind, kind), spec, not params.disable_any_whitespace)
+        with self.lock:
+            compiled = self.cache.get(key)
+            if compiled is not None:
+                self.cache.move_to_end(key)
+                return compiled
+            compiler = self._compiler()
+            try:
+                if key[0] == "json":
+                    compiled = compiler.compile_json_schema(spec, any_whitespace=key[2])
+                elif key[0] == "regex":
+                    compiled = compiler.compile_regex(spec)
+                else:
+                    compiled = compiler.compile_grammar(spec)
+            except Exception as e:  # xgrammar raises RuntimeError (and its own errors) from C++
+                reason = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
+            self.cache[key] = compiled
+            if len(self.cache) > CACHE_SIZE:
+                self.cache.popitem(last=False)
+            return compiled
+
+    def grammar(self, params: StructuredOutputsParams) -> Grammar:
+        """A fresh matcher (a new completion) of the constraint."""
+        return Grammar(import_xgrammar().GrammarMatcher(self.compile(params), override_stop_tokens=self.eos_token_ids))
+
+    def grammar_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False) -> torch.Tensor | None:
+        """The step's bitmask on the host ([len(seqs), ceil(vocab / 32)] int32), or None when no sequence of
+        ``rows`` (those whose sampled token is kept) is constrained. A sequence that has finished meanwhile
+        (its token in flight ended it) gets a free row: its token is dropped anyway."""
+        constrained = [row for row in rows if seqs[row].grammar is not None and not seqs[row].is_finished]
+        if not constrained:
+            return None
+        xgr = import_xgrammar()
+        shape = xgr.get_bitmask_shape(len(seqs), self.vocab_size)
+        bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
+        for row in constrained:  # the matcher must have accepted every known completion token, none more
+            seq = seqs[row]
+            assert seq.grammar.num_accepted == len(seq.token_ids) - seq.num_prompt_tokens, "grammar out of step"
+        matchers = [seqs[row].grammar.matcher for row in constrained]
+        if len(constrained) >= BATCH_FILL_MIN_ROWS:
+            if self.batch_matcher is None:
+                self.batch_matcher = xgr.BatchGrammarMatcher()
+            self.batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, constrained)
+        else:
+            for row, matcher in zip(constrained, matchers):
+                matcher.fill_next_token_bitmask(bitmask, row)
+        return bitmask

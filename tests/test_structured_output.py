@@ -1,0 +1,379 @@
+"""Structured outputs (``SamplingParams(structured_outputs=StructuredOutputsParams(...))``, vLLM's API, compiled
+by xgrammar): every output that ends by EOS is complete and valid (JSON that parses and validates against its
+schema, a full regex match, one of the choices, a sentence of the EBNF grammar), a max_tokens cut says
+"length", free requests in the same batches are unchanged by their constrained neighbours, and the outputs are
+the same with async scheduling on and off, under preemption, with n > 1, stop strings, logprobs and TP=2.
+On the shipped demo model (a byte-level BPE tokenizer of 4,096 tokens) and a tiny random checkpoint whose
+model vocabulary (320) exceeds its tokenizer's (259)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+
+import pytest
+import torch
+from conftest import CPU_ENGINE, ENGINE, assert_no_leaks
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.engine.structured_output import StructuredOutputManager, choice_grammar
+from nanovllm.layers.sampler import apply_token_bitmask
+from nanovllm.sampling_params import StructuredOutputsParams as FromModule
+
+jsonschema = pytest.importorskip("jsonschema")
+
+# nested objects, arrays, enums, integers with bounds and numbers; strings kept short so that greedy decoding of
+# a code model ends them
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "kind": {"enum": ["cat", "dog", "fish"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "pos": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                "required": ["x", "y"]},
+        "owners": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {"id": {"type": "integer"}, "admin": {"type": "boolean"}},
+            "required": ["id", "admin"]}},
+    },
+    "required": ["name", "age", "kind", "tags", "pos", "owners"],
+}
+# a small one for the mixed batches: a few tokens per output
+SMALL_SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
+                                                 "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "ok": {"type": "boolean"}}, "required": ["kind", "n", "ok"]}
+REGEX = r"[a-z]{2,8}@[a-z]{2,8}\.(com|org|net)"
+CHOICES = ["True", "False", "None", "NotImplemented"]
+# one to four assignments separated by commas: `name=digits` or `name="letters"` (bounded, so that outputs end)
+EBNF = '''root ::= item ("," item){0,3}
+item ::= name "=" (number | text)
+name ::= [a-z] [a-z_]{0,7}
+number ::= [1-9] [0-9]{0,5} | "0"
+text ::= "\\"" [a-zA-Z ]{0,12} "\\""'''
+EBNF_SENTENCE = re.compile(r'([a-z][a-z_]{0,7}=([1-9][0-9]{0,5}|0|"[a-zA-Z ]{0,12}")(,(?!$)|$)){1,4}')
+PROMPTS = ["config = ", "def f(x):\n    return ", "data = json.loads('", "# the answer\n", "class A:\n    x = ",
+           "import os\n\n", "if __name__ == '__main__':\n    ", "values = ["]
+
+
+def constrained(max_tokens: int = 100, temperature: float = 0.0, sampling: dict | None = None,
+                **constraint) -> SamplingParams:
+    """A request under ``constraint`` (StructuredOutputsParams' fields), with ``sampling``'s other fields."""
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=7 if temperature else None,
+                          structured_outputs=StructuredOutputsParams(**constraint), **(sampling or {}))
+
+
+def json_params(temperature: float = 0.0, max_tokens: int = 100, **sampling) -> SamplingParams:
+    return constrained(max_tokens, temperature, sampling, json=SCHEMA, disable_any_whitespace=True)
+
+
+def assert_valid(kind: str, text: str, schema: dict = SCHEMA):
+    if kind == "json":
+        jsonschema.validate(json.loads(text), schema)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    elif kind == "grammar":
+        assert EBNF_SENTENCE.fullmatch(text), text
+    else:
+        assert isinstance(json.loads(text), dict), text
+
+
+def params_of(kind: str, temperature: float = 0.0, max_tokens: int = 100) -> SamplingParams:
+    if kind == "json":
+        return json_params(temperature, max_tokens)
+    constraint = {"regex": REGEX, "choice": CHOICES, "grammar": EBNF, "json_object": True}[kind]
+    extra = {"disable_any_whitespace": True} if kind == "json_object" else {}
+    return constrained(max_tokens, temperature, **{kind: constraint}, **extra)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    engine = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16)
+    yield engine
+    engine.exit()
+
+
+# ---- the parameters ------------------------------------------------------------------------------
+def test_params_are_vllms_and_checked():
+    assert FromModule is StructuredOutputsParams
+    assert StructuredOutputsParams(json='{"type": "integer"}').kind == "json"
+    assert StructuredOutputsParams(choice=("a", "b")).kind == "choice"
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object, structural_tag; "
+                                         "got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got json, regex"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="structural_tag is not supported"):
+        StructuredOutputsParams(structural_tag='{"structures": []}')
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
+        StructuredOutputsParams(json={}, whitespace_pattern=r"\s*")
+    with pytest.raises(ValueError, match="disable_additional_properties=True is not supported"):
+        StructuredOutputsParams(json={}, disable_additional_properties=True)
+    with pytest.raises(ValueError, match=r"structured_outputs.json is not valid JSON .*'\{nope'"):
+        StructuredOutputsParams(json="{nope")
+    with pytest.raises(TypeError, match="structured_outputs.json must be a JSON schema"):
+        StructuredOutputsParams(json=3)
+    with pytest.raises(TypeError, match=r"choice must be a non-empty list of non-empty strings, got \['a', 1\]"):
+        StructuredOutputsParams(choice=["a", 1])
+    with pytest.raises(TypeError, match="choice must be"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(TypeError, match="regex must be a non-empty string, got 5"):
+        StructuredOutputsParams(regex=5)
+    with pytest.raises(ValueError, match="json_object must be True when given, got False"):
+        StructuredOutputsParams(json_object=False)
+    with pytest.raises(TypeError, match="disable_any_whitespace must be a bool, got 'yes'"):
+        StructuredOutputsParams(json={}, disable_any_whitespace="yes")
+    # the grammar decides where the output ends: settings against that are refused by name
+    so = StructuredOutputsParams(regex="a+")
+    with pytest.raises(ValueError, match="ignore_eos=True cannot be honoured with structured_outputs"):
+        SamplingParams(ignore_eos=True, structured_outputs=so)
+    with pytest.raises(ValueError, match="min_tokens=2 cannot be honoured with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=so)
+    with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams, got"):
+        SamplingParams(structured_outputs={"json": {}})
+    sp = SamplingParams(structured_outputs=so)
+    so.regex = None  # assigned after construction: checked again at admission
+    with pytest.raises(ValueError, match="got none"):
+        sp.verify()
+
+
+def test_choice_grammar_escapes_quotes_and_backslashes():
+    assert choice_grammar(['a"b', "c\\d", "é"]) == 'root ::= "a\\"b" | "c\\\\d" | "é"'
+
+
+def test_apply_token_bitmask_matches_a_loop():
+    """Bit t % 32 of word t // 32 allows token t (xgrammar's layout), for a vocabulary that is not a multiple of
+    32; a row of all ones changes nothing."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 70, generator=gen)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 3), dtype=torch.int32, generator=gen)
+    bitmask[1] = -1
+    expected = logits.clone()
+    for b in range(3):
+        for t in range(70):
+            if not (int(bitmask[b, t // 32]) >> (t % 32)) & 1:
+                expected[b, t] = float("-inf")
+    got = apply_token_bitmask(logits.clone(), bitmask)
+    assert torch.equal(got, expected) and torch.equal(got[1], logits[1])
+    assert torch.isinf(got[0]).any() and torch.isinf(got[2]).any()
+
+
+# ---- validity --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar", "json_object"])
+def test_outputs_are_valid_greedy_and_sampled(demo, kind):
+    """Greedy and seeded sampled outputs of every constraint end by EOS ("stop") and are valid."""
+    for temperature in (0.0, 0.9):
+        outs = demo.generate(PROMPTS[:5], params_of(kind, temperature), use_tqdm=False)
+        reasons = [out.outputs[0].finish_reason for out in outs]
+        # a sampled JSON number, or any JSON object's content, may run on (neither has a length limit): then
+        # max_tokens ends it, as "length"; the bounded constraints end greedy outputs by EOS
+        bounded = temperature == 0 and kind != "json_object"
+        assert reasons.count("stop") >= (len(outs) if bounded else len(outs) // 2), (kind, temperature, reasons)
+        for out in outs:
+            c = out.outputs[0]
+            if c.finish_reason == "length":
+                assert len(c.token_ids) == 100
+                continue
+            assert c.finish_reason == "stop" and c.stop_reason is None, (kind, temperature, c.text)
+            assert c.token_ids[-1] == demo.tokenizer.eos_token_id
+            assert_valid(kind, c.text)
+    assert_no_leaks(demo)
+
+
+def test_max_tokens_cut_is_length(demo):
+    outs = demo.generate(PROMPTS[:3], json_params(max_tokens=6), use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "length" and len(c.token_ids) == 6 and c.text.startswith('{"name')
+        with pytest.raises(json.JSONDecodeError):  # cut short: not (yet) JSON
+            json.loads(c.text)
+
+
+def test_stop_strings_still_end_a_constrained_output(demo):
+    outs = demo.generate(PROMPTS[:3], json_params(stop=['"age"']), use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == '"age"' and c.text.startswith('{"name": "')
+        assert c.text.endswith('", ') and '"age"' not in c.text
+
+
+def test_n_completions_each_follow_the_grammar(demo):
+    params = constrained(40, 1.0, {"n": 4}, json=SMALL_SCHEMA, disable_any_whitespace=True)
+    outs = demo.generate(PROMPTS[:2], params, use_tqdm=False)
+    for out in outs:
+        texts = [c.text for c in out.outputs]
+        assert len(texts) == 4 and len(set(texts)) > 1, texts  # each completion its own matcher and noise
+        for c in out.outputs:
+            assert c.finish_reason == "stop"
+            assert_valid("json", c.text, SMALL_SCHEMA)
+
+
+def test_logprobs_are_those_of_the_constrained_distribution(demo):
+    """As vLLM's: the mask is applied before logprobs, so a choice's first token has all the probability mass
+    among the tokens that begin a choice, and every other token of the top k is at -inf."""
+    params = constrained(10, sampling={"logprobs": 8}, choice=CHOICES)
+    out = demo.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in CHOICES
+    first = out.logprobs[0]
+    finite = {t: lp for t, lp in first.items() if math.isfinite(lp)}
+    tok = demo.tokenizer
+    pieces = {t: tok.convert_tokens_to_string([tok.convert_ids_to_tokens(t)]) for t in range(len(tok))}
+    starts = {t for t, piece in pieces.items() if piece and any(c.startswith(piece) for c in CHOICES)}
+    assert set(finite) <= starts and out.token_ids[0] in finite and len(finite) > 1
+    assert sum(math.exp(lp) for lp in finite.values()) == pytest.approx(1.0, abs=1e-4)
+    assert all(lp == -math.inf for t, lp in first.items() if t not in finite)
+    last = out.logprobs[-1]  # only EOS may end a complete choice
+    assert out.token_ids[-1] == demo.tokenizer.eos_token_id and last[out.token_ids[-1]] == pytest.approx(0.0, abs=1e-5)
+
+
+# ---- mixed batches, async scheduling, preemption ----------------------------------------------------
+FREE = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=4, max_tokens=24, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.5)]
+
+
+def _mixed_workload():
+    """Free requests (greedy, sampled, top-k/top-p with logprobs, penalties) between constrained ones of each kind,
+    greedy and sampled."""
+    kinds = [("json", SMALL_SCHEMA), ("regex", REGEX), ("choice", CHOICES), ("grammar", EBNF)]
+    prompts, params = [], []
+    for i, prompt in enumerate(PROMPTS):
+        kind, constraint = kinds[i % len(kinds)]
+        prompts += [prompt, prompt]
+        params += [FREE[i % len(FREE)], constrained(60, 0.8 if i % 3 == 1 else 0.0, disable_any_whitespace=True,
+                                                    **{kind: constraint}) if kind == "json" else
+                   constrained(60, 0.8 if i % 3 == 1 else 0.0, **{kind: constraint})]
+    return prompts, params
+
+
+def _comparable(outputs):
+    """Texts, tokens, finish reasons and the token ids of logprob entries (exact); the logprobs, apart."""
+    exact = [[(c.text, c.token_ids, c.finish_reason, [list(e) for e in c.logprobs or ()]) for c in o.outputs]
+             for o in outputs]
+    return exact, [lp for o in outputs for c in o.outputs for e in c.logprobs or () for lp in e.values()]
+
+
+def assert_same(got, expected):
+    """The same outputs; logprobs within 1e-4 (a row's float sums depend on its batch)."""
+    assert got[0] == expected[0]
+    assert got[1] == pytest.approx(expected[1], abs=1e-4)
+
+
+def test_free_requests_are_unchanged_by_constrained_neighbours(demo):
+    prompts, params = _mixed_workload()
+    mixed = demo.generate(prompts, params, use_tqdm=False)
+    free = [i for i, sp in enumerate(params) if sp.structured_outputs is None]
+    alone = demo.generate([prompts[i] for i in free], [params[i] for i in free], use_tqdm=False)
+    assert_same(_comparable([mixed[i] for i in free]), _comparable(alone))
+    con = [i for i in range(len(params)) if i not in free]
+    for i in con:
+        assert mixed[i].outputs[0].finish_reason == "stop"
+        assert_valid(params[i].structured_outputs.kind, mixed[i].outputs[0].text, SMALL_SCHEMA)
+    alone = demo.generate([prompts[i] for i in con], [params[i] for i in con], use_tqdm=False)
+    assert_same(_comparable([mixed[i] for i in con]), _comparable(alone))
+
+
+def test_async_matches_sync_under_preemption():
+    """A small cache (preemption, chunked prefill): the mixed workload gives the same outputs with async
+    scheduling on and off, and its constrained outputs are valid. With async scheduling the bitmask of a decode
+    step waits for the step in flight, which is read back while the device runs the forward
+    (``EngineCore._launch_constrained``: the forward is launched with a step still in flight)."""
+    prompts, params = _mixed_workload()
+    results, split_launches = [], []
+    for async_scheduling in (False, True):
+        llm = LLM("nanovllm:demo", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=14,
+                  max_num_batched_tokens=48, max_model_len=224, async_scheduling=async_scheduling)
+        original = llm.model_runner.forward
+
+        def spy(step, sampling=None, llm=llm, original=original):
+            split_launches.append((llm.config.async_scheduling, llm.core.inflight is not None))
+            return original(step, sampling)
+
+        llm.model_runner.forward = spy
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert_no_leaks(llm)
+            assert llm.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
+        finally:
+            llm.exit()
+        results.append(_comparable(outs))
+        for out, sp in zip(outs, params):
+            if sp.structured_outputs is not None and out.outputs[0].finish_reason == "stop":
+                assert_valid(sp.structured_outputs.kind, out.outputs[0].text, SMALL_SCHEMA)
+    assert_same(results[1], results[0])
+    assert {mode for mode, inflight in split_launches if inflight} == {True}  # split launches: async only
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+def test_constraints_that_do_not_compile_are_refused_before_any_request(demo):
+    bad = [({"json": {"type": "objectx"}}, r"structured_outputs.json does not compile: Unsupported type \"objectx\""),
+           ({"regex": "(a"}, "structured_outputs.regex does not compile: Regex parsing error"),
+           ({"grammar": "root ::= foo"}, 'structured_outputs.grammar does not compile: .*Rule "foo" is not defined'),
+           ({"grammar": 'start: "a"'}, "structured_outputs.grammar must be xgrammar's EBNF .* Lark grammars are not")]
+    for constraint, message in bad:
+        params = [params_of("json"), constrained(**constraint)]
+        with pytest.raises(ValueError, match=message):
+            demo.generate(PROMPTS[:2], params, use_tqdm=False)
+        assert demo.is_finished() and not demo.core.requests
+
+
+def test_compiled_grammars_are_cached(demo):
+    manager = demo.structured_outputs
+    a = manager.compile(StructuredOutputsParams(json=SCHEMA))
+    assert manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA)))) is a  # an equal schema
+    assert manager.compile(StructuredOutputsParams(json=json.dumps(SCHEMA))) is a
+    assert manager.compile(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)) is not a
+    assert manager.compile(StructuredOutputsParams(choice=["a", "b"])) is \
+        manager.compile(StructuredOutputsParams(grammar=choice_grammar(["a", "b"])))
+
+
+def test_missing_xgrammar_and_tokenizer_are_named(demo, monkeypatch):
+    manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails, as without the extra
+    with pytest.raises(ValueError, match=r"needs xgrammar, nanovllm's optional extra: pip install -e '.\[structured"):
+        manager.compile(StructuredOutputsParams(regex="a"))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        StructuredOutputManager(None, 4096, (0,)).compile(StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="need an EOS token"):
+        StructuredOutputManager(demo.tokenizer, 4096, ()).compile(StructuredOutputsParams(regex="a"))
+
+
+# ---- a tiny random checkpoint: a model vocabulary larger than the tokenizer's, TP=2 ------------------------
+def test_tiny_checkpoint_never_samples_past_the_tokenizer(tiny):
+    """The random model puts mass on ids 259..319, which no tokenizer token stands for: under a constraint
+    none is ever sampled, and what ends by EOS is valid."""
+    prompts = [[5, 6, 7], [100, 101], [42] * 9, [250, 3, 17, 99]]
+    params = [constrained(60, 1.0, json=SCHEMA), constrained(40, 1.0, regex=REGEX),  # any whitespace (vLLM's)
+              constrained(20, 1.0, choice=CHOICES), constrained(40, 0.0, grammar=EBNF)]
+    llm = LLM(tiny, **ENGINE)
+    try:
+        free = llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=60), use_tqdm=False)
+        assert any(t >= 259 for o in free for t in o.outputs[0].token_ids)  # what an unconstrained run samples
+        outs = llm.generate(prompts * 3, params * 3, use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    for out, sp in zip(outs, params * 3):
+        c = out.outputs[0]
+        assert all(t <= 256 for t in c.token_ids), c.token_ids  # bytes, or EOS (256)
+        if c.finish_reason == "stop":
+            assert_valid(sp.structured_outputs.kind, c.text)
+    assert any(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_tensor_parallel_2_gives_the_single_rank_outputs(tiny):
+    prompts = [[5, 6, 7], [100, 101], [42] * 9, [250, 3, 17, 99]]
+    params = [constrained(40, 0.0, regex=REGEX), SamplingParams(temperature=0, max_tokens=30),
+              constrained(30, 0.9, json=SCHEMA, disable_any_whitespace=True), constrained(20, 0.0, choice=CHOICES)]
+    results = []
+    for tp in (1, 2):
+        llm = LLM(tiny, **CPU_ENGINE, tensor_parallel_size=tp, async_scheduling=True)
+        try:
+            results.append(_comparable(llm.generate(prompts, params, use_tqdm=False)))
+        finally:
+            llm.exit()
+    assert_same(results[1], results[0])
