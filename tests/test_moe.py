@@ -148,6 +148,25 @@ def test_dummy_weights_and_bad_configs(moe_checkpoints, tmp_path):
     LLM(path, device="cpu", enable_expert_parallel=False, num_kvcache_blocks=16).exit()
 
 
+def test_dummy_router_is_the_same_on_every_rank(moe_checkpoints):
+    """Under TP each rank draws its own dummy shards (seed + rank), but the router, whole on every rank, must
+    route alike on all of them: rank 0's values everywhere."""
+    from transformers import AutoConfig
+
+    from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+    from nanovllm.utils.distributed import tensor_parallel
+    from nanovllm.utils.loader import load_dummy_weights
+    config = AutoConfig.from_pretrained(moe_checkpoints["topk_norm_mixed"])
+    ranks = []
+    for rank in range(2):
+        with tensor_parallel(rank, 2):
+            model = Qwen3MoeForCausalLM(config, 64)
+        load_dummy_weights(model, 7 + rank)
+        ranks.append(model.model.layers[0].mlp)
+    assert torch.equal(ranks[0].gate.weight, ranks[1].gate.weight)
+    assert not torch.equal(ranks[0].experts.w13_weight, ranks[1].experts.w13_weight)  # shards stay the rank's own
+
+
 def test_qwen3_30b_a3b_preset_builds():
     """The preset's config builds (meta device) with Qwen3-30B-A3B's 30.5B parameters, all 48 layers sparse."""
     from nanovllm.models import get_model_class

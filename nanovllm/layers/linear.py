@@ -46,6 +46,10 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """The whole layer on every rank (vLLM's; a mixture-of-experts router)."""
 
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias)
+        self.weight.replicated_rank = self.tp_rank  # dummy weights: the same on every rank (load_dummy_weights)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         param.data.copy_(self._shard(loaded, None, param.shape))
 

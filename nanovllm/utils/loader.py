@@ -177,11 +177,16 @@ def load_model(model: nn.Module, path: str):
 
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0):
-    """Random weights of a realistic scale: N(0, 0.02) matrices and biases, unit norm weights."""
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    """Random weights of a realistic scale: N(0, 0.02) matrices and biases, unit norm weights. ``seed`` is the
+    engine's seed plus the rank (each rank's shards differ); a parameter held whole on every rank and marked
+    with its ``replicated_rank`` (a MoE router) gets rank 0's values on every rank, so that ranks agree."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+        elif hasattr(param, "replicated_rank"):
+            param.normal_(0.0, 0.02, generator=torch.Generator(device).manual_seed(seed - param.replicated_rank))
         else:
             param.normal_(0.0, 0.02, generator=generator)
 
