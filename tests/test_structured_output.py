@@ -161,6 +161,24 @@ def test_apply_token_bitmask_matches_a_loop():
     assert torch.isinf(got[0]).any() and torch.isinf(got[2]).any()
 
 
+def test_the_triton_sampler_never_picks_a_masked_token():
+    """A constrained batch of temperatures only stays on the fast path (one Triton pass, CUDA): it samples the
+    masked logits, greedy and sampled rows alike, and never a disallowed token (the interpreter on CPU)."""
+    triton_sampler = pytest.importorskip("nanovllm.kernels.triton_sampler")
+    gen = torch.Generator().manual_seed(3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(8, 200, generator=gen).to(torch.bfloat16)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (8, 7), dtype=torch.int32, generator=gen) & \
+        torch.randint(-2 ** 31, 2 ** 31 - 1, (8, 7), dtype=torch.int32, generator=gen)  # a quarter allowed
+    masked = apply_token_bitmask(logits.to(device), bitmask.to(device))
+    allowed = torch.isfinite(masked.float()).cpu()
+    temperatures = torch.tensor([0.0, 1.0] * 4, device=device)
+    for seed in range(3):
+        got = triton_sampler.sample(masked, temperatures, seed=seed, quarter=16).cpu()
+        assert allowed[torch.arange(8), got].all(), got
+    assert torch.equal(got[::2], masked.float().argmax(-1).cpu()[::2])
+
+
 # ---- validity --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["json", "regex", "choice", "grammar", "json_object"])
 def test_outputs_are_valid_greedy_and_sampled(demo, kind):
@@ -280,19 +298,21 @@ def test_async_matches_sync_under_preemption():
     """A small cache (preemption, chunked prefill): the mixed workload gives the same outputs with async
     scheduling on and off, and its constrained outputs are valid. With async scheduling the bitmask of a decode
     step waits for the step in flight, which is read back while the device runs the forward
-    (``EngineCore._launch_constrained``: the forward is launched with a step still in flight)."""
+    (``EngineCore._launch_constrained``: the forward is launched with a step still in flight), or, without
+    the overlap, before the batch is built."""
     prompts, params = _mixed_workload()
     results, split_launches = [], []
-    for async_scheduling in (False, True):
+    for async_scheduling, overlap in ((False, True), (True, True), (True, False)):
         llm = LLM("nanovllm:demo", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=14,
                   max_num_batched_tokens=48, max_model_len=224, async_scheduling=async_scheduling)
-        original = llm.model_runner.forward
+        llm.core.overlap_grammar_bitmask = overlap  # False: constrained batches wait first, as penalty batches
+        original = llm.core._launch_forward
 
-        def spy(step, sampling=None, llm=llm, original=original):
-            split_launches.append((llm.config.async_scheduling, llm.core.inflight is not None))
+        def spy(step, sampling, mode=(async_scheduling, overlap), original=original):
+            split_launches.append(mode)
             return original(step, sampling)
 
-        llm.model_runner.forward = spy
+        llm.core._launch_forward = spy  # the split launch
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert_no_leaks(llm)
@@ -304,7 +324,8 @@ def test_async_matches_sync_under_preemption():
             if sp.structured_outputs is not None and out.outputs[0].finish_reason == "stop":
                 assert_valid(sp.structured_outputs.kind, out.outputs[0].text, SMALL_SCHEMA)
     assert_same(results[1], results[0])
-    assert {mode for mode, inflight in split_launches if inflight} == {True}  # split launches: async only
+    assert_same(results[2], results[0])
+    assert set(split_launches) == {(True, True)}  # split launches: with async scheduling and the overlap only
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -372,6 +393,41 @@ def test_tensor_parallel_2_gives_the_single_rank_outputs(tiny):
     results = []
     for tp in (1, 2):
         llm = LLM(tiny, **CPU_ENGINE, tensor_parallel_size=tp, async_scheduling=True)
+        try:
+            results.append(_comparable(llm.generate(prompts, params, use_tqdm=False)))
+        finally:
+            llm.exit()
+    assert_same(results[1], results[0])
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_bf16_and_the_fast_sampler():
+    """The demo model on CUDA as it runs by default (bf16, CUDA Graphs, async scheduling): constrained requests
+    of temperatures only (the Triton sampler over masked logits) beside free ones give valid outputs, their
+    bitmasks filled while the device runs the forward; float32 async matches sync."""
+    prompts, params = _mixed_workload()
+    plain = [SamplingParams(temperature=sp.temperature, max_tokens=60, structured_outputs=sp.structured_outputs)
+             if sp.structured_outputs is not None else sp for sp in params]
+    llm = LLM("nanovllm:demo", num_kvcache_blocks=64, kvcache_block_size=16)
+    splits = []
+    original = llm.core._launch_forward
+    llm.core._launch_forward = lambda step, sampling: splits.append(1) or original(step, sampling)
+    try:
+        assert llm.config.async_scheduling and not llm.config.enforce_eager
+        outs = llm.generate(prompts, plain, use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert splits, "no bitmask was filled while a step was in flight"
+    for out, sp in zip(outs, plain):
+        if sp.structured_outputs is not None:
+            assert out.outputs[0].finish_reason in ("stop", "length")
+            if out.outputs[0].finish_reason == "stop":
+                assert_valid(sp.structured_outputs.kind, out.outputs[0].text, SMALL_SCHEMA)
+    results = []
+    for mode in (False, True):
+        llm = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
+                  async_scheduling=mode)
         try:
             results.append(_comparable(llm.generate(prompts, params, use_tqdm=False)))
         finally:

@@ -90,6 +90,10 @@ class EngineCore:
         of constrained sequences (those with a ``Sequence.grammar``)."""
         self.config, self.resources, self.shutdown = config, resources, shutdown
         self.structured_outputs = structured_outputs
+        # True: a constrained step's bitmask is filled while the device runs its forward (_launch_constrained);
+        # False: such a decode batch waits for the step in flight before it is built, as penalty batches do
+        # (kept to measure what the overlap buys: tools/bench_structured.py --no-overlap)
+        self.overlap_grammar_bitmask = True
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
@@ -115,8 +119,9 @@ class EngineCore:
         done: list[Sequence] = []
         # penalties read every generated token, so such a decode batch waits for the step in flight (which
         # may finish some of its sequences); a prefill never has a token in flight
-        if seqs and not is_prefill and self.inflight is not None and \
-                any(seq.sampling_params.needs_penalties for seq in seqs):
+        if seqs and not is_prefill and self.inflight is not None and any(
+                seq.sampling_params.needs_penalties or seq.grammar is not None and not self.overlap_grammar_bitmask
+                for seq in seqs):
             self._finish_inflight(done)
             seqs = [seq for seq in seqs if not seq.is_finished]
         sampling = None

@@ -30,6 +30,10 @@
 #             engine on CUDA), the fused MoE kernel against a per-expert cuBLAS loop (bench_kernels.py --only moe
 #             --sweep), then bench.py --model qwen3-30b-a3b (bf16 dummy weights, ~61 GB), default workload and
 #             --scenario batch1; moebench: the two bench.py runs alone
+#   structured structured outputs (issue 22): xgrammar and its dependencies from the carried wheels (.gpu/wheels;
+#             carry .gpu), tools/bench_structured.py (64 JSON-schema requests against the same 64 unconstrained in
+#             one process, Qwen3-0.6B shapes, random weights, the 151,643-token tokenizer in .gpu/bench-structured)
+#             with the bitmask overlap, without it, and synchronous; then tests/test_structured_output.py on CUDA
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -136,6 +140,14 @@ for phase in "$@"; do
       fi
       step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --json
       step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --scenario batch1 --json ;;
+    structured)
+      step pip_structured.log python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/structured .gpu/wheels/*.whl
+      export PYTHONPATH=$PWD:/tmp/structured
+      for flags in "" --no-overlap --no-async-scheduling; do
+        step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured $flags
+      done
+      step test_structured.log python3 -m pytest tests/test_structured_output.py -q -rA ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
