@@ -359,6 +359,26 @@ def test_prefill_attention_sliding_window(case, window):
     assert rel_err(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype,shift", [(torch.float16, -20.0), (torch.float32, -100.0)], ids=["fp16", "fp32"])
+def test_prefill_window_scores_far_below_zero(dtype, shift):
+    """Rows of a query tile meet key tiles wholly before their window: their running max must stay -inf there,
+    or scores far below zero underflow once a visible key comes (zeros in fp16, errors in fp32)."""
+    n, d, window = 48, 32, 8
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, 1, d, generator=g)
+    q = q / q.norm(dim=-1, keepdim=True)
+    k = q.roll(1, 0) * 0.1
+    q[..., 0], k[..., 0] = 1.0, shift   # every score about `shift`
+    v = torch.randn(n, 1, d, generator=g)
+    q, k, v = (x.to(dtype).to(DEVICE) for x in (q, k, v))
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    ref = reference.prefill_attention(q.double(), k.double(), v.double(), None, None, cu, cu, n, None, 1.0,
+                                      window=window)
+    out = triton_attention.prefill_attention(q, k, v, k, v, cu, cu, n, None, 1.0, window=window,
+                                             config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 def fp8_close(got: torch.Tensor, want: torch.Tensor):
     """Two fp8 tensors equal to within one e4m3 rounding step (3 mantissa bits; 2^-9 below the normals)."""
     got, want = got.float(), want.float()

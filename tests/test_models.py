@@ -52,8 +52,8 @@ def test_family_matches_transformers(family_checkpoints, oracle, name):
 
 def test_sliding_windows_per_layer():
     """Each layer's window as transformers reads the config: layer_types (Qwen2 and Qwen3 derive them from
-    use_sliding_window and max_window_layers, or take them as given), Mistral's on every layer; a window of
-    max_model_len or more is full attention; unknown layer types are refused by name."""
+    use_sliding_window and max_window_layers, or take them as given), Mistral's and Qwen3-MoE's on every layer;
+    a window of max_model_len or more is full attention; unknown layer types are refused by name."""
     from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
     from nanovllm.models.llama import sliding_windows
@@ -64,6 +64,10 @@ def test_sliding_windows_per_layer():
                                        layer_types=["sliding_attention", "full_attention"] * 2)) == [8, 0, 8, 0]
     assert sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=16)) == [16, 16]
     assert sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [0, 0]
+    from transformers import Qwen3MoeConfig  # no layer_types: every layer windowed when use_sliding_window
+    assert sliding_windows(Qwen3MoeConfig(num_hidden_layers=3, use_sliding_window=True, sliding_window=64,
+                                          max_window_layers=1)) == [64] * 3
+    assert sliding_windows(Qwen3MoeConfig(num_hidden_layers=3, sliding_window=64)) == [0] * 3
     config = Qwen3Config(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(ValueError, match="layer_types.*chunked_attention"):
         sliding_windows(config)

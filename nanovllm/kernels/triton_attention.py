@@ -188,10 +188,11 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
             visible &= offs_n[None, :] > q_pos[:, None] - WINDOW
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if WINDOW > 0:  # a row may see no key of this tile yet (its window starts later): keep it at zero, not NaN
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    m_exp = m_new
+    if WINDOW > 0:  # a row may see no key yet (its window starts later): p and alpha 0, not NaN; m stays -inf
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_exp[:, None])
+    alpha = tl.math.exp2(m_i - m_exp)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new

@@ -25,8 +25,8 @@ def head_dim_of(config: PretrainedConfig) -> int:
 def sliding_windows(config: PretrainedConfig) -> list[int]:
     """Each layer's sliding window (0: full attention), as transformers reads the config: ``layer_types`` where
     the config has them (Qwen2/Qwen3 derive them from ``use_sliding_window`` and ``max_window_layers``), else
-    Qwen2's rule in older transformers (layers from ``max_window_layers`` on), else ``sliding_window`` on every
-    layer (Mistral)."""
+    for Qwen2/Qwen3 the rule of older transformers (layers from ``max_window_layers`` on), else
+    ``sliding_window`` on every layer (Mistral; Qwen3-MoE when ``use_sliding_window``)."""
     window, n = getattr(config, "sliding_window", None) or 0, config.num_hidden_layers
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"the model's sliding_window={window!r} is not a positive int")
@@ -39,7 +39,7 @@ def sliding_windows(config: PretrainedConfig) -> list[int]:
         return [window if t == "sliding_attention" else 0 for t in types]
     if not getattr(config, "use_sliding_window", True):
         return [0] * n
-    first = getattr(config, "max_window_layers", 0) or 0
+    first = (getattr(config, "max_window_layers", 0) or 0) if config.model_type in ("qwen2", "qwen3") else 0
     return [window if i >= first else 0 for i in range(n)]
 
 
