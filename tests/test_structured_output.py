@@ -247,6 +247,18 @@ def test_logprobs_are_those_of_the_constrained_distribution(demo):
     assert out.token_ids[-1] == demo.tokenizer.eos_token_id and last[out.token_ids[-1]] == pytest.approx(0.0, abs=1e-5)
 
 
+def test_prefix_cache_hits_leave_constrained_outputs_alone(demo):
+    """A prompt whose first block comes from the prefix cache gets the same constrained output (greedy)."""
+    prompt = "import json\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n\nconfig = "
+    assert len(demo.tokenizer.encode(prompt)) > 16  # at least one full block of 16 tokens
+    first = demo.generate([prompt], json_params(), use_tqdm=False)[0]
+    again = demo.generate([prompt, prompt], json_params(), use_tqdm=False)
+    assert all(o.num_cached_tokens >= 16 for o in again)
+    for out in [first, *again]:
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == first.outputs[0].text
+    assert_valid("json", first.outputs[0].text)
+
+
 # ---- mixed batches, async scheduling, preemption ----------------------------------------------------
 FREE = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
         SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=4, max_tokens=24, logprobs=2),
@@ -280,11 +292,19 @@ def assert_same(got, expected):
     assert got[1] == pytest.approx(expected[1], abs=1e-4)
 
 
-def test_free_requests_are_unchanged_by_constrained_neighbours(demo):
+def test_free_requests_are_unchanged_by_constrained_neighbours(demo, monkeypatch):
+    """Greedy, seeded, top-k/top-p and penalty requests give the same outputs beside constrained ones as alone,
+    and alone their batches have no bitmask (nothing is filled, the sampler gets none)."""
     prompts, params = _mixed_workload()
     mixed = demo.generate(prompts, params, use_tqdm=False)
     free = [i for i, sp in enumerate(params) if sp.structured_outputs is None]
+    bitmasks, sampler = [], demo.model_runner.sampler
+    monkeypatch.setattr(demo.structured_outputs, "grammar_bitmask", lambda *a: pytest.fail("a bitmask was filled"))
+    monkeypatch.setattr(demo.model_runner, "sampler", lambda logits, b, g: bitmasks.append(b.token_bitmask) or
+                        sampler(logits, b, g))
     alone = demo.generate([prompts[i] for i in free], [params[i] for i in free], use_tqdm=False)
+    monkeypatch.undo()
+    assert bitmasks and all(b is None for b in bitmasks)
     assert_same(_comparable([mixed[i] for i in free]), _comparable(alone))
     con = [i for i in range(len(params)) if i not in free]
     for i in con:
