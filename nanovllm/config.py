@@ -182,8 +182,12 @@ class Config:
             if value % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
                                  f"{name}={value}")
+        from nanovllm.models.qwen3_moe import is_sparse_layer
+        dense = not all(is_sparse_layer(self.hf_config, i) for i in range(self.hf_config.num_hidden_layers))
         for name in ("intermediate_size", "moe_intermediate_size"):  # the MLPs' (and experts') sharded dimension
             value = getattr(self.hf_config, name, None)
+            if name == "intermediate_size" and not dense:
+                continue  # every MLP is a mixture of experts: no dense MLP is built
             if value and value % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
                                  f"{name}={value}")

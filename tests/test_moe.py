@@ -140,6 +140,11 @@ def test_dummy_weights_and_bad_configs(moe_checkpoints, tmp_path):
     odd = edited_checkpoint(path, tmp_path / "odd", moe_intermediate_size=33)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's moe_intermediate_size=33"):
         LLM(odd, device="cpu", tensor_parallel_size=2)
+    from nanovllm.config import Config  # the checks alone (no engine): the dense MLP's size matters only if built
+    Config(edited_checkpoint(path, tmp_path / "sparse", mlp_only_layers=[], intermediate_size=33),
+           tensor_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match="must divide the model's intermediate_size=33"):
+        Config(edited_checkpoint(path, tmp_path / "dense", intermediate_size=33), tensor_parallel_size=2, device="cpu")
     many = edited_checkpoint(path, tmp_path / "many", num_experts_per_tok=9)
     with pytest.raises(ValueError, match=r"num_experts_per_tok=9 must be in \[1, num_experts=8\]"):
         LLM(many, device="cpu")
@@ -162,9 +167,12 @@ def test_dummy_router_is_the_same_on_every_rank(moe_checkpoints):
         with tensor_parallel(rank, 2):
             model = Qwen3MoeForCausalLM(config, 64)
         load_dummy_weights(model, 7 + rank)
-        ranks.append(model.model.layers[0].mlp)
-    assert torch.equal(ranks[0].gate.weight, ranks[1].gate.weight)
-    assert not torch.equal(ranks[0].experts.w13_weight, ranks[1].experts.w13_weight)  # shards stay the rank's own
+        ranks.append([layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")])
+    assert len(ranks[0]) >= 2
+    for a, b in zip(*ranks):
+        assert torch.equal(a.gate.weight, b.gate.weight)
+        assert not torch.equal(a.experts.w13_weight, b.experts.w13_weight)  # shards stay the rank's own
+    assert not torch.equal(ranks[0][0].gate.weight, ranks[0][1].gate.weight)  # each layer routes its own way
 
 
 def test_qwen3_30b_a3b_preset_builds():

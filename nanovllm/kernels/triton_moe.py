@@ -44,7 +44,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
     ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, 0)
-        idx = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
+        idx = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), 0), num_experts - 1)  # NaN logits: in range
         weights = tl.where(ks == j, best, weights)
         ids = tl.where(ks == j, idx, ids)
         p = tl.where(offs == idx, -1.0, p)

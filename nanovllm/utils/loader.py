@@ -182,11 +182,14 @@ def load_dummy_weights(model: nn.Module, seed: int = 0):
     with its ``replicated_rank`` (a MoE router) gets rank 0's values on every rank, so that ranks agree."""
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
+    replicated: torch.Generator | None = None  # one stream for all of them, in order: each layer its own values
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif hasattr(param, "replicated_rank"):
-            param.normal_(0.0, 0.02, generator=torch.Generator(device).manual_seed(seed - param.replicated_rank))
+            if replicated is None:
+                replicated = torch.Generator(device).manual_seed(seed - param.replicated_rank)
+            param.normal_(0.0, 0.02, generator=replicated)
         else:
             param.normal_(0.0, 0.02, generator=generator)
 
