@@ -69,6 +69,10 @@ class StructuredOutputsParams:
                                 f"{self.json!r:.80}")
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
+            try:
+                _json.dumps(schema)
+            except (TypeError, ValueError) as e:  # what the compiler is given is its JSON text
+                raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):

@@ -116,6 +116,8 @@ def test_params_are_vllms_and_checked():
         StructuredOutputsParams(json="{nope")
     with pytest.raises(TypeError, match="structured_outputs.json must be a JSON schema"):
         StructuredOutputsParams(json=3)
+    with pytest.raises(TypeError, match="structured_outputs.json must be JSON-serializable .*set"):
+        StructuredOutputsParams(json={"enum": {1, 2}})
     with pytest.raises(TypeError, match=r"choice must be a non-empty list of non-empty strings, got \['a', 1\]"):
         StructuredOutputsParams(choice=["a", 1])
     with pytest.raises(TypeError, match="choice must be"):
@@ -421,13 +423,19 @@ def test_tensor_parallel_2_gives_the_single_rank_outputs(tiny):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_bf16_and_the_fast_sampler():
+def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
     """The demo model on CUDA as it runs by default (bf16, CUDA Graphs, async scheduling): constrained requests
     of temperatures only (the Triton sampler over masked logits) beside free ones give valid outputs, their
     bitmasks filled while the device runs the forward; float32 async matches sync."""
     prompts, params = _mixed_workload()
-    plain = [SamplingParams(temperature=sp.temperature, max_tokens=60, structured_outputs=sp.structured_outputs)
-             if sp.structured_outputs is not None else sp for sp in params]
+    # temperatures only, free requests too: the whole batch is plain, so it takes the Triton sampler
+    plain = [SamplingParams(temperature=sp.temperature, max_tokens=sp.max_tokens,
+                            structured_outputs=sp.structured_outputs) for sp in params]
+    from nanovllm.layers.sampler import _triton_sampler
+    fast, masked_batches = _triton_sampler(), []
+    original_sample = fast.sample
+    monkeypatch.setattr(fast, "sample", lambda logits, t, seed: masked_batches.append(
+        bool(torch.isinf(logits).any())) or original_sample(logits, t, seed))
     llm = LLM("nanovllm:demo", num_kvcache_blocks=64, kvcache_block_size=16)
     splits = []
     original = llm.core._launch_forward
@@ -439,6 +447,7 @@ def test_cuda_graphs_bf16_and_the_fast_sampler():
     finally:
         llm.exit()
     assert splits, "no bitmask was filled while a step was in flight"
+    assert any(masked_batches), "no masked batch took the Triton sampler"
     for out, sp in zip(outs, plain):
         if sp.structured_outputs is not None:
             assert out.outputs[0].finish_reason in ("stop", "length")

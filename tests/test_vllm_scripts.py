@@ -22,11 +22,15 @@ SCRIPTS = {  # script -> lines its output must hold
     "prefix_caching.py": ["Generated answers are the same: True"],
     "beam_search.py": ["'def fibonacci(n):"],
     "chat.py": ["Generated text: "],
+    "structured_outputs.py": ["choice: 'Positive' (finish_reason='stop')", "parsed: brand=",
+                              "grammar: 'SELECT name FROM orders' (finish_reason='stop')"],
 }
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_vllm_shaped_script_runs(script, tiny):
+    if script == "structured_outputs.py":
+        pytest.importorskip("xgrammar")  # the structured extra
     # the demo model has no chat template; the engine loop parses vLLM's engine flags
     args = {"chat.py": [tiny], "engine_loop.py": ["--max-model-len", "512", "--block-size", "16"]}.get(script, [])
     env = dict(os.environ, PYTHONPATH=ROOT, TQDM_DISABLE="1")
