@@ -365,6 +365,23 @@ def test_constraints_that_do_not_compile_are_refused_before_any_request(demo):
         assert demo.is_finished() and not demo.core.requests
 
 
+def test_a_refused_token_ends_that_request_alone(demo):
+    """A token the grammar refuses (never sampled under its mask; forced here) ends that completion with
+    finish_reason "error", naming why; its neighbour goes on."""
+    bad = demo.add_request("config = ", json_params())
+    good = demo.add_request("config = ", json_params())
+
+    def refuse(token_id):
+        raise RuntimeError(f"the grammar refused token {token_id}")
+
+    bad.seqs[0].grammar.accept = refuse
+    while demo.has_unfinished_requests():
+        demo.step()
+    assert bad.seqs[0].finish_reason == "error" and "the grammar refused token" in bad.error
+    assert good.seqs[0].finish_reason == "stop"
+    assert_no_leaks(demo)
+
+
 def test_compiled_grammars_are_cached(demo):
     manager = demo.structured_outputs
     a = manager.compile(StructuredOutputsParams(json=SCHEMA))

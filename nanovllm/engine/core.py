@@ -188,15 +188,16 @@ class EngineCore:
         rows = [row for row, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens
                 == seq.num_tokens]  # the rows whose sampled token is kept (Scheduler.launched's)
         pin = self.config.device == "cuda"
+        fill = self.structured_outputs.grammar_bitmask  # (a failure there is the engine's: guarded)
         if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
                                             for row in rows):
-            sampling.token_bitmask = self.structured_outputs.grammar_bitmask(seqs, rows, pin)
+            sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
             output = self.guarded(self._launch, step, sampling)
             return self.scheduler.launched(seqs, is_prefill), output
         forward = self.guarded(self._launch_forward, step, sampling)
         scheduled = self.scheduler.launched(seqs, is_prefill)
         self._finish_inflight(done)
-        sampling.token_bitmask = self.structured_outputs.grammar_bitmask(seqs, rows, pin)
+        sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
         return scheduled, self.guarded(self.resources.runner.sample, step, forward, sampling)
 
     def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs):
@@ -240,7 +241,7 @@ class EngineCore:
                 if seq.grammar is not None:  # its matcher follows the known tokens
                     seq.grammar.accept(token_id)
                 self._check_stop(seq, token_id)
-            except Exception as e:  # the sequence's own text failed to decode
+            except Exception as e:  # the sequence's own text failed to decode, or its grammar refused the token
                 self.fail(seq, e)
         for seq in step.seqs if step.is_prefill else ():  # completions 1..n-1 start once 0's prompt is cached
             request = self.requests.get(seq.seq_id)
