@@ -44,8 +44,6 @@ IGNORED_KEYWORDS = {
     "limit_mm_per_prompt": "text-only models",
     "mm_processor_kwargs": "text-only models",
     "allowed_local_media_path": "text-only models",
-    "guided_decoding_backend": "no structured outputs",
-    "structured_outputs_config": "no structured outputs",
     "use_tqdm_on_load": "no progress bar while loading",
 }
 # vLLM engine keywords that nanovllm supports only at values that change nothing (vLLM's default among them):
@@ -79,6 +77,10 @@ UNSUPPORTED_KEYWORDS = {
     "hf_overrides": ((None, {}), "the model's config.json is used as it is"),
     "rope_scaling": ((None,), "the model's config.json is used as it is"),
     "rope_theta": ((None,), "the model's config.json is used as it is"),
+    "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs are compiled with xgrammar"),
+    "structured_outputs_config": ((None, {}, {"backend": "auto"}, {"backend": "xgrammar"}),
+                                  "structured outputs are compiled with xgrammar; disable_any_whitespace is set per "
+                                  "request (StructuredOutputsParams)"),
     "disable_sliding_window": ((False,), "sliding-window layers always attend within their window; pass "
                                          "max_model_len <= the window for full attention"),
 }

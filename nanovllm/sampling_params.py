@@ -24,8 +24,9 @@ class StructuredOutputsParams:
     strings), ``grammar`` (xgrammar's EBNF, with a ``root`` rule) or ``json_object=True`` (any JSON object).
     ``disable_any_whitespace`` keeps JSON on one line with no spaces between tokens. The output then follows the
     constraint token by token (compiled by xgrammar, the ``structured`` extra) and ends at EOS only where the
-    constraint is complete. vLLM's ``structural_tag``, ``whitespace_pattern`` and ``disable_additional_properties``
-    are refused by name (xgrammar already refuses properties a schema does not list, unless it allows them)."""
+    constraint is complete. vLLM's ``structural_tag`` and ``whitespace_pattern`` are refused by name;
+    ``disable_additional_properties`` (vLLM: make the guidance backend behave as xgrammar does) changes nothing:
+    xgrammar already refuses properties a schema does not list, unless the schema allows them."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -53,9 +54,6 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.disable_additional_properties:
-            raise ValueError("structured_outputs.disable_additional_properties=True is not supported: xgrammar "
-                             "already refuses properties a schema does not list, unless the schema allows them")
         if self.json is not None:
             if isinstance(self.json, str):
                 try:

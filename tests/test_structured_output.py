@@ -112,8 +112,10 @@ def test_params_are_vllms_and_checked():
         StructuredOutputsParams(structural_tag='{"structures": []}')
     with pytest.raises(ValueError, match="whitespace_pattern is not supported"):
         StructuredOutputsParams(json={}, whitespace_pattern=r"\s*")
-    with pytest.raises(ValueError, match="disable_additional_properties=True is not supported"):
-        StructuredOutputsParams(json={}, disable_additional_properties=True)
+    # vLLM's flag for its guidance backend, to refuse unlisted properties as xgrammar always does: accepted
+    assert StructuredOutputsParams(json={}, disable_additional_properties=True).kind == "json"
+    with pytest.raises(TypeError, match="disable_additional_properties must be a bool"):
+        StructuredOutputsParams(json={}, disable_additional_properties="yes")
     with pytest.raises(ValueError, match=r"structured_outputs.json is not valid JSON .*'\{nope'"):
         StructuredOutputsParams(json="{nope")
     with pytest.raises(TypeError, match="structured_outputs.json must be a JSON schema"):
@@ -150,19 +152,19 @@ def test_choice_grammar_escapes_quotes_and_backslashes():
 
 def test_apply_token_bitmask_matches_a_loop():
     """Bit t % 32 of word t // 32 allows token t (xgrammar's layout), for a vocabulary that is not a multiple of
-    32; a row of all ones changes nothing."""
+    32; a row of all ones changes nothing; 40 rows span three chunks of the unpacking."""
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 70, generator=gen)
-    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 3), dtype=torch.int32, generator=gen)
+    logits = torch.randn(40, 70, generator=gen)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (40, 3), dtype=torch.int32, generator=gen)
     bitmask[1] = -1
     expected = logits.clone()
-    for b in range(3):
+    for b in range(40):
         for t in range(70):
             if not (int(bitmask[b, t // 32]) >> (t % 32)) & 1:
                 expected[b, t] = float("-inf")
     got = apply_token_bitmask(logits.clone(), bitmask)
     assert torch.equal(got, expected) and torch.equal(got[1], logits[1])
-    assert torch.isinf(got[0]).any() and torch.isinf(got[2]).any()
+    assert torch.isinf(got[0]).any() and torch.isinf(got[2]).any() and torch.isinf(got[39]).any()
 
 
 def test_the_triton_sampler_never_picks_a_masked_token():

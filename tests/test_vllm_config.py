@@ -46,10 +46,20 @@ def test_ignored_keywords_are_logged_once_and_the_engine_runs(tiny, llm, caplog)
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype.*'fp8_e5m2'"),
     (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False"),
     (dict(load_format="gguf"), "load_format.*'gguf'"),
+    (dict(guided_decoding_backend="outlines"), "guided_decoding_backend='outlines'.*xgrammar"),
+    (dict(structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True}),
+     "structured_outputs_config=.*per request"),
 ])
 def test_unsupported_keywords_are_refused_by_name(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny, **kwargs)
+
+
+def test_structured_output_backend_xgrammar_is_accepted(tiny):
+    """vLLM's backend choice at the value nanovllm uses (xgrammar, or auto) changes nothing: accepted."""
+    config = Config.from_kwargs(tiny, device="cpu", guided_decoding_backend="xgrammar",
+                                structured_outputs_config={"backend": "auto"})
+    assert config.model == tiny
 
 
 def test_unknown_keyword_is_still_a_type_error(tiny):

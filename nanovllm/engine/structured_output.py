@@ -136,7 +136,9 @@ class StructuredOutputManager:
         bitmask = torch.full(shape, -1, dtype=torch.int32, pin_memory=pin_memory)
         for row in constrained:  # the matcher must have accepted every known completion token, none more
             seq = seqs[row]
-            assert seq.grammar.num_accepted == len(seq.token_ids) - seq.num_prompt_tokens, "grammar out of step"
+            if seq.grammar.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:  # an engine bug, never input
+                raise RuntimeError(f"sequence {seq.seq_id}'s grammar accepted {seq.grammar.num_accepted} tokens of "
+                                   f"its {len(seq.token_ids) - seq.num_prompt_tokens}")
         matchers = [seqs[row].grammar.matcher for row in constrained]
         if len(constrained) >= BATCH_FILL_MIN_ROWS:
             if self.batch_matcher is None:

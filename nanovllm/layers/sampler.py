@@ -54,13 +54,20 @@ class SamplingBatch:
             "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators"))
 
 
+BITMASK_CHUNK_ROWS = 16  # rows unpacked at a time: ~9 bytes a logit of temporaries (22 MB at Qwen3's vocabulary)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Sets the logits of disallowed tokens to -inf, in place: token t of row b is allowed when bit t % 32 of
-    ``bitmask[b, t // 32]`` is set (xgrammar's layout; a free row is all ones). A few elementwise kernels over
-    [B, V], on whatever device the logits are."""
+    ``bitmask[b, t // 32]`` is set (xgrammar's layout; a free row is all ones). A few elementwise kernels per
+    chunk of BITMASK_CHUNK_ROWS rows, on whatever device the logits are: the unpacked mask's temporaries stay
+    small whatever the batch (the KV sizing's warmup has no bitmask to measure them)."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.size(1)]
-    return logits.masked_fill_(allowed == 0, float("-inf"))
+    for start in range(0, logits.size(0), BITMASK_CHUNK_ROWS):
+        rows = slice(start, start + BITMASK_CHUNK_ROWS)
+        allowed = ((bitmask[rows, :, None] >> shifts) & 1).flatten(1)[:, :logits.size(1)]
+        logits[rows].masked_fill_(allowed == 0, float("-inf"))
+    return logits
 
 
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
