@@ -394,6 +394,19 @@ def test_compiled_grammars_are_cached(demo):
         manager.compile(StructuredOutputsParams(grammar=choice_grammar(["a", "b"])))
 
 
+def test_grammar_cache_is_bounded_in_bytes(demo, monkeypatch):
+    """Least recently used grammars go once the cache holds more than CACHE_BYTES (the newest always stays)."""
+    from nanovllm.engine import structured_output
+    manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
+    first = manager.compile(StructuredOutputsParams(regex="a+"))
+    one = first.memory_size_bytes
+    monkeypatch.setattr(structured_output, "CACHE_BYTES", int(2.5 * one))
+    for pattern in ("b+", "c+", "d+"):
+        manager.compile(StructuredOutputsParams(regex=pattern))
+    assert [key[1] for key in manager.cache] == ["c+", "d+"] and manager.cache_bytes <= 2.5 * one
+    assert manager.compile(StructuredOutputsParams(regex="a+")) is not first  # compiled again
+
+
 def test_missing_xgrammar_and_tokenizer_are_named(demo, monkeypatch):
     manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails, as without the extra

@@ -25,8 +25,10 @@ from nanovllm.sampling_params import StructuredOutputsParams
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 # fill masks for at least this many rows through xgrammar's thread pool
 BATCH_FILL_MIN_ROWS = 8
-# compiled grammars kept, least recently used dropped first (one holds masks over the whole vocabulary)
+# compiled grammars kept, least recently used dropped first, up to this many and this many bytes (one holds
+# masks over the whole vocabulary; vLLM bounds xgrammar's cache at 512 MB too)
 CACHE_SIZE = 256
+CACHE_BYTES = 512 * 2 ** 20
 
 
 def import_xgrammar():
@@ -37,6 +39,11 @@ def import_xgrammar():
         raise ValueError("structured_outputs needs xgrammar, nanovllm's optional extra: pip install -e "
                          "'.[structured]' (or pip install xgrammar)") from e
     return xgrammar
+
+
+def _size(compiled) -> int:
+    """A compiled grammar's bytes (xgrammar's count; 0 from a version without it)."""
+    return getattr(compiled, "memory_size_bytes", 0)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -73,6 +80,7 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
         self.compiler = None
         self.cache: OrderedDict[tuple, object] = OrderedDict()  # (what, spec, any_whitespace) -> CompiledGrammar
+        self.cache_bytes = 0
         self.lock = threading.Lock()           # admissions compile from the callers' threads
         self.batch_matcher = None
 
@@ -116,8 +124,9 @@ class StructuredOutputManager:
                 reason = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
             self.cache[key] = compiled
-            if len(self.cache) > CACHE_SIZE:
-                self.cache.popitem(last=False)
+            self.cache_bytes += _size(compiled)
+            while len(self.cache) > 1 and (len(self.cache) > CACHE_SIZE or self.cache_bytes > CACHE_BYTES):
+                self.cache_bytes -= _size(self.cache.popitem(last=False)[1])
             return compiled
 
     def grammar(self, params: StructuredOutputsParams) -> Grammar:
