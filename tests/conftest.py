@@ -177,6 +177,27 @@ def run_engine(path: str, prompts, sampling_params, **kw):
         llm.exit()
 
 
+def generate_with_features(path: str, prompts, n: int, check=None):
+    """(prompts, outputs): greedy outputs of ``prompts``, then of the last three extended by two tokens (finished
+    last, so their blocks are still cached: prefix-cache hits), with chunked prefill (a 40-token budget) and
+    preemption (a 40-block cache) forced on; ``check(llm)`` runs on the engine first. Checked for cache hits and
+    leaked blocks; the returned prompts include the second wave's."""
+    from nanovllm import LLM
+    again = [p + [1, 2] for p in prompts[-3:]]
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=40, max_num_batched_tokens=40,
+              device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    try:
+        if check is not None:
+            check(llm)
+        outputs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(again, sp, use_tqdm=False)
+        assert llm.scheduler.block_manager.num_cache_hits > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    return prompts + again, outputs
+
+
 def token_ids_of(outputs) -> list[list[int]]:
     return [o["token_ids"] for o in outputs]
 

@@ -14,7 +14,15 @@ import shutil
 
 import pytest
 import torch
-from conftest import FAMILIES, assert_matches_oracle, assert_no_leaks, edited_checkpoint, random_prompts, run_engine
+from conftest import (
+    FAMILIES,
+    assert_matches_oracle,
+    assert_no_leaks,
+    edited_checkpoint,
+    generate_with_features,
+    random_prompts,
+    run_engine,
+)
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model, build_tiny_qwen3
 from transformers import AutoConfig
@@ -35,19 +43,12 @@ def test_family_matches_transformers(family_checkpoints, oracle, name):
     """Also with the engine's features on: prefix-cache hits (a second wave sharing the first's
     prefixes), chunked prefill (40-token budget) and preemption (a 40-block cache)."""
     path = family_checkpoints[name]
-    prompts = random_prompts(16, 3, 90, seed=70)  # positions past the llama3 rope's original 64
-    again = [p + [1, 2] for p in prompts[-3:]]  # finished last: their blocks are still cached
-    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=40, max_num_batched_tokens=40,
-              device="cpu")
-    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    try:
+
+    def check(llm):
         assert type(llm.model_runner.model).__name__ == llm.config.hf_config.architectures[0]
-        outputs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(again, sp, use_tqdm=False)
-        assert llm.scheduler.block_manager.num_cache_hits > 0
-        assert_no_leaks(llm)
-    finally:
-        llm.exit()
-    assert_matches_oracle(oracle, path, prompts + again, outputs, N)
+    # positions past the llama3 rope's original 64
+    prompts, outputs = generate_with_features(path, random_prompts(16, 3, 90, seed=70), N, check)
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
 
 
 def test_sliding_windows_per_layer():

@@ -18,7 +18,13 @@ import os
 
 import pytest
 import torch
-from conftest import assert_matches_oracle, assert_no_leaks, edited_checkpoint, random_prompts, run_engine
+from conftest import (
+    assert_matches_oracle,
+    edited_checkpoint,
+    generate_with_features,
+    random_prompts,
+    run_engine,
+)
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model
 
@@ -55,21 +61,13 @@ def test_qwen3_moe_matches_transformers(moe_checkpoints, oracle, name):
     """With prefix-cache hits (a second wave sharing the first's prefixes), chunked prefill (a 40-token
     budget) and preemption (a 40-block cache), as every family's test runs."""
     path = moe_checkpoints[name]
-    prompts = random_prompts(12, 3, 90, seed=80)
-    again = [p + [1, 2] for p in prompts[-3:]]
-    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=40, max_num_batched_tokens=40,
-              device="cpu")
-    sp = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-    try:
+
+    def check(llm):
         layers = llm.model_runner.model.model.layers
         sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in layers]
         assert sparse == {"topk_norm_mixed": [True, False, True], "topk_raw_step2": [False, True, False, True]}[name]
-        outputs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(again, sp, use_tqdm=False)
-        assert llm.scheduler.block_manager.num_cache_hits > 0
-        assert_no_leaks(llm)
-    finally:
-        llm.exit()
-    assert_matches_oracle(oracle, path, prompts + again, outputs, N)
+    prompts, outputs = generate_with_features(path, random_prompts(12, 3, 90, seed=80), N, check)
+    assert_matches_oracle(oracle, path, prompts, outputs, N)
 
 
 def _pack_experts(src: str, dst) -> str:

@@ -58,6 +58,21 @@ def bench_graph(fn, rep: int = 100) -> float:
     return bench(graph.replay, rep)
 
 
+def fastest(default_seconds: float, candidates) -> tuple[float, object]:
+    """(seconds, config) of the fastest of the default (config "default") and ``candidates``, pairs of a config
+    and a function timing it; a config that does not compile (too much shared memory) is skipped and named."""
+    best = (default_seconds, "default")
+    for cfg, time_it in candidates:
+        try:
+            seconds = time_it()
+        except Exception as e:
+            print("skip", cfg, repr(e)[:80], file=sys.stderr)
+            continue
+        if seconds < best[0]:
+            best = (seconds, cfg)
+    return best
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -98,16 +113,11 @@ def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE):
             row.update(triton_us=t * 1e6, triton_tbs=nbytes / t / 1e12,
                        splits=ta.num_decode_splits(batch, KVH, q.device))
             if sweep:
-                best = (t, "default")
-                for cfg in DECODE_CONFIGS:
-                    for splits in sorted({row["splits"], min(32, 2 * row["splits"])}):
-                        try:
-                            tc = bench_graph(partial(ta.decode_attention, *args, num_splits=splits, config=cfg), rep=30)
-                        except Exception as e:  # a config that does not compile (shared memory)
-                            print("skip", cfg, splits, repr(e)[:80], file=sys.stderr)
-                            continue
-                        if tc < best[0]:
-                            best = (tc, dict(cfg, splits=splits))
+                best = fastest(t, ((dict(cfg, splits=splits),
+                                    partial(bench_graph, partial(ta.decode_attention, *args, num_splits=splits,
+                                                                 config=cfg), rep=30))
+                                   for cfg in DECODE_CONFIGS
+                                   for splits in sorted({row["splits"], min(32, 2 * row["splits"])})))
                 row.update(best_tbs=nbytes / best[0] / 1e12, best_config=best[1])
             if flash is not None:
                 tf = bench_graph(partial(flash.flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache,
@@ -159,12 +169,9 @@ def linear_rows(sweep: bool, bw: float):
                 row.update(skinny_us=t * 1e6, skinny_of_copy=nbytes / t / bw,
                            config=tlin.skinny_config(m, n, DTYPE.itemsize, silu))
                 if sweep and m in (1, 16) and (model, layer) in SWEPT:
-                    best = (t, "default")
-                    for cfg in SKINNY_CONFIGS:
-                        cfg = dict(cfg, BLOCK_M=16)
-                        tc = bench_graph_each([partial(tlin.linear, x, w, config=cfg, **kwargs) for w in weights], 30)
-                        if tc < best[0]:
-                            best = (tc, cfg)
+                    configs = [dict(cfg, BLOCK_M=16) for cfg in SKINNY_CONFIGS]
+                    best = fastest(t, ((cfg, partial(bench_graph_each, [partial(tlin.linear, x, w, config=cfg, **kwargs)
+                                                                        for w in weights], 30)) for cfg in configs))
                     row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw, best_config=best[1])
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -228,12 +235,9 @@ def moe_rows(sweep: bool, bw: float, routings: int = 8):
                    loop_us=t_loop * 1e6, loop_of_copy=nbytes / t_loop / bw, speedup=t_loop / t_fused, rel_err=err,
                    config=tmoe.moe_config(m, e, top_k))
         if sweep and m in (1, 64, 256, 4096):
-            best = (t_fused, "default")
-            for cfg in MOE_CONFIGS:
-                tc = bench_graph_each([partial(tmoe.fused_moe, x, w13, w2, w, ids, config=cfg) for w, ids in routed],
-                                      30)
-                if tc < best[0]:
-                    best = (tc, cfg)
+            best = fastest(t_fused, ((cfg, partial(bench_graph_each, [partial(tmoe.fused_moe, x, w13, w2, w, ids,
+                                                                              config=cfg) for w, ids in routed], 30))
+                                     for cfg in MOE_CONFIGS))
             row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw, best_config=best[1])
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -270,15 +274,8 @@ def prefill_rows(flash, sweep: bool):
         t = bench(partial(ta.prefill_attention, *args))
         row.update(triton_ms=t * 1e3, triton_tflops=flops / t / 1e12)
         if sweep:
-            best = (t, "default")
-            for cfg in PREFILL_CONFIGS:
-                try:
-                    tc = bench(partial(ta.prefill_attention, *args, config=cfg), rep=30)
-                except Exception as e:
-                    print("skip", cfg, repr(e)[:80], file=sys.stderr)
-                    continue
-                if tc < best[0]:
-                    best = (tc, cfg)
+            best = fastest(t, ((cfg, partial(bench, partial(ta.prefill_attention, *args, config=cfg), rep=30))
+                               for cfg in PREFILL_CONFIGS))
             row.update(best_tflops=flops / best[0] / 1e12, best_config=best[1])
         if flash is not None:
             if cached:

@@ -5,6 +5,7 @@ mixture-of-experts layer's (``moe_ops(x)``: ``triton_moe``, else ``moe_reference
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 from types import ModuleType
 
@@ -14,28 +15,20 @@ from nanovllm.kernels import moe_reference, reference
 
 
 @functools.cache
-def _triton_linear() -> ModuleType:
+def _triton_module(name: str, fallback: ModuleType) -> ModuleType:
+    """``nanovllm.kernels.<name>``, imported once; ``fallback`` where triton is not installed."""
     if importlib.util.find_spec("triton") is None:
-        return reference
-    from nanovllm.kernels import triton_linear
-    return triton_linear
+        return fallback
+    return importlib.import_module(f"nanovllm.kernels.{name}")
 
 
 def dense_ops(x: torch.Tensor) -> ModuleType:
-    return _triton_linear() if x.is_cuda else reference
-
-
-@functools.cache
-def _triton_moe() -> ModuleType:
-    if importlib.util.find_spec("triton") is None:
-        return moe_reference
-    from nanovllm.kernels import triton_moe
-    return triton_moe
+    return _triton_module("triton_linear", reference) if x.is_cuda else reference
 
 
 def moe_ops(x: torch.Tensor) -> ModuleType:
     """The module whose ``fused_moe`` runs the experts for tokens x."""
-    return _triton_moe() if x.is_cuda else moe_reference
+    return _triton_module("triton_moe", moe_reference) if x.is_cuda else moe_reference
 
 
 def dot_precision(dtype: torch.dtype) -> str:
