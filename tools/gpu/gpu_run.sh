@@ -16,7 +16,8 @@
 #   ktests_dense  the dense-layer kernel tests alone; bench_before: bench.py of the tree in .old
 #   linear    the dense-layer kernel tests, then the linear-layer microbenchmarks against cuBLAS with a tile sweep
 #   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload
-#   blocksizes bench.py (default, prefix, batch16) at kvcache_block_size 16, 32, 64, 128, 256
+#   blocksizes bench.py (default, prefix, batch16) at kvcache_block_size 16, 32, 64, 128, 256 (BLOCK_SCENARIOS:
+#             the scenarios beside the default workload, default "prefix batch16")
 #   fp8       the fp8-cache and sliding-window kernel tests compiled, decode microbenchmarks over an fp8 cache,
 #             bench.py with the model's dtype and with an fp8 cache (same run), the presets' KL divergence
 #   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
@@ -96,7 +97,7 @@ for phase in "$@"; do
     blocksizes)  # kvcache_block_size 16-256 (Triton): the default workload, and the prefix and batch16 scenarios
       for b in 16 32 64 128 256; do
         step bench_blocks.jsonl python3 bench.py --block-size $b --json
-        for s in prefix batch16; do step bench_blocks.jsonl python3 bench.py --block-size $b --scenario $s --json; done
+        for s in ${BLOCK_SCENARIOS-prefix batch16}; do step bench_blocks.jsonl python3 bench.py --block-size $b --scenario $s --json; done
       done ;;
     scenarios)  # SCENARIOS: which (default all four)
       for s in ${SCENARIOS:-batch1 batch16 long prefix}; do step bench.jsonl python3 bench.py --scenario $s --json; done
