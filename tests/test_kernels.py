@@ -376,7 +376,9 @@ def test_prefill_window_scores_far_below_zero(dtype, shift):
                                       window=window)
     out = triton_attention.prefill_attention(q, k, v, k, v, cu, cu, n, None, 1.0, window=window,
                                              config=dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1))
-    assert rel_err(out, ref) < TOL[dtype]
+    # fp32: scores near -100 carry ~100 * 2^-24 of rounding each, and the GPU's exp2 is approximate (1.07e-5 on an
+    # H200); a running max left at 0 instead gives 2^-144-sized, subnormal probabilities, errors of 1e-2 and more
+    assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else TOL[dtype])
 
 
 def fp8_close(got: torch.Tensor, want: torch.Tensor):

@@ -95,7 +95,10 @@ def paged_kv(lens: list[int], page: int = PAGE, kv_dtype: torch.dtype = DTYPE):
     return k_cache, v_cache, tables
 
 
-DECODE_CONFIGS = [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+def decode_configs(kv_dtype: torch.dtype) -> list[dict]:
+    """The decode tiles swept; an fp8 cache's tiles are half the bytes, so 256 keys a tile are tried too."""
+    tiles = (64, 128, 256) if kv_dtype.itemsize == 1 else (64, 128)
+    return [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn in tiles for w in (4, 8) for s in (2, 3)]
 
 
 def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE):
@@ -116,7 +119,7 @@ def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE):
                 best = fastest(t, ((dict(cfg, splits=splits),
                                     partial(bench_graph, partial(ta.decode_attention, *args, num_splits=splits,
                                                                  config=cfg), rep=30))
-                                   for cfg in DECODE_CONFIGS
+                                   for cfg in decode_configs(kv_dtype)
                                    for splits in sorted({row["splits"], min(32, 2 * row["splits"])})))
                 row.update(best_tbs=nbytes / best[0] / 1e12, best_config=best[1])
             if flash is not None:

@@ -24,7 +24,7 @@ import triton.language as tl
 from nanovllm.kernels import dot_precision
 
 LOG2E = 1.4426950408889634
-FP8_MAX = 448.0  # the largest float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)  # the largest float8_e4m3fn (a constexpr: compiled kernels read no other globals)
 # Triton's interpreter (the CPU tests) rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4,
 # not 8): under it the store kernels round to e4m3's grid themselves, so that the conversion has nothing to round.
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -166,7 +166,9 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on (decode),
     2 those and the causal diagonal (q_pos read only then), and with WINDOW the keys at or before q_pos - WINDOW;
-    q_start, k_ptr, v_ptr, stride_kt/vt only unpaged. Cached tiles are converted to the queries' dtype (fp8)."""
+    q_start, k_ptr, v_ptr, stride_kt/vt only unpaged. Cached tiles are converted to the queries' dtype: over an
+    fp8 cache the callers pass 16-bit queries as fp16, since e4m3 -> fp16 is one conversion per two values on
+    Hopper and e4m3 -> bf16 several (with bf16 tiles the conversions, not the bytes, bound decode: 2.3 TB/s)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_n < k_len
@@ -203,7 +205,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
                     qk_scale, out_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, Q_FP16: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_start = tl.load(cu_q_ptr + seq)
@@ -216,6 +218,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     q_pos = k_len - q_len + offs_m                                # its position among the keys
     q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=(offs_m < q_len)[:, None], other=0.0)
+    if Q_FP16:  # paged over an fp8 cache, 16-bit queries: fp16 dot operands (see _attend_tile)
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -266,7 +270,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     if num_tokens == 0:
         return out
     bt = block_tables if paged else cu_seqlens_q  # any int32 tensor: not read when not paged
-    if not (paged and is_fp8(k_cache)):
+    fp8 = paged and is_fp8(k_cache)
+    if not fp8:
         k_scale = v_scale = 1.0
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), cu_seqlens_q.numel() - 1, num_heads)
     _prefill_kernel[grid](
@@ -274,7 +279,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1), bt.stride(0),
         GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION=dot_precision(q.dtype), WINDOW=window, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PRECISION=dot_precision(q.dtype), WINDOW=window, Q_FP16=fp8 and q.dtype != torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -284,7 +290,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
                    qk_scale, out_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, Q_FP16: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     first = 0                                                      # the first visible key
@@ -298,6 +304,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
     heads = kv_head * GROUP + offs_g                               # the query heads of this KV head
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_g < GROUP)[:, None], other=0.0)
+    if Q_FP16:  # fp16 dot operands over an fp8 cache (see _attend_tile)
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -368,7 +376,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
-    if not is_fp8(k_cache):
+    fp8 = is_fp8(k_cache)
+    if not fp8:
         k_scale = v_scale = 1.0
     if splits > 1:
         part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -379,8 +388,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype),
-        WINDOW=window, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
+        PRECISION=dot_precision(q.dtype), WINDOW=window, Q_FP16=fp8 and q.dtype != torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                           NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,

@@ -18,7 +18,8 @@
 #   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload
 #   blocksizes bench.py (default, prefix, batch16) at kvcache_block_size 16, 32, 64, 128, 256 (BLOCK_SCENARIOS:
 #             the scenarios beside the default workload, default "prefix batch16")
-#   fp8       the fp8-cache and sliding-window kernel tests compiled, decode microbenchmarks over an fp8 cache,
+#   fp8       the fp8-cache and sliding-window kernel tests compiled, decode microbenchmarks over an fp8 cache
+#             with a tile sweep,
 #             bench.py with the model's dtype and with an fp8 cache (same run), the presets' KL divergence
 #   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
 #   ktests    the kernel tests alone (no flash-attn build)
@@ -104,7 +105,7 @@ for phase in "$@"; do
       [[ -z ${SCENARIOS:-} ]] && step bench.jsonl python3 bench.py --model qwen3-8b --json ;;
     fp8)  # issue 20's GPU measurements: kernels, the cache's speed and capacity, quality on the presets' logits
       step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "fp8 or window"
-      step bench_kernels_fp8.log python3 tools/bench_kernels.py --kv-cache-dtype fp8 --out "$OUT"
+      step bench_kernels_fp8.log python3 tools/bench_kernels.py --kv-cache-dtype fp8 --sweep --out "$OUT"
       step bench_fp8.jsonl python3 bench.py --json
       step bench_fp8.jsonl python3 bench.py --json --kv-cache-dtype fp8
       for m in qwen3-0.6b qwen3-8b; do
