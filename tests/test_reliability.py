@@ -420,6 +420,18 @@ def test_del_frees_the_device_memory(tiny):
     assert engine() is None and torch.cuda.memory_allocated() - before < 50 * 2 ** 20
 
 
+@pytest.mark.gpu
+def test_an_engine_after_exit_gets_the_whole_card_again(tiny):
+    """Sized from the free memory (gpu_memory_utilization): the second engine, built while the first object is
+    still referenced, gets the first one's blocks, since exit() returned the first cache to the device."""
+    first = LLM(tiny, kvcache_block_size=16, max_model_len=512, device="cuda")
+    blocks = first.model_runner.num_kvcache_blocks
+    first.exit()
+    with LLM(tiny, kvcache_block_size=16, max_model_len=512, device="cuda") as second:
+        assert abs(second.model_runner.num_kvcache_blocks - blocks) <= blocks // 100
+        assert second.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
+
+
 # ---- threads -------------------------------------------------------------------------------------
 def _in_threads(work, n: int = 2) -> list:
     """work(i) in n threads at once; its results in order (an exception raised in a thread is re-raised)."""
@@ -506,3 +518,16 @@ def test_soak_ten_thousand_requests(tiny):
         llm.exit()
     assert bm.num_cache_hits > 1000
     assert max(objects[1:]) - min(objects[1:]) < 2000, objects  # flat after the first wave
+
+
+def test_exit_frees_the_kv_cache_and_the_weights_at_once(tiny):
+    """exit() hands the device memory back then, not when the engine object goes: a second engine of the same
+    process sizes its cache from what is free (on CUDA, one left holding 90% of the card got no blocks)."""
+    llm = LLM(tiny, **CPU_ENGINE)
+    runner = llm.model_runner
+    held = [weakref.ref(runner.kv_cache), weakref.ref(next(runner.model.parameters()))]
+    assert all(ref() is not None for ref in held)
+    llm.exit()
+    assert [ref() for ref in held] == [None, None]   # no gc.collect(): nothing refers to them any more
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(["again"], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -3,6 +3,7 @@ the KV cache, the one preallocated KV tensor with per-layer views, a ``batch.Ste
 forward (decode through ``cuda_graph.DecodeGraphs`` on CUDA), and, on rank 0, sampling."""
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 
@@ -78,10 +79,19 @@ class ModelRunner:
                                        hf_config.hidden_size)
 
     def exit(self):
-        """Frees what the device holds for this runner (its graphs; the rest goes with the object)."""
+        """Frees what the device holds for this runner, now rather than when the engine object goes: its graphs,
+        the KV cache and the weights (the runner is unusable after), so that another engine of this process
+        sizes its cache from a free device."""
         if self.is_cuda:  # a step may still be in flight (async scheduling): let it end before freeing graphs
             torch.cuda.synchronize()
         self.graphs = None
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = self.model = None
+        self.attention_layers = []
+        gc.collect()  # each parameter and its layer refer to each other (the bound weight_loader): a cycle
+        if self.is_cuda:
+            torch.cuda.empty_cache()
 
     def warmup_model(self):
         """One prefill at the largest batch, so that the KV sizing sees the peak activations: a step like
