@@ -95,7 +95,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    kvcache_block_size: int = 256
+    kvcache_block_size: int | None = None  # None: the attention backend's (DEFAULT_BLOCK_SIZE)
     num_kvcache_blocks: int = -1
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
@@ -197,9 +197,12 @@ class Config:
         from nanovllm.models.llama import head_dim_of
         # an unusable attention_backend fails here, naming what it does not support
         self._set(kv_cache_torch_dtype=self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn)
+        # no block size given: one every backend takes while choosing, then the chosen backend's default
         self._set(attention_backend=resolve_backend(self.attention_backend, self.device, self.torch_dtype,
-                                                    self.kvcache_block_size, head_dim_of(self.hf_config),
+                                                    self.kvcache_block_size or 256, head_dim_of(self.hf_config),
                                                     self.kv_cache_torch_dtype))
+        if self.kvcache_block_size is None:
+            self._set(kvcache_block_size=DEFAULT_BLOCK_SIZE.get(self.attention_backend, 64))
 
     def _set(self, **values) -> Config:
         for name, value in values.items():
@@ -211,8 +214,10 @@ class Config:
         return copy.copy(self)._set(**values)
 
     def _check_values(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "kvcache_block_size"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             check_int(name, getattr(self, name), lo=1)
+        if self.kvcache_block_size is not None:
+            check_int("kvcache_block_size", self.kvcache_block_size, lo=1)
         if self.max_model_len not in (None, -1):
             check_int("max_model_len", self.max_model_len, lo=1)
         check_int("num_kvcache_blocks", self.num_kvcache_blocks, lo=-1)
@@ -281,6 +286,10 @@ class Config:
 
 # vLLM's names -> ours
 KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
-# vLLM's None for "the default" (ours); max_model_len's None is the model's length, seed's None is 0 (vLLM V1's)
-_NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "kvcache_block_size", "num_kvcache_blocks", "seed",
+# kvcache_block_size's default per attention backend: flash-attn's paged KV takes multiples of 256; for the others
+# (Triton measured on an H200, docs/PERFORMANCE.md) 64 is the smallest that costs no measurable speed
+DEFAULT_BLOCK_SIZE = {"flash-attn": 256}
+# vLLM's None for "the default" (ours); max_model_len's None is the model's length, seed's None is 0 (vLLM V1's);
+# kvcache_block_size's None is its backend's (DEFAULT_BLOCK_SIZE)
+_NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
                     "enable_prefix_caching")

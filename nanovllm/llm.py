@@ -16,7 +16,7 @@ class LLM(LLMEngine):
     - ``gpu_memory_utilization`` (0.9): CUDA: the share of the card the weights, activations and KV cache may take
     - ``tensor_parallel_size`` (1): ranks (GPUs with NCCL; CPU processes with gloo)
     - ``enforce_eager`` (False): CUDA: no CUDA Graphs
-    - ``kvcache_block_size`` / vLLM's ``block_size`` (256): tokens per KV block
+    - ``kvcache_block_size`` / vLLM's ``block_size`` (64; 256 with flash-attn): tokens per KV block
     - ``num_kvcache_blocks`` (-1: sized from memory): KV blocks
     - ``dtype`` ("auto"): "auto", "float32"/"float", "bfloat16", "float16"/"half", or a torch dtype
     - ``device`` ("auto"): "auto" (CUDA when available), "cuda", "cpu"
@@ -26,8 +26,9 @@ class LLM(LLMEngine):
       ``tokenizer`` (a directory or Hub id other than the model's), ``revision``, ``tokenizer_revision``,
       ``download_dir``, ``hf_token`` (Hub ids), ``async_scheduling`` (None: on for CUDA),
       ``cpu_kvcache_space`` (4.0 GiB per rank on CPU), ``kv_cache_dtype`` ("auto", or "fp8": e4m3, one byte a
-      value, on the torch attention backend), ``generation_config`` ("auto": the defaults of
-      ``get_default_sampling_params`` from the model's generation_config.json; "vllm": SamplingParams')
+      value, on the Triton (compute capability 8.9 and newer) and torch attention backends),
+      ``generation_config`` ("auto": the defaults of ``get_default_sampling_params`` from the model's
+      generation_config.json; "vllm": SamplingParams')
 
     vLLM's keywords that change nothing here are accepted and logged; those it would need and nanovllm lacks
     raise ``ValueError`` naming them (``config.IGNORED_KEYWORDS``, ``config.UNSUPPORTED_KEYWORDS``).

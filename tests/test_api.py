@@ -345,6 +345,18 @@ def test_vllm_engine_keywords(tiny):
         LLM(tiny, block_size=16, kvcache_block_size=16)
 
 
+def test_default_block_size_is_the_backends(tiny):
+    """64 tokens unless flash-attn (its paged KV: multiples of 256); None, vLLM's "default", too; a given size
+    stays, and one the backend cannot take is refused naming it."""
+    from nanovllm.config import DEFAULT_BLOCK_SIZE, Config
+    assert Config(tiny, device="cpu").kvcache_block_size == 64
+    assert Config.from_kwargs(tiny, device="cpu", block_size=None).kvcache_block_size == 64
+    assert Config(tiny, device="cpu", kvcache_block_size=32).kvcache_block_size == 32
+    assert DEFAULT_BLOCK_SIZE["flash-attn"] % 256 == 0
+    with pytest.raises(ValueError, match="kvcache_block_size"):
+        Config(tiny, device="cpu", kvcache_block_size=0)
+
+
 def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
     ckpt = tmp_path / "notok"
     shutil.copytree(tiny, ckpt, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))

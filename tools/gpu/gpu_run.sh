@@ -36,6 +36,9 @@
 #             carry .gpu), tools/bench_structured.py (64 JSON-schema requests against the same 64 unconstrained in
 #             one process, Qwen3-0.6B shapes, random weights, the 151,643-token tokenizer in .gpu/bench-structured)
 #             with the bitmask overlap, without it, and synchronous; then tests/test_structured_output.py on CUDA
+#   kvquality the fp8 phase's KL divergence on the presets alone;  probe: tools/fp8_decode_probe.py (where fp8
+#             decode's time goes);  reliability: the GPU tests of tests/test_reliability.py
+#   scenarios256 batch1, batch16 and long at kvcache_block_size 256 (SCENARIOS: which)
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -150,6 +153,16 @@ for phase in "$@"; do
         step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured $flags
       done
       step test_structured.log python3 -m pytest tests/test_structured_output.py -q -rA ;;
+    kvquality)  # the fp8 phase's KL divergence alone
+      for m in qwen3-0.6b qwen3-8b; do
+        step kv_quality.jsonl python3 tools/kv_quality.py --preset $m --device cuda --prompts 4 --tokens 1024 --chunk 256
+      done ;;
+    probe) step fp8_probe.log python3 tools/fp8_decode_probe.py --out "$OUT" ;;
+    reliability) step test_reliability.log python3 -m pytest tests/test_reliability.py -q -rA -m gpu ;;
+    scenarios256)  # the scenarios at the block size of 256 (the Triton default until 2026-12-01), to compare
+      for s in ${SCENARIOS:-batch1 batch16 long}; do
+        step bench.jsonl python3 bench.py --block-size 256 --scenario $s --json
+      done ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
