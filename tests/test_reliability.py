@@ -409,15 +409,23 @@ def test_del_frees_the_engine_and_its_memory(tiny):
 
 @pytest.mark.gpu
 def test_del_frees_the_device_memory(tiny):
+    """Every engine gives back all it took. The first CUDA work of a process leaves torch's own state behind
+    (cuBLAS and cuBLASLt workspaces: 64 MiB on an H200), so one engine runs first and the second is measured."""
     import torch
-    before = torch.cuda.memory_allocated()
-    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384, device="cuda")
-    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-    assert torch.cuda.memory_allocated() - before > 200 * 2 ** 20
-    engine = weakref.ref(llm)
-    del llm
+
+    def run_one() -> weakref.ref:
+        llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384, device="cuda")
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert torch.cuda.memory_allocated() - before > 200 * 2 ** 20
+        return weakref.ref(llm)
+
+    before = 0
+    assert run_one()() is None
     gc.collect()
-    assert engine() is None and torch.cuda.memory_allocated() - before < 50 * 2 ** 20
+    before = torch.cuda.memory_allocated()
+    engine = run_one()
+    gc.collect()
+    assert engine() is None and torch.cuda.memory_allocated() - before < 2 ** 20
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ with one stage changed at a time, timed against the engine's kernel on the same 
 Modes of the probe kernel (one program per sequence and KV head, no splits: batch >= 64):
   full      as the engine's kernel: K, V tiles converted to fp16, both products on the tensor cores
   no_pv     the same without the P @ V product (what the second product and V's conversion cost)
+  no_qk     the same without the Q @ K^T product (scores all 0: what the first product and K's conversion cost)
   fp8_qk    the queries quantized to e4m3 (one scale a row) and Q @ K^T in fp8: no conversion of K
   k_as_a    Q @ K^T computed as K @ Q^T (K the product's first operand, which may stay in registers)
   load      the tiles loaded and summed as bytes: the access pattern's bandwidth, no arithmetic to speak of
@@ -27,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from nanovllm.kernels import triton_attention as ta  # noqa: E402
 
-MODES = {"full": 0, "no_pv": 1, "fp8_qk": 2, "k_as_a": 3, "load": 4}
+MODES = {"full": 0, "no_pv": 1, "fp8_qk": 2, "k_as_a": 3, "load": 4, "no_qk": 5}
 H, KVH, D = 16, 8, 128
 LOG2E = 1.4426950408889634
 
@@ -68,6 +69,8 @@ def _probe_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, qk_sc
                 s = tl.dot(q8, tl.trans(k)) * (q_scale[:, None] * qk_scale)
             elif MODE == 3:
                 s = tl.trans(tl.dot(k.to(tl.float16), tl.trans(q16))) * qk_scale
+            elif MODE == 5:
+                s = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             else:
                 s = tl.dot(q16, tl.trans(k.to(tl.float16))) * qk_scale
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -110,7 +113,7 @@ def check(device: str) -> list[dict]:
     q = torch.randn(batch, H, D, device=device, dtype=torch.bfloat16)
     lens = torch.tensor([ctx, ctx - 37, 1], dtype=torch.int32, device=device)
     ref = ta.decode_attention(q, k_cache, v_cache, lens, tables, D ** -0.5, num_splits=1).float()
-    for mode in ("full", "no_pv", "fp8_qk", "k_as_a"):
+    for mode in ("full", "no_pv", "fp8_qk", "k_as_a", "no_qk"):
         out = torch.full_like(q, float("nan"))
         try:
             probe(mode, q, k_cache, v_cache, lens, tables, D ** -0.5, 16, 4, out)
@@ -133,8 +136,12 @@ def timings() -> list[dict]:
         out = torch.empty_like(q)
         engine = bench_graph(partial(ta.decode_attention, q, k_cache, v_cache, lens, tables, D ** -0.5,
                                      num_splits=1, out=out))
+        k16, v16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+        engine_bf16 = bench_graph(partial(ta.decode_attention, q, k16, v16, lens, tables, D ** -0.5, num_splits=1,
+                                          out=out))
+        del k16, v16
         row = dict(kind="time", batch=batch, ctx=ctx, page=page, gbytes=nbytes / 1e9,
-                   engine_us=engine * 1e6, engine_tbs=nbytes / engine / 1e12)
+                   engine_us=engine * 1e6, engine_tbs=nbytes / engine / 1e12, engine_bf16_us=engine_bf16 * 1e6)
         for mode in MODES:
             for block_n, warps in ((64, 4), (128, 4), (128, 8)):
                 try:
