@@ -420,8 +420,9 @@ def test_del_frees_the_device_memory(tiny):
         return weakref.ref(llm)
 
     before = 0
-    assert run_one()() is None
+    first = run_one()
     gc.collect()
+    assert first() is None
     before = torch.cuda.memory_allocated()
     engine = run_one()
     gc.collect()
