@@ -496,3 +496,43 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
         finally:
             llm.exit()
     assert_same(results[1], results[0])
+
+
+def test_bitmask_rows_filled_in_threads_are_those_of_one_thread(demo):
+    """fill_rows deals the rows over threads (xgrammar's fill lets go of the GIL): the same bits as one thread
+    filling every row, more than one thread at work, and a matcher's error raised to the caller."""
+    import threading
+
+    from nanovllm.engine import structured_output
+    manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
+    compiled = manager.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
+    xgr = structured_output.import_xgrammar()
+    prefixes = ['', '{', '{"name"', '{"name": "ab', '{"name": "ab", ', '{"name": "x", "n": 1', '{"name": "x", "n"']
+    seen_threads = set()
+
+    class Recorded:  # a matcher that notes the thread filling its row
+        def __init__(self, matcher, fail=False):
+            self.matcher, self.fail = matcher, fail
+
+        def fill_next_token_bitmask(self, bitmask, row):
+            seen_threads.add(threading.current_thread().name)
+            if self.fail:
+                raise RuntimeError("matcher failed")
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    rows = []
+    for i in range(24):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(prefixes[i % len(prefixes)])
+        rows.append((i, Recorded(matcher)))
+    shape = xgr.get_bitmask_shape(24, 4096)
+    alone, dealt = torch.full(shape, -1, dtype=torch.int32), torch.full(shape, -1, dtype=torch.int32)
+    structured_output.fill_rows(rows, alone, threads=1)
+    assert seen_threads == {threading.current_thread().name}
+    structured_output.fill_rows(rows, dealt, threads=4)
+    assert torch.equal(alone, dealt) and len(seen_threads) > 1
+    assert len({tuple(row.tolist()) for row in alone}) >= 4   # the rows are of different states
+    rows[13] = (13, Recorded(rows[13][1].matcher, fail=True))                 # a row another thread fills
+    with pytest.raises(RuntimeError, match="matcher failed"):
+        structured_output.fill_rows(rows, dealt, threads=4)
