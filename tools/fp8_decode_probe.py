@@ -2,7 +2,9 @@
 with one stage changed at a time, timed against the engine's kernel on the same cache (CUDA Graph replays).
 
 Modes of the probe kernel (one program per sequence and KV head, no splits: batch >= 64):
-  full      as the engine's kernel: K, V tiles converted to fp16, both products on the tensor cores
+  full      as the engine's kernel was until its V fix: K, V tiles converted to fp16 (the conversion of V left
+            where Triton moves it: after V's 8-bit shuffle into the product's operand layout, through shared
+            memory a byte at a time), both products on the tensor cores; the "engine" column is the kernel now
   no_pv     the same without the P @ V product (what the second product and V's conversion cost)
   no_qk     the same without the Q @ K^T product (scores all 0: what the first product and K's conversion cost)
   fp8_qk    the queries quantized to e4m3 (one scale a row) and Q @ K^T in fp8: no conversion of K

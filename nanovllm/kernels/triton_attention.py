@@ -8,10 +8,10 @@ batch x kv_heads is too small to fill the GPU. Nothing here reads device values 
 decode, so the decode path can be captured in a CUDA Graph.
 
 An fp8 (e4m3) cache holds K/V divided by the layer's ``k_scale``/``v_scale``, saturated at +-448: the store
-kernels divide and round, the attention kernels convert each tile to the queries' dtype and fold the scales
-into the softmax scale (K) and the output (V). ``window`` > 0 is sliding-window attention: a query at
-position i sees the keys at (i - window, i]; decode starts at its first visible key, prefill skips the tiles
-wholly before every row's window and masks the rest.
+kernels divide and round, the attention kernels convert each tile to the queries' dtype (fp16 for 16-bit
+queries), fold k_scale into the softmax scale and multiply each V tile by v_scale. ``window`` > 0 is
+sliding-window attention: a query at position i sees the keys at (i - window, i]; decode starts at its first
+visible key, prefill skips the tiles wholly before every row's window and masks the rest.
 """
 from __future__ import annotations
 
@@ -160,15 +160,19 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
 
 # ---- prefill (its key tile also serves decode) --------------------------------------------------
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
+def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale, v_scale,
                  k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+                 SCALE_V: tl.constexpr):
     """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on (decode),
     2 those and the causal diagonal (q_pos read only then), and with WINDOW the keys at or before q_pos - WINDOW;
     q_start, k_ptr, v_ptr, stride_kt/vt only unpaged. Cached tiles are converted to the queries' dtype: over an
-    fp8 cache the callers pass 16-bit queries as fp16, since e4m3 -> fp16 is one conversion per two values on
-    Hopper and e4m3 -> bf16 several (with bf16 tiles the conversions, not the bytes, bound decode: 2.3 TB/s)."""
+    fp8 cache the callers pass 16-bit queries as fp16 (e4m3 -> fp16 is one conversion per two values on Hopper,
+    e4m3 -> bf16 several), and SCALE_V multiplies each V tile by v_scale. That multiply also keeps Triton from
+    moving V's conversion after its shuffle into the product's operand layout: the 8-bit tile then went through
+    shared memory a byte at a time (128 ld.shared.b8 and st.shared.b8 a tile, no ldmatrix, in the sm_90 PTX),
+    and P @ V alone took as long as bf16's whole decode (fp8 decode at 2.5-2.9 TB/s on an H200)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_n < k_len
@@ -177,6 +181,8 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
         kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
         k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        if SCALE_V:
+            v = v * tl.cast(v_scale, q.dtype)
     else:  # the keys are the new tokens themselves
         rows = (q_start + offs_n)[:, None].to(tl.int64)
         k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -202,10 +208,10 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
-                    qk_scale, out_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
+                    qk_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, Q_FP16: tl.constexpr):
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_start = tl.load(cu_q_ptr + seq)
@@ -230,16 +236,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     if WINDOW > 0:  # from the tile of the first row's first visible key, every tile masked
         for start in range(tl.maximum(first_q_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N, end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
-                                         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
-                                         stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2, PRECISION, WINDOW)
+                                         v_scale, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt,
+                                         stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2,
+                                         PRECISION, WINDOW, FP8)
     else:
         for masked in tl.static_range(2):   # the keys every row sees, then the causal diagonal (unrolled)
             for start in range(unmasked_end if masked else 0, end if masked else unmasked_end, BLOCK_N):
                 acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
-                                             k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt,
-                                             stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2 * masked,
-                                             PRECISION, 0)
-    out = acc / l_i[:, None] * out_scale
+                                             v_scale, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt,
+                                             stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N,
+                                             2 * masked, PRECISION, 0, FP8)
+    out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
@@ -279,7 +286,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1), bt.stride(0),
         GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION=dot_precision(q.dtype), WINDOW=window, Q_FP16=fp8 and q.dtype != torch.float32,
+        PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -287,10 +294,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 # ---- decode -------------------------------------------------------------------------------------
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_lse_ptr,
-                   qk_scale, out_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+                   qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, Q_FP16: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr,
+                   Q_FP16: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     first = 0                                                      # the first visible key
@@ -311,10 +319,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for n in range(start, end, BLOCK_N):   # paged keys, masked from the end of this split on
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, None, None,
-                                     k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
-                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * out_scale     # an empty range (context 0) gives 0
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, v_scale, None,
+                                     None, k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
+                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -389,7 +397,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), WINDOW=window, Q_FP16=fp8 and q.dtype != torch.float32,
+        PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),

@@ -1,0 +1,96 @@
+"""The attention kernels compiled for an H200 (sm_90) on any machine, no GPU needed: counts of the PTX
+instructions that tell how tiles move (byte-wise shared-memory traffic, ldmatrix, fp8 conversions, the
+tensor-core products), and each kernel's shared memory. Triton's wheel carries the compiler; the kernels must
+be real JIT functions, so TRITON_INTERPRET must be unset (the script refuses otherwise).
+
+    python tools/kernel_asm.py [--json] [--ptx-dir DIR]
+
+Seen this way (2026-12-01): over an fp8 cache, Triton moved V's e4m3 -> fp16 conversion after V's shuffle into
+the P @ V operand layout, so the 8-bit tile crossed shared memory a byte at a time (128 ld.shared.b8 and
+st.shared.b8 per 128-key tile, no ldmatrix); multiplying the tile by v_scale first keeps the conversion before
+the shuffle (ldmatrix on fp16, as with a bf16 cache).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PATTERNS = {"ld.shared.b8": r"ld\.shared\.b8", "st.shared.b8": r"st\.shared\.b8", "ldmatrix": r"\bldmatrix",
+            "cvt.e4m3x2": r"e4m3x2", "mma.sync": r"\bmma\.sync", "wgmma": r"\bwgmma\.mma_async"}
+
+
+def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def decode(kv: str, block_n: int = 128, num_warps: int = 4):
+    """The decode kernel at Qwen3-0.6B's shapes (2 query heads a KV head, head_dim 128, pages of 256)."""
+    from nanovllm.kernels import triton_attention as ta
+    fp8 = kv == "fp8e4nv"
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "bt_ptr": "*i32", "ctx_ptr": "*i32",
+           "o_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
+           "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
+    const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=block_n, NUM_SPLITS=1,
+                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
+    return _compile(ta._decode_kernel, sig, const, num_warps, 3)
+
+
+def prefill(kv: str):
+    """The paged prefill kernel (a cached prefix, chunks) at the same shapes, with its long-prompt tiles."""
+    from nanovllm.kernels import triton_attention as ta
+    fp8 = kv == "fp8e4nv"
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}",
+           "o_ptr": "*bf16", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "qk_scale": "fp32",
+           "v_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32", "stride_vt": "i32",
+           "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
+    const = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, PAGED=True, BLOCK_M=128, BLOCK_N=128,
+                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
+    return _compile(ta._prefill_kernel, sig, const, 8, 3)
+
+
+KERNELS = {"decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
+           "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64), "prefill paged bf16": lambda: prefill("bf16"),
+           "prefill paged fp8": lambda: prefill("fp8e4nv")}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--ptx-dir", help="also write each kernel's PTX and TTGIR there")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+    rows = {}
+    for name, build in KERNELS.items():
+        kernel = build()
+        ptx = kernel.asm["ptx"]
+        rows[name] = {key: len(re.findall(pattern, ptx)) for key, pattern in PATTERNS.items()}
+        rows[name]["shared_bytes"] = kernel.metadata.shared
+        if args.ptx_dir:
+            os.makedirs(args.ptx_dir, exist_ok=True)
+            stem = os.path.join(args.ptx_dir, name.replace(" ", "_").replace(",", ""))
+            for ext in ("ptx", "ttgir"):
+                with open(f"{stem}.{ext}", "w") as f:
+                    f.write(kernel.asm[ext])
+    if args.json:
+        print(json.dumps(rows))
+        return
+    keys = list(PATTERNS) + ["shared_bytes"]
+    print("| kernel | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(str(row[k]) for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()
