@@ -4,6 +4,7 @@ chat template). Each must exit 0 and print what its vLLM original prints."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -39,3 +40,6 @@ def test_vllm_shaped_script_runs(script, tiny):
     assert out.returncode == 0, out.stderr[-3000:]
     for line in SCRIPTS[script]:
         assert line in out.stdout, f"{line!r} not in the output of {script}:\n{out.stdout[-2000:]}"
+    if script == "prefix_caching.py":  # its shared prefix (222 demo tokens) is reused at the default block size
+        cached = [int(n) for n in re.findall(r"cached tokens: (\d+)", out.stdout)]
+        assert len(cached) == 4 and min(cached) >= 192, out.stdout[-2000:]
