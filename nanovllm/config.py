@@ -202,7 +202,7 @@ class Config:
                                                     self.kvcache_block_size or 256, head_dim_of(self.hf_config),
                                                     self.kv_cache_torch_dtype))
         if self.kvcache_block_size is None:
-            self._set(kvcache_block_size=DEFAULT_BLOCK_SIZE.get(self.attention_backend, 64))
+            self._set(kvcache_block_size=DEFAULT_BLOCK_SIZE[self.attention_backend])
 
     def _set(self, **values) -> Config:
         for name, value in values.items():
@@ -286,9 +286,10 @@ class Config:
 
 # vLLM's names -> ours
 KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
-# kvcache_block_size's default per attention backend: flash-attn's paged KV takes multiples of 256; for the others
-# (Triton measured on an H200, docs/PERFORMANCE.md) 64 is the smallest that costs no measurable speed
-DEFAULT_BLOCK_SIZE = {"flash-attn": 256}
+# kvcache_block_size's default per attention backend: flash-attn's paged KV takes multiples of 256; with Triton, 64
+# is the smallest that kept the speed within the runs' spread on an H200 (docs/PERFORMANCE.md), and lets a shared
+# prefix of 64 tokens or more hit the prefix cache; the CPU's torch backend follows Triton
+DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
 # vLLM's None for "the default" (ours); max_model_len's None is the model's length, seed's None is 0 (vLLM V1's);
 # kvcache_block_size's None is its backend's (DEFAULT_BLOCK_SIZE)
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
