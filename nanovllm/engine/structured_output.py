@@ -161,7 +161,7 @@ class StructuredOutputManager:
 @functools.cache
 def _fill_pool() -> ThreadPoolExecutor:
     """One pool for every engine of the process (its idle threads cost nothing; none is left per engine)."""
-    return ThreadPoolExecutor(FILL_THREADS - 1, thread_name_prefix="nanovllm-bitmask")
+    return ThreadPoolExecutor(max(1, FILL_THREADS - 1), thread_name_prefix="nanovllm-bitmask")
 
 
 def fill_rows(rows: list[tuple[int, object]], bitmask: torch.Tensor, threads: int = FILL_THREADS) -> None:
