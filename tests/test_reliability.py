@@ -92,7 +92,16 @@ def test_idle_worker_killed_between_calls_is_named(tiny):
         llm.exit()
 
 
-def test_ctrl_c_with_tensor_parallelism_returns_at_once(tiny):
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raising KeyboardInterrupt, as in a terminal: a shell that starts pytest in the background ignores
+    SIGINT, and Python then leaves it ignored (interrupt_main does nothing, children inherit it)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_with_tensor_parallelism_returns_at_once(tiny, sigint_raises):
     llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
     workers = [p.pid for p in llm.workers.processes]
     interrupted = []
@@ -263,9 +272,10 @@ def test_waiting_for_a_step_notices_a_dead_worker():
 
 # ---- Ctrl-C and a killed run ---------------------------------------------------------------------
 SCRIPT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
     from nanovllm import LLM, SamplingParams
     if __name__ == "__main__":
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the test runner's shell ignores
         llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512,
                   num_kvcache_blocks=256, device="cpu")
         print("PIDS", *[p.pid for p in llm.workers.processes], "SHM", llm.workers.channel.shm.name, flush=True)
