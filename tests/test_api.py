@@ -361,6 +361,8 @@ def test_default_block_size_is_the_backends(tiny):
         assert Config(tiny, device="cpu", attention_backend="flash-attn").kvcache_block_size == 256
     with pytest.raises(ValueError, match="kvcache_block_size"):
         Config(tiny, device="cpu", kvcache_block_size=0)
+    with pytest.raises(ValueError, match="kvcache_block_size 48 .Triton"):   # not a power of two
+        Config(tiny, device="cpu", attention_backend="triton", kvcache_block_size=48)
 
 
 def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):

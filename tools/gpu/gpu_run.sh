@@ -59,6 +59,11 @@ step() {  # step LOG COMMAND...: run under the time left, append stdout to $OUT/
   tail -n 3 "$OUT/$log"
 }
 FA="python3 tools/gpu/with_flash_attn.py"
+kv_quality() {  # the KL divergence an fp8 cache costs the presets' logits (phases fp8, kvquality)
+  for m in qwen3-0.6b qwen3-8b; do
+    step kv_quality.jsonl python3 tools/kv_quality.py --preset $m --device cuda --prompts 4 --tokens 1024 --chunk 256
+  done
+}
 
 for phase in "$@"; do
   case $phase in
@@ -111,9 +116,7 @@ for phase in "$@"; do
       step bench_kernels_fp8.log python3 tools/bench_kernels.py --kv-cache-dtype fp8 --sweep --out "$OUT"
       step bench_fp8.jsonl python3 bench.py --json
       step bench_fp8.jsonl python3 bench.py --json --kv-cache-dtype fp8
-      for m in qwen3-0.6b qwen3-8b; do
-        step kv_quality.jsonl python3 tools/kv_quality.py --preset $m --device cuda --prompts 4 --tokens 1024 --chunk 256
-      done ;;
+      kv_quality ;;
     train)  # the standard library alone, and with its test suites, side by side on one GPU
       step train.log python3 tools/train_demo_model.py --out "$OUT/demo" &
       step train_tests.log python3 tools/train_demo_model.py --out "$OUT/demo_tests" --include-tests &
@@ -153,10 +156,7 @@ for phase in "$@"; do
         step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured $flags
       done
       step test_structured.log python3 -m pytest tests/test_structured_output.py -q -rA ;;
-    kvquality)  # the fp8 phase's KL divergence alone
-      for m in qwen3-0.6b qwen3-8b; do
-        step kv_quality.jsonl python3 tools/kv_quality.py --preset $m --device cuda --prompts 4 --tokens 1024 --chunk 256
-      done ;;
+    kvquality) kv_quality ;;
     probe) step fp8_probe.log python3 tools/fp8_decode_probe.py --out "$OUT" ;;
     reliability) step test_reliability.log python3 -m pytest tests/test_reliability.py -q -rA -m gpu ;;
     scenarios256)  # the scenarios at the block size of 256 (the Triton default until 2026-12-01), to compare
