@@ -175,6 +175,9 @@ class Config:
         from nanovllm.models import get_model_class
         # an unsupported architecture fails here, before any process starts
         model_len = self.hf_config.max_position_embeddings
+        if self.max_model_len not in (None, -1) and self.max_model_len > model_len:  # said, as nano-vllm caps it
+            logger.info("max_model_len lowered from %d to the model's %d positions (max_position_embeddings)",
+                        self.max_model_len, model_len)
         self._set(model_class=get_model_class(self.hf_config),
                   max_model_len=model_len if self.max_model_len in (None, -1) else min(self.max_model_len, model_len))
         self.model_class.check_config(self.hf_config, self.max_model_len)

@@ -428,6 +428,14 @@ def test_kv_budget_too_small_for_one_block(tiny):
         LLM(tiny, device="cpu", cpu_kvcache_space=1e-9)
 
 
+def test_max_model_len_past_the_models_positions_is_lowered_and_said(tiny, caplog):
+    from nanovllm.config import Config
+    with caplog.at_level("INFO", logger="nanovllm"):
+        config = Config(tiny, device="cpu", max_model_len=100_000)
+    assert config.max_model_len == config.hf_config.max_position_embeddings
+    assert f"max_model_len lowered from 100000 to the model's {config.max_model_len} positions" in caplog.text
+
+
 def test_prompt_larger_than_the_kv_cache(tiny, caplog):
     engine = LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=2)
     try:
