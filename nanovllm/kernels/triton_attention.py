@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import dot_precision
+from nanovllm.kernels import dot_precision, reference
 
 LOG2E = 1.4426950408889634
-FP8_MAX = tl.constexpr(448.0)  # the largest float8_e4m3fn (a constexpr: compiled kernels read no other globals)
+FP8_MAX = tl.constexpr(reference.FP8_MAX)  # a constexpr: compiled kernels read no other globals
 # Triton's interpreter (the CPU tests) rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4,
 # not 8): under it the store kernels round to e4m3's grid themselves, so that the conversion has nothing to round.
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
