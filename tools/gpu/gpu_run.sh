@@ -21,6 +21,7 @@
 #   fp8       the fp8-cache and sliding-window kernel tests compiled, decode microbenchmarks over an fp8 cache
 #             with a tile sweep,
 #             bench.py with the model's dtype and with an fp8 cache (same run), the presets' KL divergence
+#             (FP8_QUALITY=0 leaves the KL divergence out)
 #   train     tools/train_demo_model.py into $OUT/demo (and with --include-tests into $OUT/demo_tests)
 #   ktests    the kernel tests alone (no flash-attn build)
 #   onegpu    one GPU without flash-attn: test_gpu.py (no TP) and the GPU tests elsewhere, then the engine,
@@ -116,7 +117,7 @@ for phase in "$@"; do
       step bench_kernels_fp8.log python3 tools/bench_kernels.py --kv-cache-dtype fp8 --sweep --out "$OUT"
       step bench_fp8.jsonl python3 bench.py --json
       step bench_fp8.jsonl python3 bench.py --json --kv-cache-dtype fp8
-      kv_quality ;;
+      [[ ${FP8_QUALITY:-1} == 1 ]] && kv_quality ;;
     train)  # the standard library alone, and with its test suites, side by side on one GPU
       step train.log python3 tools/train_demo_model.py --out "$OUT/demo" &
       step train_tests.log python3 tools/train_demo_model.py --out "$OUT/demo_tests" --include-tests &
