@@ -536,3 +536,28 @@ def test_bitmask_rows_filled_in_threads_are_those_of_one_thread(demo):
     rows[13] = (13, Recorded(rows[13][1].matcher, fail=True))                 # a row another thread fills
     with pytest.raises(RuntimeError, match="matcher failed"):
         structured_output.fill_rows(rows, dealt, threads=4)
+
+
+def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(demo):
+    """fill_rows' "batch" method (xgrammar's BatchGrammarMatcher, its own threads) fills the same bits as one
+    thread filling every row, into the rows named, leaving the others; an unknown method is refused by name."""
+    from nanovllm.engine import structured_output
+    manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
+    compiled = manager.compile(StructuredOutputsParams(json={"type": "object", "properties": {
+        "name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
+    xgr = structured_output.import_xgrammar()
+    prefixes = ['', '{', '{"name"', '{"name": "ab', '{"name": "ab", ', '{"name": "x", "n": 1', '{"name": "x", "n"']
+    rows = []
+    for i in range(20):
+        matcher = xgr.GrammarMatcher(compiled)
+        assert matcher.accept_string(prefixes[i % len(prefixes)])
+        rows.append((2 * i + 1, matcher))   # odd rows only: the even ones must stay as they were
+    shape = xgr.get_bitmask_shape(40, 4096)
+    alone, batched = torch.full(shape, -1, dtype=torch.int32), torch.full(shape, 7, dtype=torch.int32)
+    structured_output.fill_rows(rows, alone, threads=1)
+    structured_output.fill_rows(rows, batched, threads=4, method="batch")
+    assert torch.equal(alone[1::2], batched[1::2])
+    assert (batched[0::2] == 7).all()
+    assert len({tuple(row.tolist()) for row in alone[1::2]}) >= 4
+    with pytest.raises(ValueError, match="'threads'"):
+        structured_output.fill_rows(rows, batched, threads=4, method="threads")

@@ -4,6 +4,7 @@ the ratio, and the host time spent filling bitmasks.
 
     python tools/bench_structured.py                      # GPU: Qwen3-0.6B shapes, random weights, 64 requests
     python tools/bench_structured.py --no-overlap         # constrained batches wait for the step in flight first
+    python tools/bench_structured.py --fill-method batch --fill-threads 8   # xgrammar's BatchGrammarMatcher
     python tools/bench_structured.py --model nanovllm:demo --num-seqs 16 --prompt-len 32 --output-len 48   # CPU
 
 A preset has no tokenizer, and structured outputs need one, with a realistic vocabulary (xgrammar's work per
@@ -29,6 +30,7 @@ from random import Random
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanovllm.engine import structured_output  # noqa: E402
 from nanovllm.models.presets import PRESETS, preset_config  # noqa: E402
 
 # nested objects, arrays, enums, numbers and free strings: the shape of a typical extraction schema
@@ -148,8 +150,12 @@ def main():
     parser.add_argument("--no-overlap", action="store_true",
                         help="constrained batches wait for the step in flight before they are built")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--fill-method", choices=structured_output.FILL_METHODS, default=structured_output.FILL_METHOD,
+                        help="how the bitmask rows are filled (structured_output.fill_rows)")
+    parser.add_argument("--fill-threads", type=int, default=structured_output.FILL_THREADS)
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout")
     args = parser.parse_args()
+    structured_output.FILL_METHOD, structured_output.FILL_THREADS = args.fill_method, args.fill_threads
 
     path = model_dir(args)
     dummy = args.model in PRESETS
@@ -179,6 +185,7 @@ def main():
               "num_seqs": args.num_seqs, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "temperature": args.temperature, "async_scheduling": llm.config.async_scheduling,
               "overlap": not args.no_overlap, "enforce_eager": args.enforce_eager,
+              "fill_method": args.fill_method, "fill_threads": args.fill_threads,
               "compile_s": round(compile_s, 3), "runs": results,
               "median_tok_per_s": median, "json_over_free": round(median["json"] / median["free"], 3)}
     llm.exit()

@@ -8,7 +8,7 @@ Fills the engine with ``batch`` sequences of about ``context`` tokens, then time
 steps by wrapping the engine's methods from outside (nothing in the engine is instrumented).
 
     python tools/profile_step.py [--model qwen3-0.6b|qwen3-8b] [--batch 1 16 64 256] [--context 1024] [--steps 50]
-                                 [--markdown]
+                                 [--kv-cache-dtype auto|fp8] [--markdown]
 """
 from __future__ import annotations
 
@@ -112,6 +112,7 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     while llm.has_unfinished_requests():
         llm.step()
     result = dict(batch=batch, context=context, async_scheduling=llm.config.async_scheduling,
+                  kv_cache_dtype=llm.config.kv_cache_dtype,
                   step_ms=round(1e3 * wall, 3), **timer.summary())
     if busy is not None:  # the GPU's idle share of a decode step: waiting for the CPU between kernels and steps
         result["gpu_busy_ms"] = round(busy[0], 3)
@@ -143,7 +144,8 @@ def gpu_busy_per_step(llm: LLM, steps: int, batch: int, context: int) -> tuple[f
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                if e.device_type == DeviceType.CUDA]
     hf_config = llm.config.hf_config
-    model_bytes = decode_bytes(hf_config, batch, context, llm.config.torch_dtype.itemsize)
+    model_bytes = decode_bytes(hf_config, batch, context, llm.config.torch_dtype.itemsize,
+                               llm.config.kv_cache_torch_dtype.itemsize)
     return (busy_us / 1e3 / steps, 1e3 * wall / steps, kernel_table(kernels, steps),
             layer_table(kernels, hf_config.num_hidden_layers, model_bytes))
 
@@ -266,23 +268,26 @@ def layer_table(kernels: list[tuple[str, float, float]], num_layers: int, model_
                                 gap_us=round(gap * num_layers, 2)))
 
 
-def decode_bytes(hf_config, batch: int, context: int, dtype_bytes: int = 2) -> dict[str, int]:
+def decode_bytes(hf_config, batch: int, context: int, dtype_bytes: int = 2, kv_bytes: int | None = None
+                 ) -> dict[str, int]:
     """Bytes per decode step that each kernel of one Llama/Qwen3 decoder layer must at least move (a model, not
     a measurement: weights and activations read once, outputs written once, no re-reads, caches or norm weights)
-    for ``batch`` sequences (M) of ``context`` tokens of K/V, b bytes an element. H hidden, q = heads x head_dim,
+    for ``batch`` sequences (M) of ``context`` tokens of K/V, b bytes an element (kv_bytes in the KV cache,
+    b by default: the store writes them, attention reads them). H hidden, q = heads x head_dim,
     kv = K/V heads x head_dim, I intermediate:
     norm with residual add: x and residual in, out and residual out, 4MHb;
     qkv_proj: weights H(q+2kv)b, MHb in, M(q+2kv)b out; qk_norm_rope_store: M(q+2kv)b in, Mqb + 2Mkvb out;
     attention: the context's K and V 2M context kv b, q in and out 2Mqb; o_proj: qHb + Mqb + MHb;
     gate_up_proj: 2HIb + MHb + 2MIb; silu_and_mul: 2MIb in, MIb out; down_proj: IHb + MIb + MHb."""
     c, m, b = hf_config, batch, dtype_bytes
+    kb = b if kv_bytes is None else kv_bytes
     h, i = c.hidden_size, c.intermediate_size
     head_dim = getattr(c, "head_dim", None) or h // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     return dict(input_layernorm=4 * m * h * b,
                 qkv_proj=(h * (q + 2 * kv) + m * h + m * (q + 2 * kv)) * b,
-                qk_norm_rope_store=2 * m * (q + 2 * kv) * b,
-                attention=(2 * m * context * kv + 2 * m * q) * b,
+                qk_norm_rope_store=m * (q + 2 * kv) * b + m * q * b + 2 * m * kv * kb,
+                attention=2 * m * context * kv * kb + 2 * m * q * b,
                 o_proj=(q * h + m * q + m * h) * b,
                 post_attention_layernorm=4 * m * h * b,
                 gate_up_proj=(2 * h * i + m * h + 2 * m * i) * b,
@@ -319,12 +324,13 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     parser.add_argument("--markdown", action="store_true", help="print the layer table in Markdown, not the JSON")
     args = parser.parse_args()
     dummy = args.model in PRESETS
     llm = LLM(args.model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               enforce_eager=args.enforce_eager, max_model_len=args.context + 2 * args.steps + 16,
-              async_scheduling=False if args.no_async_scheduling else None)
+              async_scheduling=False if args.no_async_scheduling else None, kv_cache_dtype=args.kv_cache_dtype)
     for batch in args.batch:
         result = profile(llm, batch, args.context, args.steps)
         print(markdown(result) if args.markdown else json.dumps(result), flush=True)

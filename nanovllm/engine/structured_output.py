@@ -26,12 +26,14 @@ from nanovllm.sampling_params import StructuredOutputsParams
 
 # xgrammar's C++ errors begin with a time and a source location: "[19:07:16] /project/cpp/x.cc:94: "
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-# a step's bitmask rows are filled by up to FILL_THREADS threads (the caller's among them: xgrammar's fill lets
-# go of the GIL), each taking at least FILL_MIN_ROWS rows. Our pool, not xgrammar's BatchGrammarMatcher: on the
-# H200 host (16 cores) that filled 64 rows no faster than one thread (5.7 ms at Qwen3's vocabulary); two threads
-# of ours fill them in 0.56 of the time on this 2-core machine
+# a step's bitmask rows are filled by up to FILL_THREADS threads, each taking at least FILL_MIN_ROWS rows, by
+# FILL_METHOD, one of FILL_METHODS: "pool", our thread pool, each thread calling the matchers' fill row by row
+# (xgrammar's fill lets go of the GIL; the caller's thread is one of them); "batch", xgrammar's
+# BatchGrammarMatcher (one call, its own C++ threads, the GIL let go once). tools/bench_fill.py times both
 FILL_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 FILL_MIN_ROWS = 4
+FILL_METHODS = ("pool", "batch")
+FILL_METHOD = "pool"
 # compiled grammars kept, least recently used dropped first, up to this many and this many bytes (one holds
 # masks over the whole vocabulary; vLLM bounds xgrammar's cache at 512 MB too)
 CACHE_SIZE = 256
@@ -164,14 +166,31 @@ def _fill_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max(1, FILL_THREADS - 1), thread_name_prefix="nanovllm-bitmask")
 
 
-def fill_rows(rows: list[tuple[int, object]], bitmask: torch.Tensor, threads: int = FILL_THREADS) -> None:
+def fill_rows(rows: list[tuple[int, object]], bitmask: torch.Tensor, threads: int | None = None,
+              method: str | None = None) -> None:
     """Each (row, matcher)'s allowed tokens into its row of ``bitmask``, split over up to ``threads`` threads
-    (rows dealt in turn, so that rows of similar states spread); a matcher's error is raised here."""
+    (FILL_THREADS by default) by ``method`` (FILL_METHOD by default); a matcher's error is raised here."""
+    threads = FILL_THREADS if threads is None else threads
+    method = FILL_METHOD if method is None else method
+    if method not in FILL_METHODS:
+        raise ValueError(f"fill method {method!r} is not one of {FILL_METHODS}")
     n = min(threads, len(rows) // FILL_MIN_ROWS)
     if n <= 1:
         for row, matcher in rows:
             matcher.fill_next_token_bitmask(bitmask, row)
-        return
+    elif method == "batch":
+        _batch_matcher(n).batch_fill_next_token_bitmask([m for _, m in rows], bitmask, [row for row, _ in rows])
+    else:
+        _fill_in_pool(rows, bitmask, n)
+
+
+@functools.cache
+def _batch_matcher(threads: int):
+    return import_xgrammar().BatchGrammarMatcher(threads)
+
+
+def _fill_in_pool(rows: list[tuple[int, object]], bitmask: torch.Tensor, n: int) -> None:
+    """Rows dealt in turn to ``n`` threads (so that rows of similar states spread), the caller's among them."""
     chunks = [rows[i::n] for i in range(n)]
     futures = [_fill_pool().submit(fill_rows, chunk, bitmask, 1) for chunk in chunks[1:]]
     try:
