@@ -656,3 +656,88 @@ def test_fp8_tiles_never_cross_shared_memory_a_byte_at_a_time():
         assert row["ld.shared.b8"] == row["st.shared.b8"] == 0 and row["ldmatrix"] > 0, (name, row)
         assert row["cvt.e4m3x2"] > 0, (name, row)   # the tiles are converted by the hardware's instruction
     assert rows["decode bf16"]["mma.sync"] > 0 and rows["prefill paged bf16"]["wgmma"] > 0
+
+
+def as_hnd(cache: torch.Tensor) -> torch.Tensor:
+    """The same values stored HND: the [blocks, block_size, heads, head_dim] view of a contiguous
+    [blocks, heads, block_size, head_dim] tensor (how the engine allocates a cache of that layout)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == FP8 else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, FP8], ids=["fp16", "fp8"])
+def test_hnd_cache_layout_matches_nhd(kv_dtype):
+    """An HND cache (one head's tokens of a block contiguous) through every kernel and the reference gives what
+    the NHD cache gives: the same stored bytes (store, the fused prologue), the same attention (paged prefill,
+    decode split and not); a view of neither layout is refused."""
+    scales = (2.0, 0.5) if kv_dtype == FP8 else (1.0, 1.0)
+    case = (8, 2, 32, 16, [(20, 9), (0, 13), (35, 1)])   # GQA 4, a cached prefix, a chunk, one decode-like row
+    q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables = prefill_inputs(
+        case, torch.float16, seed=5, fp8_scales=scales if kv_dtype == FP8 else None)
+    hk, hv = as_hnd(k_cache), as_hnd(v_cache)
+    assert triton_attention.is_hnd(hk) and not triton_attention.is_hnd(k_cache)
+    # the store and the fused prologue write the same bytes into either layout
+    n = 11
+    slots = torch.randperm(k_cache.size(0) * k_cache.size(1))[:n].int().to(DEVICE)
+    slots[3] = -1
+    new_k, new_v = (torch.randn(n, 2, 32, device=DEVICE).to(torch.float16) for _ in range(2))
+    for module in (triton_attention, reference):
+        nk, nv, xk, xv = k_cache.clone(), v_cache.clone(), as_hnd(k_cache), as_hnd(v_cache)
+        module.store_kvcache(new_k, new_v, nk, nv, slots, *scales)
+        module.store_kvcache(new_k, new_v, xk, xv, slots, *scales)
+        assert same(nk, xk) and same(nv, xv) and not same(nk, k_cache)
+    qkv = torch.randn(n, (8 + 2 * 2) * 32, device=DEVICE).to(torch.float16)
+    positions = torch.randint(0, 64, (n,), device=DEVICE)
+    cos_sin = torch.randn(64, 32, device=DEVICE).to(torch.float16)
+    w = torch.rand(32, device=DEVICE).to(torch.float16) + 0.5
+    outs = []
+    for kc, vc in ((k_cache.clone(), v_cache.clone()), (as_hnd(k_cache), as_hnd(v_cache))):
+        x = qkv.clone()
+        triton_attention.qk_norm_rope_store(x, positions, cos_sin, w, w, 1e-6, kc, vc, slots, 8, 2, 32, *scales)
+        outs.append((x, kc, vc))
+    assert torch.equal(outs[0][0], outs[1][0]) and same(outs[0][1], outs[1][1]) and same(outs[0][2], outs[1][2])
+    # attention reads either layout alike
+    for module in (triton_attention, reference):
+        a = module.prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables, 0.1, *scales)
+        b = module.prefill_attention(q, k, v, hk, hv, cu_q, cu_k, max_q, tables, 0.1, *scales)
+        assert torch.equal(a, b) and not a.isnan().any()
+    lens = [c + m for c, m in case[4]]
+    dq = torch.randn(len(lens), 8, 32, device=DEVICE).to(torch.float16)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    for splits in (1, 3):
+        a = triton_attention.decode_attention(dq, k_cache, v_cache, ctx, tables, 0.1, *scales, num_splits=splits)
+        b = triton_attention.decode_attention(dq, hk, hv, ctx, tables, 0.1, *scales, num_splits=splits)
+        assert torch.equal(a, b) and not a.isnan().any()
+    assert torch.equal(reference.decode_attention(dq, k_cache, v_cache, ctx, tables, 0.1, *scales),
+                       reference.decode_attention(dq, hk, hv, ctx, tables, 0.1, *scales))
+    with pytest.raises(ValueError, match="NHD or HND"):
+        triton_attention.is_hnd(k_cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)[:, :, :, :16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_hnd_cache_layout_at_real_shapes(kv_dtype):
+    """Qwen3-0.6B's attention, compiled, at pages of 64 and 256: decode (split and not) and paged prefill over
+    an HND cache equal those over the same values stored NHD."""
+    rng = random.Random(4)
+    for page in (64, 256):
+        lens = [rng.randint(1, 3000) for _ in range(48)]
+        k_cache, v_cache, tables = (fp8_cache(lens, 8, 128, page, seed=4) if kv_dtype == FP8 else
+                                    paged_cache(lens, 8, 128, page, kv_dtype, seed=4))
+        hk, hv = as_hnd(k_cache), as_hnd(v_cache)
+        q = torch.randn(len(lens), 16, 128, device=DEVICE, dtype=torch.bfloat16)
+        ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        for splits in (1, 8):
+            a = triton_attention.decode_attention(q, k_cache, v_cache, ctx, tables, 0.05, 0.5, 4.0, num_splits=splits)
+            b = triton_attention.decode_attention(q, hk, hv, ctx, tables, 0.05, 0.5, 4.0, num_splits=splits)
+            assert torch.equal(a, b) and not a.isnan().any()
+        case = (16, 8, 128, page, [(1000, 300), (0, 700), (2048, 1)])
+        q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables = prefill_inputs(
+            case, torch.bfloat16, seed=5, fp8_scales=(2.0, 0.5) if kv_dtype == FP8 else None)
+        a = triton_attention.prefill_attention(q, k, v, k_cache, v_cache, cu_q, cu_k, max_q, tables, 0.05, 2.0, 0.5)
+        b = triton_attention.prefill_attention(q, k, v, as_hnd(k_cache), as_hnd(v_cache), cu_q, cu_k, max_q, tables,
+                                               0.05, 2.0, 0.5)
+        assert torch.equal(a, b) and not a.isnan().any()
