@@ -170,10 +170,9 @@ def run_nanovllm(args, prompts, params) -> float:
               max_model_len=max(args.max_model_len, longest), attention_backend=args.attention_backend,
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               async_scheduling=False if args.no_async_scheduling else None,
-              kv_cache_dtype=args.kv_cache_dtype, kv_cache_layout=args.kv_cache_layout,
+              kv_cache_dtype=args.kv_cache_dtype,
               **({} if args.block_size is None else dict(kvcache_block_size=args.block_size)))
     args.block_size = llm.config.kvcache_block_size
-    args.kv_cache_layout = llm.config.kv_cache_layout
     args.async_scheduling = llm.config.async_scheduling
     args.attention_backend = llm.model_runner.attention_backend.name
     args.kv_cache_tokens = llm.config.num_kvcache_blocks * args.block_size  # what the cache holds
@@ -278,7 +277,6 @@ def main():
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flash-attn", "torch"])
     parser.add_argument("--block-size", type=int, help="kvcache_block_size (default: the engine's)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
-    parser.add_argument("--kv-cache-layout", choices=["NHD", "HND"], help="default: the engine's (HND for fp8)")
     parser.add_argument("--json", action="store_true", help="print one JSON result line")
     parser.add_argument("--profile", action="store_true",
                         help="measure the GPU's busy share of the run with torch.profiler (slows the run a little)")
@@ -294,8 +292,7 @@ def main():
     total = sum(sp.max_tokens for sp in params)
     result = dict(engine=args.engine, model=args.model, scenario=args.scenario,
                   attention_backend=args.attention_backend, tp=args.tp, block_size=args.block_size,
-                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_layout=args.kv_cache_layout,
-                  kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   cuda_graphs=not args.enforce_eager, async_scheduling=getattr(args, "async_scheduling", None),
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),

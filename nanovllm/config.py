@@ -110,10 +110,6 @@ class Config:
     cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, when num_kvcache_blocks is not given
     # vLLM's: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (one byte a value, e4m3, scales of 1.0)
     kv_cache_dtype: str = "auto"
-    # the KV cache's layout (vLLM's names, its VLLM_KV_CACHE_LAYOUT): "NHD" [blocks, block_size, kv_heads, head_dim]
-    # (flash-attn's) or "HND" [blocks, kv_heads, block_size, head_dim] (one head's tokens of a block contiguous: an
-    # fp8 row is 128 bytes, too few for the copy rate when scattered); None: HND for an fp8 cache, NHD otherwise
-    kv_cache_layout: str | None = None
     # vLLM's: where get_default_sampling_params reads its defaults: "auto" (the model's generation_config.json),
     # "vllm" (SamplingParams' own), or a directory holding a generation_config.json
     generation_config: str = "auto"
@@ -210,11 +206,6 @@ class Config:
                                                     self.kv_cache_torch_dtype))
         if self.kvcache_block_size is None:
             self._set(kvcache_block_size=DEFAULT_BLOCK_SIZE[self.attention_backend])
-        if self.kv_cache_layout is None:
-            self._set(kv_cache_layout="HND" if self.kv_cache_torch_dtype == torch.float8_e4m3fn else "NHD")
-        elif self.kv_cache_layout == "HND" and self.attention_backend == "flash-attn":
-            raise ValueError("kv_cache_layout='HND' is not supported by attention_backend='flash-attn' (it reads "
-                             "an NHD cache): use 'NHD', or another attention_backend")
 
     def _set(self, **values) -> Config:
         for name, value in values.items():
@@ -248,7 +239,6 @@ class Config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory holding a "
                              f"generation_config.json, got {self.generation_config!r}")
         for name, choices in (("device", ("auto", "cuda", "cpu")), ("kv_cache_dtype", ("auto", "fp8", "fp8_e4m3")),
-                              ("kv_cache_layout", (None, "NHD", "HND")),
                               ("attention_backend", ("auto", "flash-attn", "triton", "torch")),
                               ("load_format", ("auto", "safetensors", "dummy"))):
             if getattr(self, name) not in choices:

@@ -365,25 +365,6 @@ def test_default_block_size_is_the_backends(tiny):
         Config(tiny, device="cpu", attention_backend="triton", kvcache_block_size=48)
 
 
-def test_kv_cache_layout_default_and_refusals(tiny):
-    """vLLM's layout names: HND for an fp8 cache, NHD otherwise, unless given; flash-attn (an NHD reader) refuses
-    HND by name, and a value that is no layout is refused by name."""
-    from nanovllm.config import Config
-    assert Config(tiny, device="cpu").kv_cache_layout == "NHD"
-    assert Config(tiny, device="cpu", kv_cache_dtype="fp8").kv_cache_layout == "HND"
-    assert Config(tiny, device="cpu", kv_cache_dtype="fp8", kv_cache_layout="NHD").kv_cache_layout == "NHD"
-    assert Config(tiny, device="cpu", kv_cache_layout="HND").kv_cache_layout == "HND"
-    with pytest.raises(ValueError, match="kv_cache_layout must be .*'NHD' or 'HND', got 'NDH'"):
-        Config(tiny, device="cpu", kv_cache_layout="NDH")
-    from nanovllm.layers import attention
-    fake = dict(attention.BACKENDS, **{"flash-attn": (lambda *shape: [], attention.BACKENDS["flash-attn"][1])})
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention, "BACKENDS", fake)
-        assert Config(tiny, device="cpu", attention_backend="flash-attn").kv_cache_layout == "NHD"
-        with pytest.raises(ValueError, match="kv_cache_layout='HND' is not supported by attention_backend='flash"):
-            Config(tiny, device="cpu", attention_backend="flash-attn", kv_cache_layout="HND")
-
-
 def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
     ckpt = tmp_path / "notok"
     shutil.copytree(tiny, ckpt, ignore=shutil.ignore_patterns("tokenizer*", "chat_template*"))

@@ -321,32 +321,6 @@ def test_fp8_kv_cache_quality_and_capacity():
     assert same >= 0.75 * sum(map(len, tokens))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_kv_cache_layouts_give_the_same_outputs(backend):
-    """The fp8 cache is HND by default (one head's tokens of a block contiguous): allocated so, and the prompt
-    logprobs (chunked prefill reading the cache) and greedy tokens (decode) are those of the NHD cache, exactly."""
-    results = {}
-    for layout in (None, "NHD"):
-        llm = LLM("nanovllm:demo", kv_cache_dtype="fp8", kv_cache_layout=layout, attention_backend=backend,
-                  kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=256, cpu_kvcache_space=0.01,
-                  device="cpu")
-        try:
-            runner = llm.model_runner
-            heads = runner.num_kv_heads
-            assert llm.config.kv_cache_layout == (layout or "HND")
-            assert runner.kv_cache.shape[3:5] == ((heads, 16) if layout is None else (16, heads))
-            assert runner.attention_layers[0].k_cache.shape[1:3] == (16, heads)   # every backend's view
-            prompts = heldout_prompts(llm.get_tokenizer(), 2, 100)
-            outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-            greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                                  use_tqdm=False)
-            results[layout] = ([[e[t] for e, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs],
-                               [o.outputs[0].token_ids for o in greedy])
-        finally:
-            llm.exit()
-    assert results[None] == results["NHD"]
-
-
 def test_fp8_store_saturates_and_reads_back():
     """Values past e4m3's range are stored as +-448 (not NaN); decode reads the cache as the dequantized values."""
     from nanovllm.kernels import reference

@@ -16,8 +16,6 @@ Shapes: Qwen3-0.6B's attention (16 query / 8
 KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
 calls are captured in a CUDA Graph and replayed, as the engine runs them. ``--kv-cache-dtype fp8``: the
 decode rows alone over an fp8 (e4m3) cache, its bytes counted at one a value (kernels_fp8.json).
-``--kv-cache-layout NHD|HND`` and ``--page``: the decode rows' cache layout and page size (``--only decode``:
-those rows alone).
 
     python tools/bench_kernels.py [--out DIR] [--no-flash] [--sweep]
 """
@@ -81,15 +79,12 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / bench(lambda: y.copy_(x))
 
 
-def paged_kv(lens: list[int], page: int = PAGE, kv_dtype: torch.dtype = DTYPE, layout: str = "NHD"):
-    """Caches holding every sequence's context in shuffled pages, and its block tables. HND: stored [pages,
-    heads, page, head_dim] and seen, as the engine's are, as [pages, page, heads, head_dim] views."""
+def paged_kv(lens: list[int], page: int = PAGE, kv_dtype: torch.dtype = DTYPE):
+    """Caches holding every sequence's context in shuffled pages, and its block tables."""
     pages = [triton.cdiv(n, page) for n in lens]
     total = sum(pages)
-    shape = (total, KVH, page, D) if layout == "HND" else (total, page, KVH, D)
-    k_cache, v_cache = (torch.randn(shape, device="cuda", dtype=DTYPE).to(kv_dtype) for _ in range(2))
-    if layout == "HND":
-        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    k_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE).to(kv_dtype)
+    v_cache = torch.randn(total, page, KVH, D, device="cuda", dtype=DTYPE).to(kv_dtype)
     order = torch.randperm(total, device="cuda", dtype=torch.int32)
     width = max(pages)
     tables = torch.full((len(lens), width), -1, dtype=torch.int32, device="cuda")
@@ -106,17 +101,16 @@ def decode_configs(kv_dtype: torch.dtype) -> list[dict]:
     return [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn in tiles for w in (4, 8) for s in (2, 3)]
 
 
-def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE, layout: str = "NHD", page: int = PAGE):
+def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE):
     rows = []
     for batch in (1, 16, 64, 256, 512):
         for ctx in (512, 2048, 8192):
             lens = [ctx] * batch
-            k_cache, v_cache, tables = paged_kv(lens, page, kv_dtype, layout)
+            k_cache, v_cache, tables = paged_kv(lens, kv_dtype=kv_dtype)
             q = torch.randn(batch, H, D, device="cuda", dtype=DTYPE)
             cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
             nbytes = 2 * batch * ctx * KVH * D * kv_dtype.itemsize
-            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9, kv_cache_dtype=str(kv_dtype),
-                       kv_cache_layout=layout, page=page)
+            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9, kv_cache_dtype=str(kv_dtype))
             args = (q, k_cache, v_cache, cl, tables, SCALE)
             t = bench_graph(partial(ta.decode_attention, *args))
             row.update(triton_us=t * 1e6, triton_tbs=nbytes / t / 1e12,
@@ -128,7 +122,7 @@ def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE, layout: str =
                                    for cfg in decode_configs(kv_dtype)
                                    for splits in sorted({row["splits"], min(32, 2 * row["splits"])})))
                 row.update(best_tbs=nbytes / best[0] / 1e12, best_config=best[1])
-            if flash is not None and layout == "NHD":   # flash-attn reads NHD only
+            if flash is not None:
                 tf = bench_graph(partial(flash.flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache,
                                          cache_seqlens=cl, block_table=tables, softmax_scale=SCALE, causal=True))
                 row.update(flash_us=tf * 1e6, flash_tbs=nbytes / tf / 1e12)
@@ -337,15 +331,11 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--no-flash", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
-    parser.add_argument("--only", choices=["attention", "decode", "linear", "moe"], help="one group of benchmarks")
+    parser.add_argument("--only", choices=["attention", "linear", "moe"], help="one group of benchmarks")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="fp8: the decode attention rows alone, over an e4m3 cache")
-    parser.add_argument("--kv-cache-layout", choices=["NHD", "HND"],
-                        help="the decode rows' cache layout (default the engine's: HND for fp8, NHD otherwise)")
-    parser.add_argument("--page", type=int, default=PAGE, help="the decode rows' page (block) size")
     args = parser.parse_args()
     fp8 = args.kv_cache_dtype == "fp8"
-    layout = args.kv_cache_layout or ("HND" if fp8 else "NHD")
     os.makedirs(args.out, exist_ok=True)
     flash = None
     if not args.no_flash and args.only not in ("linear", "moe") and not fp8:  # flash-attn 2 has no fp8 cache
@@ -360,11 +350,9 @@ def main():
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
     if fp8:
-        rows = decode_rows(None, args.sweep, torch.float8_e4m3fn, layout, args.page)
-    elif args.only == "decode":
-        rows = decode_rows(flash, args.sweep, DTYPE, layout, args.page)
+        rows = decode_rows(None, args.sweep, torch.float8_e4m3fn)
     else:
-        rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep, DTYPE, layout, args.page)
+        rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep)
                                                            + prefill_rows(flash, args.sweep))
         rows += [] if args.only in ("attention", "moe") else linear_rows(args.sweep, bw)
         rows += moe_rows(args.sweep, bw) if args.only in (None, "moe") else []
@@ -373,11 +361,9 @@ def main():
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     name = "kernels_fp8" if fp8 else f"kernels{'_' + args.only if args.only else ''}"
-    if args.kv_cache_layout or args.page != PAGE:
-        name += f"_{layout}_{args.page}"
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    if args.only not in ("linear", "moe", "decode") and not fp8:
+    if args.only not in ("linear", "moe") and not fp8:
         plot(rows, os.path.join(args.out, "kernels.png"))
     print(json.dumps(meta))
 

@@ -104,22 +104,12 @@ class ModelRunner:
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len  # no block tables: slots of -1
-        dummy = self._layer_view(torch.zeros(self._cache_shape(1), dtype=self.kv_dtype))
+        dummy = torch.zeros(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.kv_dtype)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = dummy
         self.run(build_prefill(seqs, self.block_size), self.prepare_sampling(seqs, True) if self.rank == 0 else None)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One layer's K (or V) cache as stored: config.kv_cache_layout's order."""
-        if self.config.kv_cache_layout == "HND":
-            return num_blocks, self.num_kv_heads, self.block_size, self.head_dim
-        return num_blocks, self.block_size, self.num_kv_heads, self.head_dim
-
-    def _layer_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """A layer's stored cache as every backend sees it: [blocks, block_size, kv_heads, head_dim] (strided)."""
-        return cache.transpose(1, 2) if self.config.kv_cache_layout == "HND" else cache
 
     def _block_bytes(self) -> int:
         return 2 * self.config.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim \
@@ -160,13 +150,13 @@ class ModelRunner:
                            self.config.max_model_len, self.max_model_len, num_blocks, self.block_size)
         # zeros, not empty: masked-out positions must not hold NaN bit patterns
         try:
-            self.kv_cache = torch.zeros(2, len(self.attention_layers), *self._cache_shape(num_blocks),
-                                        dtype=self.kv_dtype, device=self.device)
+            self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
+                                        self.num_kv_heads, self.head_dim, dtype=self.kv_dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({num_blocks * self._block_bytes()} "
                              f"bytes on {self.device}): lower num_kvcache_blocks (or leave it at -1)") from e
         for layer_id, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = (self._layer_view(self.kv_cache[i, layer_id]) for i in (0, 1))
+            layer.k_cache, layer.v_cache = self.kv_cache[0, layer_id], self.kv_cache[1, layer_id]
 
     def _to_device(self, values, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """Host values (a list or an array) on the device, through pinned memory, without waiting."""

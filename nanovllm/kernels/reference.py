@@ -26,8 +26,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     keep = valid.view(-1, 1, 1)
     for x, cache, kv_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         rows = to_cache_dtype(torch.where(keep, x, x.index_select(0, first)), cache.dtype, kv_scale)
-        block_size = cache.size(1)   # (block, offset) indices: the cache may be a strided (HND) view
-        _bytes(cache).index_put_((slots // block_size, slots % block_size), _bytes(rows))
+        _bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, _bytes(rows))
 
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
@@ -46,7 +45,7 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor | tuple, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
     """``cache[index]`` in ``dtype`` (the queries'), read from an fp8 cache through its bytes, times its scale."""
     if cache.dtype != torch.float8_e4m3fn:
         return cache[index].to(dtype)
@@ -72,8 +71,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             k_i, v_i = k[q0:q1], v[q0:q1]
         else:  # the sequence's first len_k tokens, from their slots
             pos, block_size = torch.arange(len_k, device=q.device), k_cache.size(1)
-            index = block_tables[i][pos // block_size].long(), pos % block_size
-            k_i, v_i = (_gather(c, index, q.dtype, s) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+            slots = block_tables[i][pos // block_size].long() * block_size + pos % block_size
+            k_i, v_i = (_gather(c.view(-1, *c.shape[2:]), slots, q.dtype, s)
+                        for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         # the queries are the last q1 - q0 of the len_k positions
         mask = torch.ones(q1 - q0, len_k, dtype=torch.bool, device=q.device).tril(diagonal=len_k - (q1 - q0))
         k_pos = torch.arange(len_k, device=q.device)

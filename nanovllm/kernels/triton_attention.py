@@ -53,47 +53,21 @@ def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexp
     return x.to(cache_ptr.dtype.element_ty)
 
 
-# ---- KV cache layout ----------------------------------------------------------------------------
-@triton.jit
-def _cache_offset(page, slot_in_page, head, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, HND: tl.constexpr):
-    """Where (page, slot_in_page, head)'s head_dim values begin in a layer's cache. NHD: [pages, PAGE, heads,
-    head_dim] (flash-attn's); HND: [pages, heads, PAGE, head_dim], a head's slots of a page contiguous."""
-    if HND:
-        return (page * NUM_KV_HEADS + head) * (PAGE * HEAD_DIM) + slot_in_page * HEAD_DIM
-    return (page * PAGE + slot_in_page) * (NUM_KV_HEADS * HEAD_DIM) + head * HEAD_DIM
-
-
-def is_hnd(cache: torch.Tensor) -> bool:
-    """Whether a layer's cache, always seen as [pages, page_size, heads, head_dim], is stored HND (the
-    transposed view of a contiguous [pages, heads, page_size, head_dim]) rather than NHD (contiguous)."""
-    pages, page, heads, head_dim = cache.shape
-    if cache.is_contiguous():
-        return False
-    if cache.stride() == (heads * page * head_dim, head_dim, page * head_dim, 1):
-        return True
-    raise ValueError(f"a KV cache view must be NHD or HND, got shape {tuple(cache.shape)} strides {cache.stride()}")
-
-
 # ---- KV store ---------------------------------------------------------------------------------
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v, inv_k_scale,
-                          inv_v_scale, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HND: tl.constexpr, FP8: tl.constexpr,
+                          inv_v_scale, D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
                           ROUND_FP8: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot < 0:
         return
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    offs = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (offs < HEAD_DIM)
-    src = heads * HEAD_DIM + offs
-    dst = _cache_offset(slot // PAGE, slot % PAGE, heads, PAGE, NUM_KV_HEADS, HEAD_DIM, HND) + offs
-    k = _to_cache(tl.load(k_ptr + i * stride_k + src, mask=mask), inv_k_scale, k_cache_ptr, FP8, ROUND_FP8)
-    v = _to_cache(tl.load(v_ptr + i * stride_v + src, mask=mask), inv_v_scale, v_cache_ptr, FP8, ROUND_FP8)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    k = _to_cache(tl.load(k_ptr + i * stride_k + offs, mask=mask), inv_k_scale, k_cache_ptr, FP8, ROUND_FP8)
+    v = _to_cache(tl.load(v_ptr + i * stride_v + offs, mask=mask), inv_v_scale, v_cache_ptr, FP8, ROUND_FP8)
+    tl.store(k_cache_ptr + slot * D + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * D + offs, v, mask=mask)
 
 
 def is_fp8(cache: torch.Tensor) -> bool:
@@ -104,24 +78,21 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped."""
     n, num_kv_heads, head_dim = k.shape
+    d = num_kv_heads * head_dim
     assert k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == head_dim
-    assert slot_mapping.numel() == n
-    hnd = is_hnd(k_cache)
-    assert is_hnd(v_cache) == hnd and k_cache.shape == v_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == n
     if n:
         _store_kvcache_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), 1.0 / k_scale,
-                                    1.0 / v_scale, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                                    BLOCK_H=triton.next_power_of_2(num_kv_heads),
-                                    BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.size(1), HND=hnd,
-                                    FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
+                                    1.0 / v_scale, D=d, BLOCK=triton.next_power_of_2(d), FP8=is_fp8(k_cache),
+                                    ROUND_FP8=_ROUND_FP8)
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_ptr,
                                k_cache_ptr, v_cache_ptr, stride_t, eps, inv_k_scale, inv_v_scale,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr, PAGE: tl.constexpr,
-                               HND: tl.constexpr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
+                               BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+                               ROUND_FP8: tl.constexpr):
     """One token, its q and k heads the rows of one tile. Rounds where the separate ops round (norm
     output to the dtype, times the weight in the dtype; rotary in fp32)."""
     i = tl.program_id(0)
@@ -153,8 +124,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
     if slot >= 0:
         kv_row = rows[:, None] - NUM_HEADS
         k_mask = mask & (kv_row >= 0)
-        k_ptr = k_cache_ptr + _cache_offset(slot // PAGE, slot % PAGE, kv_row, PAGE, NUM_KV_HEADS, HEAD_DIM,
-                                            HND) + cols[None, :]
+        k_ptr = k_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + kv_row * HEAD_DIM + cols[None, :]
         tl.store(k_ptr, _to_cache(o1, inv_k_scale, k_cache_ptr, FP8, ROUND_FP8), mask=k_mask)
         tl.store(k_ptr + HALF, _to_cache(o2, inv_k_scale, k_cache_ptr, FP8, ROUND_FP8), mask=k_mask)
         vr = tl.arange(0, BLOCK_KV)[:, None]
@@ -162,7 +132,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
         v_mask = vr < NUM_KV_HEADS
         v = tl.load(qkv_ptr + i.to(tl.int64) * stride_t + (NUM_HEADS + NUM_KV_HEADS + vr) * HEAD_DIM + d,
                     mask=v_mask)
-        tl.store(v_cache_ptr + _cache_offset(slot // PAGE, slot % PAGE, vr, PAGE, NUM_KV_HEADS, HEAD_DIM, HND) + d,
+        tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + vr * HEAD_DIM + d,
                  _to_cache(v, inv_v_scale, v_cache_ptr, FP8, ROUND_FP8), mask=v_mask)
 
 
@@ -184,8 +154,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
             qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv, slot_mapping,
             k_cache, v_cache, qkv.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, PAGE=k_cache.size(1), HND=is_hnd(k_cache),
-            FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
     return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
@@ -195,7 +164,7 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
                  k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-                 SCALE_V: tl.constexpr, HND: tl.constexpr):
+                 SCALE_V: tl.constexpr):
     """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on (decode),
     2 those and the causal diagonal (q_pos read only then), and with WINDOW the keys at or before q_pos - WINDOW;
     q_start, k_ptr, v_ptr, stride_kt/vt only unpaged. Cached tiles are converted to the queries' dtype: over an
@@ -209,7 +178,7 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
     valid = offs_n < k_len
     if PAGED:
         page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-        kv_off = _cache_offset(page, offs_n % PAGE, kv_head, PAGE, NUM_KV_HEADS, HEAD_DIM, HND)[:, None]
+        kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
         k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         if SCALE_V:
@@ -242,8 +211,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
                     qk_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
                     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr,
-                    HND: tl.constexpr):
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_start = tl.load(cu_q_ptr + seq)
@@ -270,14 +238,14 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
                                          v_scale, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt,
                                          stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2,
-                                         PRECISION, WINDOW, FP8, HND)
+                                         PRECISION, WINDOW, FP8)
     else:
         for masked in tl.static_range(2):   # the keys every row sees, then the causal diagonal (unrolled)
             for start in range(unmasked_end if masked else 0, end if masked else unmasked_end, BLOCK_N):
                 acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
                                              v_scale, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt,
                                              stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N,
-                                             2 * masked, PRECISION, 0, FP8, HND)
+                                             2 * masked, PRECISION, 0, FP8)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
@@ -319,7 +287,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
-        HND=paged and is_hnd(k_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -330,7 +298,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr,
-                   Q_FP16: tl.constexpr, HND: tl.constexpr):
+                   Q_FP16: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     first = 0                                                      # the first visible key
@@ -353,7 +321,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
     for n in range(start, end, BLOCK_N):   # paged keys, masked from the end of this split on
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, v_scale, None,
                                      None, k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
-                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8, HND)
+                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
@@ -430,7 +398,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
         PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
-        HND=is_hnd(k_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                           NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,

@@ -40,9 +40,6 @@
 #   kvquality the fp8 phase's KL divergence on the presets alone;  probe: tools/fp8_decode_probe.py (where fp8
 #             decode's time goes);  reliability: the GPU tests of tests/test_reliability.py
 #   scenarios256 batch1, batch16 and long at kvcache_block_size 256 (SCENARIOS: which)
-#   hnd       the HND cache layout: kernel tests, decode microbenchmarks over HND and NHD at page 64 (fp8, bf16),
-#             bench.py bf16, fp8 (HND), fp8 NHD;  fill: tools/bench_fill.py, then bench_structured.py with each
-#             fill method (FILL_THREADS threads, default 8);  profile8: profile_step.py at batch 64/256, bf16 and fp8
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -63,11 +60,6 @@ step() {  # step LOG COMMAND...: run under the time left, append stdout to $OUT/
   tail -n 3 "$OUT/$log"
 }
 FA="python3 tools/gpu/with_flash_attn.py"
-structured_extra() {  # xgrammar and its dependencies from the carried wheels (phases structured, fill)
-  step pip_structured.log python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/structured .gpu/wheels/*.whl
-  export PYTHONPATH=$PWD:/tmp/structured
-}
 kv_quality() {  # the KL divergence an fp8 cache costs the presets' logits (phases fp8, kvquality)
   for m in qwen3-0.6b qwen3-8b; do
     step kv_quality.jsonl python3 tools/kv_quality.py --preset $m --device cuda --prompts 4 --tokens 1024 --chunk 256
@@ -158,36 +150,14 @@ for phase in "$@"; do
       step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --json
       step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --scenario batch1 --json ;;
     structured)
-      structured_extra
+      step pip_structured.log python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/structured .gpu/wheels/*.whl
+      export PYTHONPATH=$PWD:/tmp/structured
       for flags in "" --no-overlap --no-async-scheduling; do
         step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured $flags
       done
       step test_structured.log python3 -m pytest tests/test_structured_output.py -q -rA ;;
     kvquality) kv_quality ;;
-    hnd)  # the HND cache layout: its kernel tests, decode over both layouts at page 64, bench.py bf16 / fp8 x layout
-      step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "hnd or fp8 or real_shapes"
-      for layout in HND NHD; do
-        step bench_kernels_hnd.log python3 tools/bench_kernels.py --kv-cache-dtype fp8 --kv-cache-layout $layout \
-          --page 64 --out "$OUT"
-      done
-      for layout in HND NHD; do
-        step bench_kernels_hnd.log python3 tools/bench_kernels.py --only decode --no-flash --kv-cache-layout $layout \
-          --page 64 --out "$OUT"
-      done
-      step bench_fp8.jsonl python3 bench.py --json
-      step bench_fp8.jsonl python3 bench.py --json --kv-cache-dtype fp8
-      step bench_fp8.jsonl python3 bench.py --json --kv-cache-dtype fp8 --kv-cache-layout NHD ;;
-    fill)  # the bitmask fill alone by method and threads (tools/bench_fill.py), then bench_structured.py by method
-      structured_extra
-      step bench_fill.jsonl python3 tools/bench_fill.py --json --work .gpu/bench-structured --threads 1 2 4 8 16
-      for method in batch pool; do
-        step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured \
-          --fill-method $method --fill-threads ${FILL_THREADS:-8}
-      done ;;
-    profile8)  # where a decode step's time goes, bf16 and fp8 cache, Qwen3-0.6B at batch 64 and 256
-      for kv in auto fp8; do
-        step profile_step.jsonl python3 tools/profile_step.py --batch 64 256 --kv-cache-dtype $kv
-      done ;;
     probe) step fp8_probe.log python3 tools/fp8_decode_probe.py --out "$OUT" ;;
     reliability) step test_reliability.log python3 -m pytest tests/test_reliability.py -q -rA -m gpu ;;
     scenarios256)  # the scenarios at the block size of 256 (the Triton default until 2026-12-01), to compare
