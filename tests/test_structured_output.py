@@ -499,7 +499,7 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
 
 
 def test_bitmask_rows_filled_in_threads_are_those_of_one_thread(demo):
-    """fill_rows deals the rows over threads (xgrammar's fill lets go of the GIL): the same bits as one thread
+    """fill_rows' "pool" deals the rows over threads (xgrammar's fill lets go of the GIL): the same bits as one thread
     filling every row, more than one thread at work, and a matcher's error raised to the caller."""
     import threading
 
@@ -530,12 +530,12 @@ def test_bitmask_rows_filled_in_threads_are_those_of_one_thread(demo):
     alone, dealt = torch.full(shape, -1, dtype=torch.int32), torch.full(shape, -1, dtype=torch.int32)
     structured_output.fill_rows(rows, alone, threads=1)
     assert seen_threads == {threading.current_thread().name}
-    structured_output.fill_rows(rows, dealt, threads=4)
+    structured_output.fill_rows(rows, dealt, threads=4, method="pool")
     assert torch.equal(alone, dealt) and len(seen_threads) > 1
     assert len({tuple(row.tolist()) for row in alone}) >= 4   # the rows are of different states
     rows[13] = (13, Recorded(rows[13][1].matcher, fail=True))                 # a row another thread fills
     with pytest.raises(RuntimeError, match="matcher failed"):
-        structured_output.fill_rows(rows, dealt, threads=4)
+        structured_output.fill_rows(rows, dealt, threads=4, method="pool")
 
 
 def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(demo):

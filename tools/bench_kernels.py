@@ -15,7 +15,8 @@ bytes read per second (each touched expert once; ``layer_us`` adds the top-k), `
 Shapes: Qwen3-0.6B's attention (16 query / 8
 KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
 calls are captured in a CUDA Graph and replayed, as the engine runs them. ``--kv-cache-dtype fp8``: the
-decode rows alone over an fp8 (e4m3) cache, its bytes counted at one a value (kernels_fp8.json).
+decode rows alone over an fp8 (e4m3) cache, its bytes counted at one a value (kernels_fp8.json). ``--page``:
+the decode rows' page size; ``--only decode``: those rows alone.
 
     python tools/bench_kernels.py [--out DIR] [--no-flash] [--sweep]
 """
@@ -101,16 +102,17 @@ def decode_configs(kv_dtype: torch.dtype) -> list[dict]:
     return [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn in tiles for w in (4, 8) for s in (2, 3)]
 
 
-def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE):
+def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE, page: int = PAGE):
     rows = []
     for batch in (1, 16, 64, 256, 512):
         for ctx in (512, 2048, 8192):
             lens = [ctx] * batch
-            k_cache, v_cache, tables = paged_kv(lens, kv_dtype=kv_dtype)
+            k_cache, v_cache, tables = paged_kv(lens, page, kv_dtype)
             q = torch.randn(batch, H, D, device="cuda", dtype=DTYPE)
             cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
             nbytes = 2 * batch * ctx * KVH * D * kv_dtype.itemsize
-            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9, kv_cache_dtype=str(kv_dtype))
+            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9, kv_cache_dtype=str(kv_dtype),
+                       page=page)
             args = (q, k_cache, v_cache, cl, tables, SCALE)
             t = bench_graph(partial(ta.decode_attention, *args))
             row.update(triton_us=t * 1e6, triton_tbs=nbytes / t / 1e12,
@@ -331,9 +333,10 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--no-flash", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
-    parser.add_argument("--only", choices=["attention", "linear", "moe"], help="one group of benchmarks")
+    parser.add_argument("--only", choices=["attention", "decode", "linear", "moe"], help="one group of benchmarks")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="fp8: the decode attention rows alone, over an e4m3 cache")
+    parser.add_argument("--page", type=int, default=PAGE, help="the decode rows' page (block) size")
     args = parser.parse_args()
     fp8 = args.kv_cache_dtype == "fp8"
     os.makedirs(args.out, exist_ok=True)
@@ -350,9 +353,11 @@ def main():
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
     if fp8:
-        rows = decode_rows(None, args.sweep, torch.float8_e4m3fn)
+        rows = decode_rows(None, args.sweep, torch.float8_e4m3fn, args.page)
+    elif args.only == "decode":
+        rows = decode_rows(flash, args.sweep, DTYPE, args.page)
     else:
-        rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep)
+        rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep, DTYPE, args.page)
                                                            + prefill_rows(flash, args.sweep))
         rows += [] if args.only in ("attention", "moe") else linear_rows(args.sweep, bw)
         rows += moe_rows(args.sweep, bw) if args.only in (None, "moe") else []
@@ -360,10 +365,11 @@ def main():
         r["copy_tbs"] = bw / 1e12
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    name = "kernels_fp8" if fp8 else f"kernels{'_' + args.only if args.only else ''}"
+    name = ("kernels_fp8" if fp8 else f"kernels{'_' + args.only if args.only else ''}") + (
+        f"_page{args.page}" if args.page != PAGE else "")
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    if args.only not in ("linear", "moe") and not fp8:
+    if args.only not in ("linear", "moe", "decode") and not fp8:
         plot(rows, os.path.join(args.out, "kernels.png"))
     print(json.dumps(meta))
 

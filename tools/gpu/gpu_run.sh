@@ -40,6 +40,9 @@
 #   kvquality the fp8 phase's KL divergence on the presets alone;  probe: tools/fp8_decode_probe.py (where fp8
 #             decode's time goes);  reliability: the GPU tests of tests/test_reliability.py
 #   scenarios256 batch1, batch16 and long at kvcache_block_size 256 (SCENARIOS: which)
+#   fill      tools/bench_fill.py (the bitmask fill alone), then bench_structured.py with each
+#             fill method (FILL_THREADS threads, default 8);  structured2: bench_structured.py with the defaults,
+#             and with OMP_NUM_THREADS=1;  profile8: profile_step.py at batch 64/256, bf16 and fp8
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -158,6 +161,22 @@ for phase in "$@"; do
       done
       step test_structured.log python3 -m pytest tests/test_structured_output.py -q -rA ;;
     kvquality) kv_quality ;;
+    fill)  # the bitmask fill alone by method and threads (tools/bench_fill.py), then bench_structured.py by method
+      structured_extra
+      step bench_fill.jsonl python3 tools/bench_fill.py --json --work .gpu/bench-structured --threads 1 2 4 8 16
+      for method in batch pool; do
+        step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured \
+          --fill-method $method --fill-threads ${FILL_THREADS:-8}
+      done ;;
+    structured2)  # bench_structured.py with the defaults, then with torch's CPU threads at one (OMP_NUM_THREADS=1)
+      structured_extra
+      step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured
+      step bench_structured.jsonl env OMP_NUM_THREADS=1 python3 tools/bench_structured.py --json \
+        --work .gpu/bench-structured ;;
+    profile8)  # where a decode step's time goes, bf16 and fp8 cache, Qwen3-0.6B at batch 64 and 256
+      for kv in auto fp8; do
+        step profile_step.jsonl python3 tools/profile_step.py --batch 64 256 --kv-cache-dtype $kv
+      done ;;
     probe) step fp8_probe.log python3 tools/fp8_decode_probe.py --out "$OUT" ;;
     reliability) step test_reliability.log python3 -m pytest tests/test_reliability.py -q -rA -m gpu ;;
     scenarios256)  # the scenarios at the block size of 256 (the Triton default until 2026-12-01), to compare
