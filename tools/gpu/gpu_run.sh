@@ -12,7 +12,8 @@
 #   profile   tools/profile_step.py: where a decode step's time goes at batch 1/16/64/256, Qwen3-0.6B and -8B;
 #             profile_before: the same for the tree in .old (the code before a change)
 #   startup   tools/startup_time.py: LLM(...) construction, cold and warm caches, phase by phase (startup_before: .old)
-#   gpu1      tests/test_gpu.py on one GPU without flash-attn (no TP tests; GPU_TESTS: a -k expression)
+#   gpu1      tests/test_gpu.py on one GPU without flash-attn (no TP tests; GPU_TESTS: a -k expression); gpu1v: the
+#             same, each test's result printed as it ends (a run cut at the deadline keeps them)
 #   ktests_dense  the dense-layer kernel tests alone; bench_before: bench.py of the tree in .old
 #   linear    the dense-layer kernel tests, then the linear-layer microbenchmarks against cuBLAS with a tile sweep
 #   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload
@@ -102,6 +103,7 @@ for phase in "$@"; do
       cp tools/startup_time.py .old/tools/
       step startup_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 tools/startup_time.py ;;
     gpu1) step test_gpu.log python3 -m pytest tests/test_gpu.py -q -rA -m gpu -k "${GPU_TESTS:-not tensor_parallel}" ;;
+    gpu1v) step test_gpu.log python3 -m pytest tests/test_gpu.py -v -m gpu -k "${GPU_TESTS:-not tensor_parallel}" ;;
     ktests_dense) step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "skinny or rms_norm" ;;
     bench_before) step bench_before.jsonl env -C .old PYTHONPATH="$PWD/.old" python3 bench.py --json ;;
     linear)
