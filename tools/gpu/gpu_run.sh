@@ -64,6 +64,11 @@ step() {  # step LOG COMMAND...: run under the time left, append stdout to $OUT/
   tail -n 3 "$OUT/$log"
 }
 FA="python3 tools/gpu/with_flash_attn.py"
+structured_extra() {  # xgrammar and its dependencies from the carried wheels (phases structured, fill, structured2)
+  step pip_structured.log python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/structured .gpu/wheels/*.whl
+  export PYTHONPATH=$PWD:/tmp/structured
+}
 kv_quality() {  # the KL divergence an fp8 cache costs the presets' logits (phases fp8, kvquality)
   for m in qwen3-0.6b qwen3-8b; do
     step kv_quality.jsonl python3 tools/kv_quality.py --preset $m --device cuda --prompts 4 --tokens 1024 --chunk 256
