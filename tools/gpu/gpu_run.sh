@@ -160,9 +160,7 @@ for phase in "$@"; do
       step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --json
       step bench_moe.jsonl python3 bench.py --model qwen3-30b-a3b --scenario batch1 --json ;;
     structured)
-      step pip_structured.log python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/structured .gpu/wheels/*.whl
-      export PYTHONPATH=$PWD:/tmp/structured
+      structured_extra
       for flags in "" --no-overlap --no-async-scheduling; do
         step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured $flags
       done
