@@ -370,15 +370,18 @@ def test_constraints_that_do_not_compile_are_refused_before_any_request(demo):
 def test_a_refused_token_ends_that_request_alone(demo):
     """A token the grammar refuses (never sampled under its mask; forced here) ends that completion with
     finish_reason "error", naming why; its neighbour goes on."""
+    from nanovllm.engine import core, structured_output
     bad = demo.add_request("config = ", json_params())
     good = demo.add_request("config = ", json_params())
 
-    def refuse(token_id):
-        raise RuntimeError(f"the grammar refused token {token_id}")
+    def refuse_bad(grammars, token_ids):  # the real accepts, then the bad request's token refused
+        errors = structured_output.accept_tokens(grammars, token_ids)
+        return [g.refused(t) if g is bad.seqs[0].grammar else e for g, t, e in zip(grammars, token_ids, errors)]
 
-    bad.seqs[0].grammar.accept = refuse
-    while demo.has_unfinished_requests():
-        demo.step()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(core, "accept_tokens", refuse_bad)
+        while demo.has_unfinished_requests():
+            demo.step()
     assert bad.seqs[0].finish_reason == "error" and "the grammar refused token" in bad.error
     assert good.seqs[0].finish_reason == "stop"
     assert_no_leaks(demo)
@@ -561,3 +564,24 @@ def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(
     assert len({tuple(row.tolist()) for row in alone[1::2]}) >= 4
     with pytest.raises(ValueError, match="'threads'"):
         structured_output.fill_rows(rows, batched, threads=4, method="threads")
+
+
+def test_accept_tokens_advances_each_grammar_in_one_call(demo):
+    """accept_tokens: the tokens a grammar takes advance it (num_accepted counts them), a refused one is an
+    error naming it for that grammar alone, and the matchers end where one-by-one accepts leave them."""
+    from nanovllm.engine import structured_output
+    manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
+    params = StructuredOutputsParams(choice=["yes", "no"])
+    tok = demo.tokenizer
+    y, n, q = tok.encode("y")[0], tok.encode("n")[0], tok.encode("q")[0]
+    grammars = [manager.grammar(params) for _ in range(3)]
+    errors = structured_output.accept_tokens(grammars, [y, q, n])
+    assert errors[0] is None and errors[2] is None and f"refused token {q} after 0" in str(errors[1])
+    assert [g.num_accepted for g in grammars] == [1, 0, 1]
+    one = manager.grammar(params).matcher
+    assert one.accept_token(y)
+    shape = structured_output.import_xgrammar().get_bitmask_shape(2, 4096)
+    a, b = torch.zeros(shape, dtype=torch.int32), torch.zeros(shape, dtype=torch.int32)
+    grammars[0].matcher.fill_next_token_bitmask(a, 0)
+    one.fill_next_token_bitmask(b, 0)
+    assert torch.equal(a, b) and structured_output.accept_tokens([], []) == []

@@ -16,7 +16,7 @@ from nanovllm.engine.model_runner import ModelRunner, SamplingInputs
 from nanovllm.engine.outputs import SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.structured_output import StructuredOutputManager
+from nanovllm.engine.structured_output import StructuredOutputManager, accept_tokens
 from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger("nanovllm")
@@ -236,10 +236,16 @@ class EngineCore:
         workers = self.resources.workers
         alive = (lambda: not workers.dead()) if workers is not None and self.config.device == "cuda" else None
         token_ids, logprobs, prompt_logprobs = self.guarded(output.result, alive)
-        for seq, token_id in self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs):
+        advanced = self.scheduler.postprocess(step, token_ids, logprobs, prompt_logprobs)
+        constrained = [(seq, token_id) for seq, token_id in advanced if seq.grammar is not None]
+        refusals = {}  # the matchers follow the known tokens, all advanced in one call
+        if constrained:
+            errors = accept_tokens([seq.grammar for seq, _ in constrained], [t for _, t in constrained])
+            refusals = {seq: e for (seq, _), e in zip(constrained, errors) if e is not None}
+        for seq, token_id in advanced:
             try:
-                if seq.grammar is not None:  # its matcher follows the known tokens
-                    seq.grammar.accept(token_id)
+                if seq in refusals:
+                    raise refusals[seq]
                 self._check_stop(seq, token_id)
             except Exception as e:  # the sequence's own text failed to decode, or its grammar refused the token
                 self.fail(seq, e)
