@@ -476,6 +476,28 @@ def test_tensor_parallel_2_gives_the_single_rank_outputs(tiny):
     assert_same(results[1], results[0])
 
 
+def test_tensor_parallel_exit_after_an_abort_is_prompt():
+    """TP=2, async: a constrained request aborted part-way, then the engine left. Its last step's sampler is
+    launched at once under TP (ModelRunner.sample_later: a worker waits in the sampler's broadcast, and a sampler
+    held for the next step left it there), so the workers hear exit() and end cleanly, not killed after the
+    join timeout."""
+    import time
+    llm = LLM("nanovllm:demo", device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64,
+              max_model_len=224, async_scheduling=True, tensor_parallel_size=2)
+    try:
+        request = llm.add_request("config = ", constrained(60, 0.0, regex=r"[a-z]{20,40}"))
+        for _ in range(5):
+            llm.step()
+        assert llm.model_runner.pending_sample is None
+        llm.abort_request(request)
+        processes = llm.workers.processes
+    finally:
+        start = time.perf_counter()
+        llm.exit()
+    assert time.perf_counter() - start < 4.0   # the join timeout is 5 s
+    assert [p.exitcode for p in processes] == [0]
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
     """The demo model on CUDA as it runs by default (bf16, CUDA Graphs, async scheduling): constrained requests

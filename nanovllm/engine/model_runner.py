@@ -286,11 +286,15 @@ class ModelRunner:
             logits = logits[prompt.sample_rows]
         return logits, prompt_lps
 
-    def sample_later(self, step: StepInput, forward: tuple, sampling: SamplingInputs) -> PendingSample:
+    def sample_later(self, step: StepInput, forward: tuple, sampling: SamplingInputs) -> PendingSample | SampledTokens:
         """``sample``, launched by the next forward once it has copied its inputs, just before it reads the
         sampled tokens (or when the result is read, whichever comes first). Rank 0, for a structured-output
         step: its sampler waits for the host's bitmask, and the host builds the next step meanwhile, so that
-        the sampler and the next forward reach the device back to back instead of the device idling between."""
+        the sampler and the next forward reach the device back to back instead of the device idling between.
+        With tensor parallelism it samples now: the workers already wait in the sampler's broadcast, and held
+        there across steps they would time out while the caller pauses, and not hear exit()."""
+        if self.group is not None:
+            return self.sample(step, forward, sampling)
         if self.pending_sample is not None:  # an engine bug: two steps in flight
             raise RuntimeError("a step's sampling is already pending")
         self.pending_sample = PendingSample(self, step, forward, sampling)
