@@ -184,9 +184,7 @@ class EngineCore:
         """Launches a step with constrained sequences. Their bitmask needs every known token, so when one of
         them has its token in the step in flight (async scheduling), the forward is launched first, the step in
         flight is read back (its tokens advance the matchers) while the device runs it, and the bitmask is
-        filled; the sampler then waits for the next step's forward (``ModelRunner.sample_later``), so that the host
-        builds that step while the device still runs this one, and the two launch back to back: the device
-        waits only if this host work outlasts the forward."""
+        filled and the sampler launched after: the device waits only if that host work outlasts the forward."""
         rows = [row for row, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens
                 == seq.num_tokens]  # the rows whose sampled token is kept (Scheduler.launched's)
         pin = self.config.device == "cuda"
@@ -200,7 +198,7 @@ class EngineCore:
         scheduled = self.scheduler.launched(seqs, is_prefill)
         self._finish_inflight(done)
         sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
-        return scheduled, self.resources.runner.sample_later(step, forward, sampling)
+        return scheduled, self.guarded(self.resources.runner.sample, step, forward, sampling)
 
     def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs):
         """``_launch`` up to the logits: the workers run the whole step (they do not sample)."""

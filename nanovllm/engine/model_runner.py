@@ -35,7 +35,6 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.is_cuda = config.device == "cuda"
         self.prev_sampled: torch.Tensor | None = None   # the last forward's sampled tokens, on the device
-        self.pending_sample: PendingSample | None = None  # rank 0: a step's sampling not yet launched (sample_later)
         self.graphs: DecodeGraphs | None = None   # captured at the end of start-up (CUDA, not eager)
         if self.is_cuda:
             torch.cuda.set_device(rank)
@@ -85,7 +84,7 @@ class ModelRunner:
         sizes its cache from a free device."""
         if self.is_cuda:  # a step may still be in flight (async scheduling): let it end before freeing graphs
             torch.cuda.synchronize()
-        self.graphs = self.pending_sample = None
+        self.graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = self.model = None
@@ -175,7 +174,6 @@ class ModelRunner:
         input_ids = self._to_device(step.input_ids)
         if step.prev_rows is not None:
             rows = self._to_device(step.prev_rows)
-            self.launch_pending_sample()   # it makes prev_sampled
             input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
         return input_ids, self._to_device(step.positions), context
 
@@ -275,7 +273,6 @@ class ModelRunner:
         the prompt logprobs or None) for ``sample``, None elsewhere. Apart, so that rank 0 can build what
         sampling needs (a structured-output bitmask) while the device runs the forward."""
         input_ids, positions, context = self.step_tensors(step)
-        self.launch_pending_sample()   # the steps sample in their order (the generator's draws)
         with set_context(step.is_prefill, **context):
             logits = self.run_model(input_ids, positions, step.is_prefill)
         if self.rank != 0:
@@ -285,24 +282,6 @@ class ModelRunner:
             prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
             logits = logits[prompt.sample_rows]
         return logits, prompt_lps
-
-    def sample_later(self, step: StepInput, forward: tuple, sampling: SamplingInputs) -> PendingSample | SampledTokens:
-        """``sample``, launched by the next forward once it has copied its inputs, just before it reads the
-        sampled tokens (or when the result is read, whichever comes first). Rank 0, for a structured-output
-        step: its sampler waits for the host's bitmask, and the host builds the next step meanwhile, so that
-        the sampler and the next forward reach the device back to back instead of the device idling between.
-        With tensor parallelism it samples now: the workers already wait in the sampler's broadcast, and held
-        there across steps they would time out while the caller pauses, and not hear exit()."""
-        if self.group is not None:
-            return self.sample(step, forward, sampling)
-        if self.pending_sample is not None:  # an engine bug: two steps in flight
-            raise RuntimeError("a step's sampling is already pending")
-        self.pending_sample = PendingSample(self, step, forward, sampling)
-        return self.pending_sample
-
-    def launch_pending_sample(self):
-        if self.pending_sample is not None:
-            self.pending_sample.launch()
 
     @torch.inference_mode()
     def sample(self, step: StepInput, forward: tuple | None, sampling: SamplingInputs | None = None):
@@ -323,20 +302,3 @@ class ModelRunner:
         if self.rank != 0:
             return None
         return SampledTokens(token_ids, logprobs, sampling.num_logprobs, sampling.prompt, prompt_lps)
-
-
-class PendingSample:
-    """A step's sampling that ``ModelRunner.sample_later`` holds back; ``result()`` as ``SampledTokens``'."""
-
-    def __init__(self, runner: ModelRunner, *args):
-        self.runner, self.args, self.output = runner, args, None
-
-    def launch(self) -> SampledTokens:
-        if self.output is None:
-            if self.runner.pending_sample is self:
-                self.runner.pending_sample = None
-            self.output, self.args = self.runner.sample(*self.args), None
-        return self.output
-
-    def result(self, alive=None):
-        return self.launch().result(alive)
