@@ -637,11 +637,9 @@ def test_triton_sampler_distribution_and_seeds():
     assert len(set(sampled[:50].tolist())) > 2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-def test_fp8_tiles_never_cross_shared_memory_a_byte_at_a_time():
-    """Compiled for sm_90 here (no GPU needed; tools/kernel_asm.py): over an fp8 cache the decode and paged prefill
-    kernels shuffle V as fp16 (ldmatrix), not as bytes. When Triton was left to place V's conversion it moved it
-    after the shuffle: 128 ld.shared.b8 and st.shared.b8 a tile, and fp8 decode at 2.5 TB/s on an H200."""
+@functools.cache
+def _kernel_asm() -> dict:
+    """tools/kernel_asm.py's counts for the sm_90 builds of the kernels (compiled here, no GPU needed)."""
     import json
     import os
     import subprocess
@@ -650,9 +648,103 @@ def test_fp8_tiles_never_cross_shared_memory_a_byte_at_a_time():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, os.path.join(root, "tools", "kernel_asm.py"), "--json"], env=env,
                          capture_output=True, text=True, timeout=600, check=True).stdout
-    rows = json.loads(out)
+    return json.loads(out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_fp8_tiles_never_cross_shared_memory_a_byte_at_a_time():
+    """Compiled for sm_90 here (no GPU needed; tools/kernel_asm.py): over an fp8 cache the decode and paged prefill
+    kernels shuffle V as fp16 (ldmatrix), not as bytes. When Triton was left to place V's conversion it moved it
+    after the shuffle: 128 ld.shared.b8 and st.shared.b8 a tile, and fp8 decode at 2.5 TB/s on an H200."""
+    rows = _kernel_asm()
     for name in ("decode fp8", "decode fp8, 64-key tiles", "prefill paged fp8"):
         row = rows[name]
         assert row["ld.shared.b8"] == row["st.shared.b8"] == 0 and row["ldmatrix"] > 0, (name, row)
         assert row["cvt.e4m3x2"] > 0, (name, row)   # the tiles are converted by the hardware's instruction
     assert rows["decode bf16"]["mma.sync"] > 0 and rows["prefill paged bf16"]["wgmma"] > 0
+
+
+# ---- programmatic dependent launch -----------------------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_pdl_kernels_wait_before_they_read_earlier_outputs():
+    """Under PDL each decode-path kernel lets its successor launch and waits for its predecessor (one
+    griddepcontrol each) before any global load, but for the RMSNorm's weight; the skinny linear asks for its
+    weight in L2 first and stays pipelined (as many cp.async as without PDL)."""
+    rows = _kernel_asm()
+    for name in ("decode bf16 pdl", "skinny gate_up pdl", "skinny o_proj pdl", "rms_norm pdl", "merge pdl",
+                 "qk_norm_rope pdl"):
+        row = rows[name]
+        assert row["griddepcontrol.wait"] == 1 and row["launch_dependents"] == 1, (name, row)
+        assert row["loads_before_wait"] == (1 if name == "rms_norm pdl" else 0), (name, row)
+    assert rows["decode bf16"]["griddepcontrol.wait"] == rows["skinny gate_up"]["launch_dependents"] == 0
+    for name in ("skinny gate_up pdl", "skinny o_proj pdl"):
+        assert rows[name]["prefetch.L2"] > 0
+    assert rows["skinny gate_up pdl"]["cp.async"] == rows["skinny gate_up"]["cp.async"] > 0
+    assert rows["decode bf16 pdl"]["cp.async"] == rows["decode bf16"]["cp.async"] > 0
+
+
+def _decode_layers(x, weights, caches, block_tables, ctx, positions, slots, cos_sin, num_layers):
+    """A Qwen3-0.6B-shaped decode chain (the engine's kernels in its order), ``num_layers`` deep."""
+    for layer in range(num_layers):
+        w = weights[layer % len(weights)]
+        k_cache, v_cache = caches[layer % len(caches)]
+        h = triton_linear.rms_norm(x, w["norm"], 1e-6)
+        qkv = triton_linear.linear(h, w["qkv"])
+        q, _, _ = triton_attention.qk_norm_rope_store(qkv, positions, cos_sin, w["q_norm"], w["k_norm"], 1e-6,
+                                                      k_cache, v_cache, slots, 16, 8, 128)
+        o = triton_attention.decode_attention(q, k_cache, v_cache, ctx, block_tables, 128 ** -0.5)
+        x = triton_linear.linear(o.reshape(x.size(0), -1), w["o"], residual=x)
+        h = triton_linear.rms_norm(x, w["norm2"], 1e-6)
+        x = triton_linear.linear(triton_linear.linear(h, w["gate_up"], silu_mul=True), w["down"], residual=x)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 16])
+def test_pdl_decode_chain_in_a_graph_matches_without(batch, monkeypatch):
+    """Qwen3-0.6B-shaped decode layers captured in one CUDA graph, with programmatic dependent launch and
+    without: the same bits (a kernel that read its predecessor's output before it was written would differ),
+    and the KV caches written the same."""
+    from nanovllm.kernels import use_pdl
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rand(*shape, scale=0.05):
+        return (scale * torch.randn(*shape, generator=g, device=DEVICE)).to(torch.bfloat16)
+    weights = [dict(norm=1 + rand(1024), norm2=1 + rand(1024), q_norm=1 + rand(128), k_norm=1 + rand(128),
+                    qkv=rand(4096, 1024), o=rand(1024, 2048), gate_up=rand(6144, 1024), down=rand(1024, 3072))
+               for _ in range(4)]
+    lens = [300 + 97 * i for i in range(batch)]
+    blocks = [(n + 255) // 256 for n in lens]
+    block_tables = torch.full((batch, max(blocks)), -1, dtype=torch.int32, device=DEVICE)
+    order = torch.randperm(sum(blocks), generator=g, device=DEVICE).int()
+    at = 0
+    for i, nb in enumerate(blocks):
+        block_tables[i, :nb] = order[at:at + nb]
+        at += nb
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    positions = (ctx - 1).long()
+    slots = (block_tables.long().gather(1, (positions // 256)[:, None])[:, 0] * 256 + positions % 256)
+    cos_sin = torch.randn(4096, 128, generator=g, device=DEVICE)
+    caches0 = [(rand(sum(blocks), 256, 8, 128, scale=1), rand(sum(blocks), 256, 8, 128, scale=1)) for _ in range(2)]
+    x0 = rand(batch, 1024, scale=1)
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("NANOVLLM_PDL", pdl)
+        assert use_pdl(x0.device) == (pdl == "1")
+        caches = [(k.clone(), v.clone()) for k, v in caches0]
+        x = x0.clone()
+        _decode_layers(x.clone(), weights, caches, block_tables, ctx, positions, slots, cos_sin, 2)  # compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = _decode_layers(x, weights, caches, block_tables, ctx, positions, slots, cos_sin, 28)
+        for c, c0 in zip(caches, caches0):
+            c[0].copy_(c0[0]), c[1].copy_(c0[1])
+        x.copy_(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        results[pdl] = out.clone(), [(k.clone(), v.clone()) for k, v in caches]
+    (out0, caches_0), (out1, caches_1) = results["0"], results["1"]
+    assert not out0.isnan().any()
+    assert torch.equal(out0, out1)
+    for (k0, v0), (k1, v1) in zip(caches_0, caches_1):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)

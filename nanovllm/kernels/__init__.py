@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
 from types import ModuleType
 
 import torch
@@ -35,3 +36,25 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input_precision for inputs of ``dtype``: fp32 inputs would otherwise go through tf32
     (10-bit mantissa); keep fp32 exact."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+PDL_ENV = "NANOVLLM_PDL"
+
+
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the decode path's Triton kernels on ``device`` are launched with programmatic dependent launch
+    (PDL, Hopper and later): each kernel may start while the one before it ends, and waits for it
+    (``griddepcontrol.wait``) before it reads that kernel's output; what reads no earlier output (the skinny
+    linear's weights, prefetched into L2) goes first. ``NANOVLLM_PDL=1`` turns it on where the GPU supports it,
+    ``0`` (the default) off; never under the Triton interpreter."""
+    flag = os.environ.get(PDL_ENV, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV}={flag!r}: expected 0 or 1")
+    if flag == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())

@@ -44,6 +44,8 @@
 #   fill      tools/bench_fill.py (the bitmask fill alone), then bench_structured.py with each
 #             fill method (FILL_THREADS threads, default 8);  structured2: bench_structured.py with the defaults,
 #             and with OMP_NUM_THREADS=1;  profile8: profile_step.py at batch 64/256, bf16 and fp8
+#   pdl       programmatic dependent launch: its kernel tests on the GPU, profile_step.py at batch 1/16/64 and
+#             bench.py (batch1, batch16, default) with NANOVLLM_PDL=0 and 1;  profile8b: profile_step.py for the 8B
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -188,6 +190,15 @@ for phase in "$@"; do
       for s in ${SCENARIOS:-batch1 batch16 long}; do
         step bench.jsonl python3 bench.py --block-size 256 --scenario $s --json
       done ;;
+    pdl)  # programmatic dependent launch (NANOVLLM_PDL): its GPU kernel test, then profile_step and bench off/on
+      step test_pdl.log python3 -m pytest tests/test_kernels.py -q -rA -k pdl
+      for p in 0 1; do step profile_step.jsonl env NANOVLLM_PDL=$p python3 tools/profile_step.py --batch 1 16 64; done
+      step profile_step.jsonl env NANOVLLM_PDL=1 NANOVLLM_PDL_PREFETCH=0 python3 tools/profile_step.py --batch 1 16
+      for s in batch1 batch16; do
+        for p in 0 1; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --scenario $s --json; done
+      done
+      for p in 0 1; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --json; done ;;
+    profile8b) step profile_step.jsonl python3 tools/profile_step.py --model qwen3-8b ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
