@@ -702,8 +702,8 @@ def _decode_layers(x, weights, caches, block_tables, ctx, positions, slots, cos_
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 16])
 def test_pdl_decode_chain_in_a_graph_matches_without(batch, monkeypatch):
-    """Qwen3-0.6B-shaped decode layers captured in one CUDA graph, with programmatic dependent launch and
-    without: the same bits (a kernel that read its predecessor's output before it was written would differ),
+    """Qwen3-0.6B-shaped decode layers captured in one CUDA graph, with programmatic dependent launch (both
+    modes) and without: the same bits (a kernel that read its predecessor's output before it was written would differ),
     and the KV caches written the same."""
     from nanovllm.kernels import use_pdl
     g = torch.Generator(device=DEVICE).manual_seed(0)
@@ -728,9 +728,9 @@ def test_pdl_decode_chain_in_a_graph_matches_without(batch, monkeypatch):
     caches0 = [(rand(sum(blocks), 256, 8, 128, scale=1), rand(sum(blocks), 256, 8, 128, scale=1)) for _ in range(2)]
     x0 = rand(batch, 1024, scale=1)
     results = {}
-    for pdl in ("0", "1"):
+    for pdl in ("0", "1", "2"):
         monkeypatch.setenv("NANOVLLM_PDL", pdl)
-        assert use_pdl(x0.device) == (pdl == "1")
+        assert use_pdl(x0.device) == int(pdl)
         caches = [(k.clone(), v.clone()) for k, v in caches0]
         x = x0.clone()
         _decode_layers(x.clone(), weights, caches, block_tables, ctx, positions, slots, cos_sin, 2)  # compiles
@@ -743,8 +743,10 @@ def test_pdl_decode_chain_in_a_graph_matches_without(batch, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         results[pdl] = out.clone(), [(k.clone(), v.clone()) for k, v in caches]
-    (out0, caches_0), (out1, caches_1) = results["0"], results["1"]
+    out0, caches_0 = results["0"]
     assert not out0.isnan().any()
-    assert torch.equal(out0, out1)
-    for (k0, v0), (k1, v1) in zip(caches_0, caches_1):
-        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    for pdl in ("1", "2"):
+        out1, caches_1 = results[pdl]
+        assert torch.equal(out0, out1), pdl
+        for (k0, v0), (k1, v1) in zip(caches_0, caches_1):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1), pdl

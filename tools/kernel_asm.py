@@ -34,24 +34,25 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    constexprs = {"PDL": False, **constexprs} if "PDL" in fn.arg_names else constexprs
+    constexprs = {"PDL": 0, **constexprs} if "PDL" in fn.arg_names else constexprs
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
              if name not in unaligned and (kind.startswith("*") or kind in ("i32", "i64"))}
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(constexprs.get("PDL")))
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=constexprs.get("PDL")))
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def skinny(pdl: bool, silu_mul: bool = True, residual: bool = False):
     """The skinny linear kernel at one row, Qwen3-0.6B's gate_up (K 1,024, 2 x 3,072 columns) or o_proj + residual
-    (K 2,048, 1,024 columns), with or without programmatic dependent launch (its weight prefetched into L2)."""
+    (K 2,048, 1,024 columns), with or without programmatic dependent launch (its weight prefetched into L2; the
+    "pdl" rows here are PDL mode 2, the next kernel let in before the last stores)."""
     from nanovllm.kernels import triton_linear as tlin
     k = 2048 if residual else 1024
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32",
            "k": "i32", "n": "i32", "stride_x": "i32", "stride_w": "i32", "stride_r": "i32", "stride_y": "i32"}
     cfg = tlin.skinny_config(1, 1024 if residual else 3072, 2, silu_mul)
-    const = dict(SILU_MUL=silu_mul, BIAS=False, RESIDUAL=residual, PRECISION="tf32", PDL=pdl,
+    const = dict(SILU_MUL=silu_mul, BIAS=False, RESIDUAL=residual, PRECISION="tf32", PDL=2 if pdl else 0,
                  PREFETCH_LINES=k // 64 if pdl else 0, LINE=64,
                  **{key: v for key, v in cfg.items() if key.startswith("BLOCK")})
     return _compile(tlin._skinny_linear_kernel, sig, const, cfg["num_warps"], cfg["num_stages"])
@@ -64,17 +65,17 @@ def small(name: str, pdl: bool):
     if name == "rms_norm":
         sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32",
                "n": "i32", "eps": "fp32"}
-        return _compile(tlin._rms_norm_kernel, sig, dict(BLOCK=1024, PDL=pdl), 4, 1)
+        return _compile(tlin._rms_norm_kernel, sig, dict(BLOCK=1024, PDL=2 if pdl else 0), 4, 1)
     if name == "merge":
         sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": "*bf16", "stride_ob": "i32",
                "stride_oh": "i32"}
         return _compile(ta._merge_kernel, sig, dict(NUM_HEADS=16, HEAD_DIM=128, NUM_SPLITS=16, BLOCK_S=16,
-                                                    PDL=pdl), 4, 1)
+                                                    PDL=2 if pdl else 0), 4, 1)
     sig = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "q_weight_ptr": "*bf16",
            "k_weight_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
            "stride_t": "i32", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"}
     const = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=32, BLOCK_KV=8, NORM=True, FP8=False,
-                 ROUND_FP8=False, PDL=pdl)
+                 ROUND_FP8=False, PDL=2 if pdl else 0)
     return _compile(ta._qk_norm_rope_store_kernel, sig, const, 4, 1)
 
 
@@ -86,7 +87,7 @@ def decode(kv: str, block_n: int = 128, num_warps: int = 4, pdl: bool = False):
            "o_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
            "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
     const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=block_n, NUM_SPLITS=1,
-                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8, PDL=pdl)
+                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8, PDL=2 if pdl else 0)
     return _compile(ta._decode_kernel, sig, const, num_warps, 3)
 
 

@@ -46,15 +46,17 @@ def _pdl_supported(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether the decode path's Triton kernels on ``device`` are launched with programmatic dependent launch
-    (PDL, Hopper and later): each kernel may start while the one before it ends, and waits for it
-    (``griddepcontrol.wait``) before it reads that kernel's output; what reads no earlier output (the skinny
-    linear's weights, prefetched into L2) goes first. ``NANOVLLM_PDL=1`` turns it on where the GPU supports it,
-    ``0`` (the default) off; never under the Triton interpreter."""
+def use_pdl(device: torch.device) -> int:
+    """How the decode path's Triton kernels on ``device`` use programmatic dependent launch (PDL, Hopper and
+    later): 0 not; else each kernel is launched while the one before it ends, and waits for it
+    (``griddepcontrol.wait``) before it reads that kernel's output (what reads no earlier output, the skinny
+    linear's weights prefetched into L2, goes first); 1: a kernel lets the next one launch as it starts, 2: before
+    its last stores. ``NANOVLLM_PDL`` (default 0) sets it where the GPU supports PDL; never under the Triton
+    interpreter. Measured on an H200 in docs/PERFORMANCE.md."""
     flag = os.environ.get(PDL_ENV, "0")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV}={flag!r}: expected 0 or 1")
+    if flag not in ("0", "1", "2"):
+        raise ValueError(f"{PDL_ENV}={flag!r}: expected 0, 1 or 2")
     if flag == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+        return 0
+    return int(flag) if _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()) \
+        else 0

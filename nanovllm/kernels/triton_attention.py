@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import dot_precision, reference, use_pdl
-from nanovllm.kernels.triton_linear import pdl_wait
+from nanovllm.kernels.triton_linear import pdl_trigger, pdl_wait
 
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(reference.FP8_MAX)  # a constexpr: compiled kernels read no other globals
@@ -120,6 +120,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     o1 = (f1 * cos - f2 * sin).to(dtype)
     o2 = (f2 * cos + f1 * sin).to(dtype)
+    pdl_trigger(PDL)
     tl.store(ptr, o1, mask=mask)
     tl.store(ptr + HALF, o2, mask=mask)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -158,7 +159,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
             k_cache, v_cache, qkv.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
             BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8,
-            PDL=pdl, launch_pdl=pdl)
+            PDL=pdl, launch_pdl=pdl > 0)
     return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
@@ -327,6 +328,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, v_scale, None,
                                      None, k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
                                      HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
+    pdl_trigger(PDL)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
@@ -353,6 +355,7 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
     parts = tl.load(part_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
     out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    pdl_trigger(PDL)
     tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
@@ -405,9 +408,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
         PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
-        PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PDL=pdl, launch_pdl=pdl > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                           NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                                          BLOCK_S=triton.next_power_of_2(splits), PDL=pdl, launch_pdl=pdl)
+                                          BLOCK_S=triton.next_power_of_2(splits), PDL=pdl, launch_pdl=pdl > 0)
     return out

@@ -32,12 +32,20 @@ PREFETCH = os.environ.get("NANOVLLM_PDL_PREFETCH", "1") != "0"
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
-    """Under programmatic dependent launch (``kernels.use_pdl``): lets the next kernel start launching, then
-    waits until the kernel before this one has finished and its writes are visible. Everything after this
-    may read earlier kernels' outputs; what reads only constants (weights) may go before it."""
-    if PDL:
+    """Under programmatic dependent launch (``kernels.use_pdl``; PDL 1 or 2): waits until the kernel before this
+    one has finished and its writes are visible. Everything after this may read earlier kernels' outputs;
+    what reads only constants (weights) may go before it. With PDL 1 it first lets the next kernel launch."""
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """With PDL 2, lets the next kernel launch (placed before a kernel's last stores)."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -51,6 +59,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: t
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     f = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(f * f, 0) / n + eps)
+    pdl_trigger(PDL)
     tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * (f * rstd).to(x.dtype).to(tl.float32)).to(x.dtype),
              mask=mask)
 
@@ -62,7 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if m:
         pdl = use_pdl(x.device)
         _rms_norm_kernel[(m,)](x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=triton.next_power_of_2(n),
-                               PDL=pdl, launch_pdl=pdl)
+                               PDL=pdl, launch_pdl=pdl > 0)
     return out
 
 
@@ -111,7 +120,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
     row_mask, col_mask = rows < m, cols < n
     dtype = x_ptr.dtype.element_ty
     w_rows = cols.to(tl.int64)[:, None] * stride_w
-    if PDL and PREFETCH_LINES > 0:
+    if PDL > 0 and PREFETCH_LINES > 0:
         line = tl.arange(0, PREFETCH_LINES)[None, :] * LINE
         at = w_rows + tl.where(col_mask[:, None] & (line < k), line, 0)  # out of range: the row's first line
         _prefetch_l2(w_ptr + at)
@@ -143,6 +152,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
         acc = act * acc_up.to(dtype).to(tl.float32)
     if RESIDUAL:
         acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    pdl_trigger(PDL)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=out_mask)
 
 
@@ -181,5 +191,5 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
             PRECISION=dot_precision(x.dtype), PDL=pdl,
             PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if pdl and PREFETCH else 0, LINE=line,
-            launch_pdl=pdl, **cfg)
+            launch_pdl=pdl > 0, **cfg)
     return y

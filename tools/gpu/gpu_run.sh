@@ -45,7 +45,8 @@
 #             fill method (FILL_THREADS threads, default 8);  structured2: bench_structured.py with the defaults,
 #             and with OMP_NUM_THREADS=1;  profile8: profile_step.py at batch 64/256, bf16 and fp8
 #   pdl       programmatic dependent launch: its kernel tests on the GPU, profile_step.py at batch 1/16/64 and
-#             bench.py (batch1, batch16, default) with NANOVLLM_PDL=0 and 1;  profile8b: profile_step.py for the 8B
+#             bench.py (batch1, batch16, default) with NANOVLLM_PDL=0 and 1; pdl2: the same for mode 2 at batch 1 and
+#             16;  profile8b: profile_step.py for the 8B
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -198,6 +199,12 @@ for phase in "$@"; do
         for p in 0 1; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --scenario $s --json; done
       done
       for p in 0 1; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --json; done ;;
+    pdl2)  # PDL mode 2 (the next kernel let in before a kernel's last stores) against none, batch 1 and 16
+      step test_pdl.log python3 -m pytest tests/test_kernels.py -q -rA -k pdl
+      step profile_step.jsonl env NANOVLLM_PDL=2 python3 tools/profile_step.py --batch 1 16
+      for s in batch1 batch16; do
+        for p in 0 2; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --scenario $s --json; done
+      done ;;
     profile8b) step profile_step.jsonl python3 tools/profile_step.py --model qwen3-8b ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
