@@ -305,7 +305,8 @@ def test_free_requests_are_unchanged_by_constrained_neighbours(demo, monkeypatch
     mixed = demo.generate(prompts, params, use_tqdm=False)
     free = [i for i, sp in enumerate(params) if sp.structured_outputs is None]
     bitmasks, sampler = [], demo.model_runner.sampler
-    monkeypatch.setattr(demo.structured_outputs, "grammar_bitmask", lambda *a: pytest.fail("a bitmask was filled"))
+    for fill in ("grammar_bitmask", "grammar_bitmask_async"):
+        monkeypatch.setattr(demo.structured_outputs, fill, lambda *a: pytest.fail("a bitmask was filled"))
     monkeypatch.setattr(demo.model_runner, "sampler", lambda logits, b, g: bitmasks.append(b.token_bitmask) or
                         sampler(logits, b, g))
     alone = demo.generate([prompts[i] for i in free], [params[i] for i in free], use_tqdm=False)
@@ -325,20 +326,29 @@ def test_async_matches_sync_under_preemption():
     scheduling on and off, and its constrained outputs are valid. With async scheduling the bitmask of a decode
     step waits for the step in flight, which is read back while the device runs the forward
     (``EngineCore._launch_constrained``: the forward is launched with a step still in flight), or, without
-    the overlap, before the batch is built."""
+    the overlap, before the batch is built. With the deferred sampler (the default) the bitmask is filled in a
+    thread while the next step is built, and the sampler launched just before that step: the same outputs."""
     prompts, params = _mixed_workload()
-    results, split_launches = [], []
-    for async_scheduling, overlap in ((False, True), (True, True), (True, False)):
+    results, split_launches, deferred = [], [], []
+    modes = ((False, True, True), (True, True, True), (True, False, True), (True, True, False))
+    for async_scheduling, overlap, defer in modes:
         llm = LLM("nanovllm:demo", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=14,
                   max_num_batched_tokens=48, max_model_len=224, async_scheduling=async_scheduling)
         llm.core.overlap_grammar_bitmask = overlap  # False: constrained batches wait first, as penalty batches
-        original = llm.core._launch_forward
+        llm.core.defer_grammar_sampler = defer
+        original, sample_pending = llm.core._launch_forward, llm.core._sample_pending
 
-        def spy(step, sampling, mode=(async_scheduling, overlap), original=original):
+        def spy(step, sampling, mode=(async_scheduling, overlap, defer), original=original):
             split_launches.append(mode)
             return original(step, sampling)
 
+        def spy_pending(mode=(async_scheduling, overlap, defer), core=llm.core, original=sample_pending):
+            if core.pending is not None:
+                deferred.append(mode)
+            original()
+
         llm.core._launch_forward = spy  # the split launch
+        llm.core._sample_pending = spy_pending
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert_no_leaks(llm)
@@ -349,9 +359,11 @@ def test_async_matches_sync_under_preemption():
         for out, sp in zip(outs, params):
             if sp.structured_outputs is not None and out.outputs[0].finish_reason == "stop":
                 assert_valid(sp.structured_outputs.kind, out.outputs[0].text, SMALL_SCHEMA)
-    assert_same(results[1], results[0])
-    assert_same(results[2], results[0])
-    assert set(split_launches) == {(True, True)}  # split launches: with async scheduling and the overlap only
+    for result in results[1:]:
+        assert_same(result, results[0])
+    # split launches: with async scheduling and the overlap only; deferred samplers: with the deferral too
+    assert set(split_launches) == {(True, True, True), (True, True, False)}
+    assert set(deferred) == {(True, True, True)}
 
 
 # ---- errors -------------------------------------------------------------------------------------------

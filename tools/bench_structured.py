@@ -1,10 +1,11 @@
 """What structured outputs cost: one batch of JSON-schema requests against the same batch unconstrained (the same
 prompts, lengths and temperature), in one process, alternating, ``--reps`` times each; output tokens per second,
-the ratio, and the host time spent making bitmasks (``fill_ms_per_call``: all of it; ``xgrammar_ms_per_call``: the
-rows' fill alone).
+the ratio, and the host time spent making bitmasks (``fill_ms_per_call``: on the engine's thread;
+``xgrammar_ms_per_call``: the rows' fill alone, on whichever thread).
 
     python tools/bench_structured.py                      # GPU: Qwen3-0.6B shapes, random weights, 64 requests
     python tools/bench_structured.py --no-overlap         # constrained batches wait for the step in flight first
+    python tools/bench_structured.py --no-deferred-sampler   # bitmask filled and sampler launched before the next step
     python tools/bench_structured.py --fill-method batch --fill-threads 8   # xgrammar's BatchGrammarMatcher
     python tools/bench_structured.py --model nanovllm:demo --num-seqs 16 --prompt-len 32 --output-len 48   # CPU
 
@@ -95,22 +96,26 @@ def model_dir(args) -> str:
 
 
 class FillTimer:
-    """Wraps the engine's bitmask fill: calls, rows filled and host seconds."""
+    """Wraps the engine's bitmask fills (``grammar_bitmask``, and ``grammar_bitmask_async`` of the deferred
+    sampler): calls, rows and the seconds they take on the engine's thread (a deferred fill's own time is in
+    the manager's ``fill_seconds``)."""
 
     def __init__(self, manager):
         self.calls = self.rows = 0
         self.seconds = 0.0
-        self.fill = manager.grammar_bitmask
-        manager.grammar_bitmask = self
+        for name in ("grammar_bitmask", "grammar_bitmask_async"):
+            setattr(manager, name, self.timed(getattr(manager, name)))
 
-    def __call__(self, seqs, rows, pin_memory=False):
-        start = time.perf_counter()
-        bitmask = self.fill(seqs, rows, pin_memory)
-        self.seconds += time.perf_counter() - start
-        if bitmask is not None:
-            self.calls += 1
-            self.rows += sum(seqs[r].grammar is not None for r in rows)
-        return bitmask
+    def timed(self, fill):
+        def call(seqs, rows, pin_memory=False):
+            start = time.perf_counter()
+            bitmask = fill(seqs, rows, pin_memory)
+            self.seconds += time.perf_counter() - start
+            if bitmask is not None:
+                self.calls += 1
+                self.rows += sum(seqs[r].grammar is not None for r in rows)
+            return bitmask
+        return call
 
 
 def run(llm, prompts, params, timer: FillTimer) -> dict:
@@ -156,6 +161,8 @@ def main():
     parser.add_argument("--async-scheduling", action="store_true", help="on, also on CPU (where it is off by default)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="constrained batches wait for the step in flight before they are built")
+    parser.add_argument("--no-deferred-sampler", action="store_true",
+                        help="fill the bitmask and launch the sampler before the next step is built")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--fill-method", choices=structured_output.FILL_METHODS, default=structured_output.FILL_METHOD,
                         help="how the bitmask rows are filled (structured_output.fill_rows)")
@@ -170,6 +177,7 @@ def main():
               max_model_len=args.prompt_len + args.output_len + 16,
               async_scheduling=False if args.no_async_scheduling else True if args.async_scheduling else None)
     llm.core.overlap_grammar_bitmask = not args.no_overlap
+    llm.core.defer_grammar_sampler = not args.no_deferred_sampler
     timer = FillTimer(llm.structured_outputs)
     vocab = len(llm.tokenizer) - 1  # ordinary tokens only
     rng = Random(0)
@@ -191,7 +199,8 @@ def main():
     record = {"model": args.model, "device": llm.config.device, "vocab": len(llm.tokenizer),
               "num_seqs": args.num_seqs, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "temperature": args.temperature, "async_scheduling": llm.config.async_scheduling,
-              "overlap": not args.no_overlap, "enforce_eager": args.enforce_eager,
+              "overlap": not args.no_overlap, "deferred_sampler": not args.no_deferred_sampler,
+              "enforce_eager": args.enforce_eager,
               "fill_method": args.fill_method, "fill_threads": args.fill_threads,
               "torch_threads": torch.get_num_threads(),
               "compile_s": round(compile_s, 3), "runs": results,

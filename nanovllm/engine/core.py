@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -43,6 +44,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return not self.waiting_siblings and all(seq.is_finished for seq in self.seqs)
+
+
+@dataclass
+class PendingSample:
+    """A constrained step launched up to its logits, whose sampler waits for the bitmask being filled."""
+
+    step: batch.StepInput
+    forward: tuple          # ModelRunner.forward's (logits, prompt logprobs)
+    sampling: SamplingInputs
+    bitmask: Future         # of the bitmask (StructuredOutputManager.grammar_bitmask_async)
 
 
 class Resources:
@@ -94,6 +105,11 @@ class EngineCore:
         # False: such a decode batch waits for the step in flight before it is built, as penalty batches do
         # (kept to measure what the overlap buys: tools/bench_structured.py --no-overlap)
         self.overlap_grammar_bitmask = True
+        # True (one rank, async scheduling): the bitmask is filled in a thread while the host builds the next step,
+        # and the constrained step's sampler launched just before that step (_sample_pending); False: filled and
+        # sampled before the next step is built (tools/bench_structured.py --no-deferred-sampler)
+        self.defer_grammar_sampler = True
+        self.pending: PendingSample | None = None  # the step in flight's sampler, not yet launched
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
         self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
@@ -175,6 +191,7 @@ class EngineCore:
             self.resources.fail(e, self.shutdown)
 
     def _launch(self, step: batch.StepInput, sampling: SamplingInputs) -> SampledTokens:
+        self._sample_pending()
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
         return self.resources.runner.run(step, sampling)
@@ -188,6 +205,7 @@ class EngineCore:
         rows = [row for row, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens
                 == seq.num_tokens]  # the rows whose sampled token is kept (Scheduler.launched's)
         pin = self.config.device == "cuda"
+        self._sample_pending()  # before this step's forward, which reads its tokens; and one fill at a time
         fill = self.structured_outputs.grammar_bitmask  # (a failure there is the engine's: guarded)
         if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
                                             for row in rows):
@@ -197,11 +215,31 @@ class EngineCore:
         forward = self.guarded(self._launch_forward, step, sampling)
         scheduled = self.scheduler.launched(seqs, is_prefill)
         self._finish_inflight(done)
-        sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
+        if self.defer_grammar_sampler and self.resources.workers is None:
+            # the fill goes on in a thread while this step() returns and the next one is scheduled and built;
+            # under TP the workers wait in the sampler's broadcast, so there the sampler is launched at once
+            bitmask = self.guarded(self.structured_outputs.grammar_bitmask_async, seqs, rows, pin)
+            if bitmask is not None:
+                self.pending = PendingSample(step, forward, sampling, bitmask)
+                return scheduled, None  # the output: _sample_pending's
+        else:
+            bitmask = self.guarded(fill, seqs, rows, pin)
+        sampling.token_bitmask = bitmask
         return scheduled, self.guarded(self.resources.runner.sample, step, forward, sampling)
+
+    def _sample_pending(self):
+        """Launches the sampler of the step in flight if it waits for its bitmask (``defer_grammar_sampler``):
+        before any later launch, and before its result is read."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.sampling.token_bitmask = self.guarded(pending.bitmask.result)
+        output = self.guarded(self.resources.runner.sample, pending.step, pending.forward, pending.sampling)
+        self.inflight = self.inflight[0], output
 
     def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs):
         """``_launch`` up to the logits: the workers run the whole step (they do not sample)."""
+        self._sample_pending()
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
         return self.resources.runner.forward(step, sampling)
@@ -229,6 +267,7 @@ class EngineCore:
 
     def _finish_inflight(self, done: list[Sequence]):
         """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``)."""
+        self._sample_pending()
         step, output = self.inflight
         self.inflight = None
         finished_before = [seq.is_finished for seq in step.seqs]  # on an earlier token: reported then

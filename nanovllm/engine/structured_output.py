@@ -18,7 +18,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -146,6 +146,18 @@ class StructuredOutputManager:
         """The step's bitmask on the host ([len(seqs), ceil(vocab / 32)] int32), or None when no sequence of
         ``rows`` (those whose sampled token is kept) is constrained. A sequence that has finished meanwhile
         (its token in flight ended it) gets a free row: its token is dropped anyway."""
+        prepared = self._prepare_bitmask(seqs, rows, pin_memory)
+        return None if prepared is None else self._fill(*prepared)
+
+    def grammar_bitmask_async(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False) -> Future | None:
+        """``grammar_bitmask``, its fill in a background thread (xgrammar lets go of the GIL there, so the caller
+        goes on meanwhile): a Future of the bitmask, or None when no row is constrained. Until the Future is done
+        the caller must not advance these sequences' matchers, nor start another fill."""
+        prepared = self._prepare_bitmask(seqs, rows, pin_memory)
+        return None if prepared is None else _background().submit(self._fill, *prepared)
+
+    def _prepare_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool):
+        """The bitmask with its free rows set, and the (row, matcher) pairs left to fill; None if there are none."""
         constrained = [row for row in rows if seqs[row].grammar is not None and not seqs[row].is_finished]
         if not constrained:
             return None
@@ -162,10 +174,19 @@ class StructuredOutputManager:
             if seq.grammar.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:  # an engine bug, never input
                 raise RuntimeError(f"sequence {seq.seq_id}'s grammar accepted {seq.grammar.num_accepted} tokens of "
                                    f"its {len(seq.token_ids) - seq.num_prompt_tokens}")
+        return bitmask, [(row, seqs[row].grammar.matcher) for row in constrained]
+
+    def _fill(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> torch.Tensor:
         start = time.perf_counter()
-        fill_rows([(row, seqs[row].grammar.matcher) for row in constrained], bitmask)
+        fill_rows(rows, bitmask)
         self.fill_seconds += time.perf_counter() - start
         return bitmask
+
+
+@functools.cache
+def _background() -> ThreadPoolExecutor:
+    """The thread that fills a bitmask while the engine builds its next step (one for the process)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="nanovllm-fill")
 
 
 def accept_tokens(grammars: list[Grammar], token_ids: list[int]) -> list[RuntimeError | None]:

@@ -43,7 +43,8 @@
 #   scenarios256 batch1, batch16 and long at kvcache_block_size 256 (SCENARIOS: which)
 #   fill      tools/bench_fill.py (the bitmask fill alone), then bench_structured.py with each
 #             fill method (FILL_THREADS threads, default 8);  structured2: bench_structured.py with the defaults,
-#             and with OMP_NUM_THREADS=1;  profile8: profile_step.py at batch 64/256, bf16 and fp8
+#             and with OMP_NUM_THREADS=1; structured3: with the deferred sampler and without, then its tests;
+#             profile8: profile_step.py at batch 64/256, bf16 and fp8
 #   pdl       programmatic dependent launch: its kernel tests on the GPU, profile_step.py at batch 1/16/64 and
 #             bench.py (batch1, batch16, default) with NANOVLLM_PDL=0 and 1; pdl2: the same for mode 2 at batch 1 and
 #             16;  profile8b: profile_step.py for the 8B
@@ -181,6 +182,12 @@ for phase in "$@"; do
       step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured
       step bench_structured.jsonl env OMP_NUM_THREADS=1 python3 tools/bench_structured.py --json \
         --work .gpu/bench-structured ;;
+    structured3)  # bench_structured.py with the deferred sampler (the default) and without, then the tests on CUDA
+      structured_extra
+      for flags in "" --no-deferred-sampler; do
+        step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured $flags
+      done
+      step test_structured.log python3 -m pytest tests/test_structured_output.py -q -rA ;;
     profile8)  # where a decode step's time goes, bf16 and fp8 cache, Qwen3-0.6B at batch 64 and 256
       for kv in auto fp8; do
         step profile_step.jsonl python3 tools/profile_step.py --batch 64 256 --kv-cache-dtype $kv
