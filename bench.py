@@ -156,16 +156,6 @@ def measure_ceilings() -> tuple[float, float]:
     return ceilings
 
 
-def pdl_fields() -> dict:
-    """Whether the run's decode kernels used programmatic dependent launch (``NANOVLLM_PDL``), and the skinny
-    linear's L2 prefetch under it (``NANOVLLM_PDL_PREFETCH``)."""
-    import os
-
-    from nanovllm.kernels import use_pdl
-    pdl = torch.cuda.is_available() and use_pdl(torch.device("cuda"))
-    return dict(pdl=pdl, pdl_prefetch=pdl and os.environ.get("NANOVLLM_PDL_PREFETCH", "1") != "0")
-
-
 def model_config(model: str):
     if model in PRESETS:
         return preset_config(model)
@@ -307,7 +297,7 @@ def main():
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **pdl_fields())
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     if getattr(args, "gpu_busy_fraction", None) is not None:
         result["gpu_busy_fraction"] = args.gpu_busy_fraction
     if ceilings:

@@ -598,16 +598,17 @@ def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(
         structured_output.fill_rows(rows, batched, threads=4, method="threads")
 
 
-def test_accept_tokens_advances_each_grammar_in_one_call(demo):
-    """accept_tokens: the tokens a grammar takes advance it (num_accepted counts them), a refused one is an
-    error naming it for that grammar alone, and the matchers end where one-by-one accepts leave them."""
+@pytest.mark.parametrize("method", ["loop", "batch"])
+def test_accept_tokens_advances_each_grammar(demo, method):
+    """accept_tokens, by each method: the tokens a grammar takes advance it (num_accepted counts them), a refused
+    one is an error naming it for that grammar alone, and the matchers end where one-by-one accepts leave them."""
     from nanovllm.engine import structured_output
     manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
     params = StructuredOutputsParams(choice=["yes", "no"])
     tok = demo.tokenizer
     y, n, q = tok.encode("y")[0], tok.encode("n")[0], tok.encode("q")[0]
     grammars = [manager.grammar(params) for _ in range(3)]
-    errors = structured_output.accept_tokens(grammars, [y, q, n])
+    errors = structured_output.accept_tokens(grammars, [y, q, n], method)
     assert errors[0] is None and errors[2] is None and f"refused token {q} after 0" in str(errors[1])
     assert [g.num_accepted for g in grammars] == [1, 0, 1]
     one = manager.grammar(params).matcher
@@ -616,4 +617,6 @@ def test_accept_tokens_advances_each_grammar_in_one_call(demo):
     a, b = torch.zeros(shape, dtype=torch.int32), torch.zeros(shape, dtype=torch.int32)
     grammars[0].matcher.fill_next_token_bitmask(a, 0)
     one.fill_next_token_bitmask(b, 0)
-    assert torch.equal(a, b) and structured_output.accept_tokens([], []) == []
+    assert torch.equal(a, b) and structured_output.accept_tokens([], [], method) == []
+    with pytest.raises(ValueError, match="accept method 'threads'"):
+        structured_output.accept_tokens(grammars, [y, q, n], "threads")

@@ -118,9 +118,54 @@ class FillTimer:
         return call
 
 
-def run(llm, prompts, params, timer: FillTimer) -> dict:
+class PhaseTimer:
+    """Host seconds in each phase of the engine's steps (``--phases``), by wrapping the functions that do them;
+    nested ones are counted in both (``sample_pending`` holds its ``sample`` launch and its wait for the fill)."""
+
+    def __init__(self, llm):
+        from nanovllm.engine import batch, core
+        from nanovllm.engine.outputs import SampledTokens
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        engine, runner = llm.core, llm.model_runner
+        self.wrap(engine, "step", "step")
+        self.wrap(engine.scheduler, "schedule", "schedule")
+        self.wrap(engine.scheduler, "postprocess", "postprocess")
+        self.wrap(engine, "_prepare_sampling", "prepare_sampling")
+        self.wrap(engine, "_sample_pending", "sample_pending")
+        self.wrap(batch, "build_decode", "build_decode")
+        self.wrap(core, "accept_tokens", "accept_tokens")
+        self.wrap(runner, "forward", "forward_launch")
+        self.wrap(runner, "sample", "sample_launch")
+        self.wrap(SampledTokens, "result", "wait_and_read_back")
+
+    def wrap(self, owner, name: str, phase: str):
+        fn = getattr(owner, name)
+        self.seconds[phase], self.calls[phase] = 0.0, 0
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+                self.calls[phase] += 1
+        setattr(owner, name, timed)
+
+    def reset(self):
+        self.seconds, self.calls = dict.fromkeys(self.seconds, 0.0), dict.fromkeys(self.calls, 0)
+
+    def per_step(self) -> dict:
+        """Milliseconds a step in each phase, and the steps."""
+        steps = max(1, self.calls["step"])
+        return {"steps": self.calls["step"], **{k: round(1e3 * v / steps, 3) for k, v in self.seconds.items()}}
+
+
+def run(llm, prompts, params, timer: FillTimer, phases: PhaseTimer | None = None) -> dict:
     timer.calls = timer.rows = 0
     timer.seconds = 0.0
+    if phases is not None:
+        phases.reset()
     manager = llm.structured_outputs
     xgrammar_before = manager.fill_seconds
     start = time.perf_counter()
@@ -136,7 +181,8 @@ def run(llm, prompts, params, timer: FillTimer) -> dict:
             "fill_us_per_row": round(1e6 * timer.seconds / timer.rows, 1) if timer.rows else None,
             "xgrammar_ms_per_call": round(1e3 * (manager.fill_seconds - xgrammar_before) / timer.calls, 3)
             if timer.calls else None,
-            "fill_share_of_wall": round(timer.seconds / elapsed, 3)}
+            "fill_share_of_wall": round(timer.seconds / elapsed, 3),
+            **({"host_ms_per_step": phases.per_step()} if phases is not None else {})}
 
 
 def _parses(text: str) -> bool:
@@ -167,8 +213,13 @@ def main():
     parser.add_argument("--fill-method", choices=structured_output.FILL_METHODS, default=structured_output.FILL_METHOD,
                         help="how the bitmask rows are filled (structured_output.fill_rows)")
     parser.add_argument("--fill-threads", type=int, default=structured_output.FILL_THREADS)
+    parser.add_argument("--phases", action="store_true",
+                        help="also the host's milliseconds a step in each phase of the engine (host_ms_per_step)")
+    parser.add_argument("--accept-method", choices=structured_output.ACCEPT_METHODS,
+                        default=structured_output.ACCEPT_METHOD, help="how a step's tokens advance the matchers")
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout")
     args = parser.parse_args()
+    structured_output.ACCEPT_METHOD = args.accept_method
     structured_output.FILL_METHOD, structured_output.FILL_THREADS = args.fill_method, args.fill_threads
 
     path = model_dir(args)
@@ -179,6 +230,7 @@ def main():
     llm.core.overlap_grammar_bitmask = not args.no_overlap
     llm.core.defer_grammar_sampler = not args.no_deferred_sampler
     timer = FillTimer(llm.structured_outputs)
+    phases = PhaseTimer(llm) if args.phases else None
     vocab = len(llm.tokenizer) - 1  # ordinary tokens only
     rng = Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)]
@@ -193,15 +245,15 @@ def main():
         llm.generate(warm, dataclasses.replace(sp, max_tokens=16), use_tqdm=False)
     results = {"free": [], "json": []}
     for _ in range(args.reps):
-        results["free"].append(run(llm, prompts, free, timer))
-        results["json"].append(run(llm, prompts, constrained, timer))
+        results["free"].append(run(llm, prompts, free, timer, phases))
+        results["json"].append(run(llm, prompts, constrained, timer, phases))
     median = {k: statistics.median(r["tok_per_s"] for r in v) for k, v in results.items()}
     record = {"model": args.model, "device": llm.config.device, "vocab": len(llm.tokenizer),
               "num_seqs": args.num_seqs, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "temperature": args.temperature, "async_scheduling": llm.config.async_scheduling,
               "overlap": not args.no_overlap, "deferred_sampler": not args.no_deferred_sampler,
               "enforce_eager": args.enforce_eager,
-              "fill_method": args.fill_method, "fill_threads": args.fill_threads,
+              "fill_method": args.fill_method, "fill_threads": args.fill_threads, "accept_method": args.accept_method,
               "torch_threads": torch.get_num_threads(),
               "compile_s": round(compile_s, 3), "runs": results,
               "median_tok_per_s": median, "json_over_free": round(median["json"] / median["free"], 3)}

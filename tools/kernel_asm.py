@@ -23,8 +23,7 @@ sys.path.insert(0, ROOT)
 
 PATTERNS = {"ld.shared.b8": r"ld\.shared\.b8", "st.shared.b8": r"st\.shared\.b8", "ldmatrix": r"\bldmatrix",
             "cvt.e4m3x2": r"e4m3x2", "mma.sync": r"\bmma\.sync", "wgmma": r"\bwgmma\.mma_async",
-            "cp.async": r"\bcp\.async\.(?:ca|cg)", "griddepcontrol.wait": r"griddepcontrol\.wait",
-            "launch_dependents": r"griddepcontrol\.launch_dependents", "prefetch.L2": r"prefetch\.global\.L2"}
+            "cp.async": r"\bcp\.async\.(?:ca|cg)"}
 
 
 def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, unaligned=("m", "stride_bt")):
@@ -34,52 +33,15 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    constexprs = {"PDL": 0, **constexprs} if "PDL" in fn.arg_names else constexprs
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
              if name not in unaligned and (kind.startswith("*") or kind in ("i32", "i64"))}
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
-    options = dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=bool(constexprs.get("PDL")))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def skinny(pdl: bool, silu_mul: bool = True, residual: bool = False):
-    """The skinny linear kernel at one row, Qwen3-0.6B's gate_up (K 1,024, 2 x 3,072 columns) or o_proj + residual
-    (K 2,048, 1,024 columns), with or without programmatic dependent launch (its weight prefetched into L2; the
-    "pdl" rows here are PDL mode 2, the next kernel let in before the last stores)."""
-    from nanovllm.kernels import triton_linear as tlin
-    k = 2048 if residual else 1024
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32",
-           "k": "i32", "n": "i32", "stride_x": "i32", "stride_w": "i32", "stride_r": "i32", "stride_y": "i32"}
-    cfg = tlin.skinny_config(1, 1024 if residual else 3072, 2, silu_mul)
-    const = dict(SILU_MUL=silu_mul, BIAS=False, RESIDUAL=residual, PRECISION="tf32", PDL=2 if pdl else 0,
-                 PREFETCH_LINES=k // 64 if pdl else 0, LINE=64,
-                 **{key: v for key, v in cfg.items() if key.startswith("BLOCK")})
-    return _compile(tlin._skinny_linear_kernel, sig, const, cfg["num_warps"], cfg["num_stages"])
-
-
-def small(name: str, pdl: bool):
-    """The RMSNorm, the attention prologue or the split-K merge of a decode layer, Qwen3-0.6B's shapes."""
-    from nanovllm.kernels import triton_attention as ta
-    from nanovllm.kernels import triton_linear as tlin
-    if name == "rms_norm":
-        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32",
-               "n": "i32", "eps": "fp32"}
-        return _compile(tlin._rms_norm_kernel, sig, dict(BLOCK=1024, PDL=2 if pdl else 0), 4, 1)
-    if name == "merge":
-        sig = {"part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "o_ptr": "*bf16", "stride_ob": "i32",
-               "stride_oh": "i32"}
-        return _compile(ta._merge_kernel, sig, dict(NUM_HEADS=16, HEAD_DIM=128, NUM_SPLITS=16, BLOCK_S=16,
-                                                    PDL=2 if pdl else 0), 4, 1)
-    sig = {"qkv_ptr": "*bf16", "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "q_weight_ptr": "*bf16",
-           "k_weight_ptr": "*bf16", "slot_ptr": "*i64", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-           "stride_t": "i32", "eps": "fp32", "inv_k_scale": "fp32", "inv_v_scale": "fp32"}
-    const = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=32, BLOCK_KV=8, NORM=True, FP8=False,
-                 ROUND_FP8=False, PDL=2 if pdl else 0)
-    return _compile(ta._qk_norm_rope_store_kernel, sig, const, 4, 1)
-
-
-def decode(kv: str, block_n: int = 128, num_warps: int = 4, pdl: bool = False):
+def decode(kv: str, block_n: int = 128, num_warps: int = 4):
     """The decode kernel at Qwen3-0.6B's shapes (2 query heads a KV head, head_dim 128, pages of 256)."""
     from nanovllm.kernels import triton_attention as ta
     fp8 = kv == "fp8e4nv"
@@ -87,7 +49,7 @@ def decode(kv: str, block_n: int = 128, num_warps: int = 4, pdl: bool = False):
            "o_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
            "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
     const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=block_n, NUM_SPLITS=1,
-                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8, PDL=2 if pdl else 0)
+                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
     return _compile(ta._decode_kernel, sig, const, num_warps, 3)
 
 
@@ -106,16 +68,7 @@ def prefill(kv: str):
 
 KERNELS = {"decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
            "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64), "prefill paged bf16": lambda: prefill("bf16"),
-           "prefill paged fp8": lambda: prefill("fp8e4nv"), "decode bf16 pdl": lambda: decode("bf16", pdl=True),
-           "skinny gate_up": lambda: skinny(False), "skinny gate_up pdl": lambda: skinny(True),
-           "skinny o_proj pdl": lambda: skinny(True, silu_mul=False, residual=True),
-           **{f"{name} pdl": (lambda name=name: small(name, True)) for name in ("rms_norm", "merge", "qk_norm_rope")}}
-
-
-def loads_before_wait(ptx: str) -> int:
-    """Global loads (plain or asynchronous) in the PTX before its first griddepcontrol.wait (-1: no wait)."""
-    at = ptx.find("griddepcontrol.wait")
-    return -1 if at < 0 else len(re.findall(r"\bld\.global|\bcp\.async\.c[ag]", ptx[:at]))
+           "prefill paged fp8": lambda: prefill("fp8e4nv")}
 
 
 def main():
@@ -131,7 +84,6 @@ def main():
         ptx = kernel.asm["ptx"]
         rows[name] = {key: len(re.findall(pattern, ptx)) for key, pattern in PATTERNS.items()}
         rows[name]["shared_bytes"] = kernel.metadata.shared
-        rows[name]["loads_before_wait"] = loads_before_wait(ptx)
         if args.ptx_dir:
             os.makedirs(args.ptx_dir, exist_ok=True)
             stem = os.path.join(args.ptx_dir, name.replace(" ", "_").replace(",", ""))
@@ -141,7 +93,7 @@ def main():
     if args.json:
         print(json.dumps(rows))
         return
-    keys = list(PATTERNS) + ["shared_bytes", "loads_before_wait"]
+    keys = list(PATTERNS) + ["shared_bytes"]
     print("| kernel | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
     for name, row in rows.items():
         print(f"| {name} | " + " | ".join(str(row[k]) for k in keys) + " |")

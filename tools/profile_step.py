@@ -24,7 +24,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import pdl_fields  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine import batch as step_input  # noqa: E402
 from nanovllm.engine.outputs import SampledTokens  # noqa: E402
@@ -334,7 +333,6 @@ def main():
               async_scheduling=False if args.no_async_scheduling else None, kv_cache_dtype=args.kv_cache_dtype)
     for batch in args.batch:
         result = profile(llm, batch, args.context, args.steps)
-        result.update(pdl_fields())
         print(markdown(result) if args.markdown else json.dumps(result), flush=True)
     llm.exit()
 

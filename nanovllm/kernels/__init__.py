@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 from types import ModuleType
 
 import torch
@@ -36,27 +35,3 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input_precision for inputs of ``dtype``: fp32 inputs would otherwise go through tf32
     (10-bit mantissa); keep fp32 exact."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-PDL_ENV = "NANOVLLM_PDL"
-
-
-@functools.cache
-def _pdl_supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def use_pdl(device: torch.device) -> int:
-    """How the decode path's Triton kernels on ``device`` use programmatic dependent launch (PDL, Hopper and
-    later): 0 not; else each kernel is launched while the one before it ends, and waits for it
-    (``griddepcontrol.wait``) before it reads that kernel's output (what reads no earlier output, the skinny
-    linear's weights prefetched into L2, goes first); 1: a kernel lets the next one launch as it starts, 2: before
-    its last stores. ``NANOVLLM_PDL`` (default 0) sets it where the GPU supports PDL; never under the Triton
-    interpreter. Measured on an H200 in docs/PERFORMANCE.md."""
-    flag = os.environ.get(PDL_ENV, "0")
-    if flag not in ("0", "1", "2"):
-        raise ValueError(f"{PDL_ENV}={flag!r}: expected 0, 1 or 2")
-    if flag == "0" or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return int(flag) if _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()) \
-        else 0

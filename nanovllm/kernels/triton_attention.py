@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import dot_precision, reference, use_pdl
-from nanovllm.kernels.triton_linear import pdl_trigger, pdl_wait
+from nanovllm.kernels import dot_precision, reference
 
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(reference.FP8_MAX)  # a constexpr: compiled kernels read no other globals
@@ -93,10 +92,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
                                k_cache_ptr, v_cache_ptr, stride_t, eps, inv_k_scale, inv_v_scale,
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
-                               ROUND_FP8: tl.constexpr, PDL: tl.constexpr):
+                               ROUND_FP8: tl.constexpr):
     """One token, its q and k heads the rows of one tile. Rounds where the separate ops round (norm
     output to the dtype, times the weight in the dtype; rotary in fp32)."""
-    pdl_wait(PDL)
     i = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.arange(0, BLOCK_H)                       # q heads, then k heads
@@ -120,7 +118,6 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
     o1 = (f1 * cos - f2 * sin).to(dtype)
     o2 = (f2 * cos + f1 * sin).to(dtype)
-    pdl_trigger(PDL)
     tl.store(ptr, o1, mask=mask)
     tl.store(ptr + HALF, o2, mask=mask)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -152,14 +149,12 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     assert head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1 and cos_sin_cache.is_contiguous()
     assert qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim
     norm = q_weight is not None
-    pdl = use_pdl(qkv.device)
     if n:
         _qk_norm_rope_store_kernel[(n,)](
             qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv, slot_mapping,
             k_cache, v_cache, qkv.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8,
-            PDL=pdl, launch_pdl=pdl > 0)
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
     return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
@@ -303,8 +298,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr,
-                   Q_FP16: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+                   Q_FP16: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     first = 0                                                      # the first visible key
@@ -328,7 +322,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, v_scale, None,
                                      None, k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
                                      HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
-    pdl_trigger(PDL)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
@@ -343,8 +336,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
 
 @triton.jit
 def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -355,7 +347,6 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
     parts = tl.load(part_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
     out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    pdl_trigger(PDL)
     tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
@@ -396,7 +387,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fp8 = is_fp8(k_cache)
     if not fp8:
         k_scale = v_scale = 1.0
-    pdl = use_pdl(q.device)
     if splits > 1:
         part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -408,9 +398,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
         PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
-        PDL=pdl, launch_pdl=pdl > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                           NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                                          BLOCK_S=triton.next_power_of_2(splits), PDL=pdl, launch_pdl=pdl > 0)
+                                          BLOCK_S=triton.next_power_of_2(splits))
     return out

@@ -16,50 +16,26 @@ separate norm kernel plus the projection (measured on the H200; docs/PERFORMANCE
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import dot_precision, use_pdl
+from nanovllm.kernels import dot_precision
 
 SKINNY_MAX_M = 16
-# under PDL, the skinny kernel prefetches its weight into L2 before it waits for the kernel before it
-PREFETCH = os.environ.get("NANOVLLM_PDL_PREFETCH", "1") != "0"
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    """Under programmatic dependent launch (``kernels.use_pdl``; PDL 1 or 2): waits until the kernel before this
-    one has finished and its writes are visible. Everything after this may read earlier kernels' outputs;
-    what reads only constants (weights) may go before it. With PDL 1 it first lets the next kernel launch."""
-    if PDL == 1:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PDL > 0:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def pdl_trigger(PDL: tl.constexpr):
-    """With PDL 2, lets the next kernel launch (placed before a kernel's last stores)."""
-    if PDL == 2:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
     """One row; rounds where the PyTorch reference rounds (x / rms to the dtype, then times the weight)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    pdl_wait(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     f = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(f * f, 0) / n + eps)
-    pdl_trigger(PDL)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * (f * rstd).to(x.dtype).to(tl.float32)).to(x.dtype),
              mask=mask)
 
@@ -69,9 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     m, n = x.shape
     out = torch.empty_like(x)
     if m:
-        pdl = use_pdl(x.device)
-        _rms_norm_kernel[(m,)](x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=triton.next_power_of_2(n),
-                               PDL=pdl, launch_pdl=pdl > 0)
+        _rms_norm_kernel[(m,)](x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=triton.next_power_of_2(n))
     return out
 
 
@@ -96,40 +70,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Asks for the 128-byte lines at ``ptrs`` in L2 and goes on (PTX ``prefetch.global.L2``; CUDA only)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["m"])  # one compilation for every batch size (CUDA graph buckets)
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_r, stride_y,
                           SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                          LINE: tl.constexpr):
+                          PRECISION: tl.constexpr):
     """Output columns [pid * BLOCK_N, +BLOCK_N) of y = x @ w.T (+ bias) for all rows (m <= BLOCK_M); with
     SILU_MUL w is [gate; up] (2n rows) and y = SiLU(gate) * up; with RESIDUAL y += residual (y may be the
-    residual itself: each element is read and written by the same program). Under PDL the program first
-    asks for its weight rows in L2 (PREFETCH_LINES lines of LINE elements a row, 0: none), while the kernel
-    before it still runs."""
+    residual itself: each element is read and written by the same program)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
     dtype = x_ptr.dtype.element_ty
-    w_rows = cols.to(tl.int64)[:, None] * stride_w
-    if PDL > 0 and PREFETCH_LINES > 0:
-        line = tl.arange(0, PREFETCH_LINES)[None, :] * LINE
-        at = w_rows + tl.where(col_mask[:, None] & (line < k), line, 0)  # out of range: the row's first line
-        _prefetch_l2(w_ptr + at)
-        if SILU_MUL:
-            _prefetch_l2(w_ptr + n * stride_w + at)
-    pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SILU_MUL:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_rows = cols.to(tl.int64)[:, None] * stride_w
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k
@@ -152,7 +109,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
         acc = act * acc_up.to(dtype).to(tl.float32)
     if RESIDUAL:
         acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
-    pdl_trigger(PDL)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=out_mask)
 
 
@@ -183,13 +139,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         cfg = config or skinny_config(m, n, x.element_size(), silu_mul)
-        pdl = use_pdl(x.device)
-        line = 128 // weight.element_size()
         _skinny_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, weight, bias if bias is not None else x, residual if residual is not None else x, y, m, k, n,
             x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
-            PRECISION=dot_precision(x.dtype), PDL=pdl,
-            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k, line)) if pdl and PREFETCH else 0, LINE=line,
-            launch_pdl=pdl > 0, **cfg)
+            PRECISION=dot_precision(x.dtype), **cfg)
     return y

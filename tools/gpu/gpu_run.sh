@@ -44,10 +44,10 @@
 #   fill      tools/bench_fill.py (the bitmask fill alone), then bench_structured.py with each
 #             fill method (FILL_THREADS threads, default 8);  structured2: bench_structured.py with the defaults,
 #             and with OMP_NUM_THREADS=1; structured3: with the deferred sampler and without, then its tests;
+#             structured4: the host's time a step by phase, with each accept method and without the deferred sampler;
 #             profile8: profile_step.py at batch 64/256, bf16 and fp8
-#   pdl       programmatic dependent launch: its kernel tests on the GPU, profile_step.py at batch 1/16/64 and
-#             bench.py (batch1, batch16, default) with NANOVLLM_PDL=0 and 1; pdl2: the same for mode 2 at batch 1 and
-#             16;  profile8b: profile_step.py for the 8B
+#   profile8b profile_step.py for the 8B preset (the PDL phases pdl and pdl2 are in commit 3028407: PDL was
+#             measured there and dropped)
 # tools/gpu/gpu_x2.sh runs two of these at once, one per GPU.
 # Logs and results go to $OUT (default ./out). Usage: bash tools/gpu/gpu_run.sh PHASE...
 set -u -o pipefail
@@ -188,6 +188,11 @@ for phase in "$@"; do
         step bench_structured.jsonl python3 tools/bench_structured.py --json --work .gpu/bench-structured $flags
       done
       step test_structured.log python3 -m pytest tests/test_structured_output.py -q -rA ;;
+    structured4)  # bench_structured.py with the host's phases: the defaults, batched accepts, no deferred sampler
+      structured_extra
+      for flags in "" "--accept-method batch" --no-deferred-sampler; do
+        step bench_structured.jsonl python3 tools/bench_structured.py --json --phases --work .gpu/bench-structured $flags
+      done ;;
     profile8)  # where a decode step's time goes, bf16 and fp8 cache, Qwen3-0.6B at batch 64 and 256
       for kv in auto fp8; do
         step profile_step.jsonl python3 tools/profile_step.py --batch 64 256 --kv-cache-dtype $kv
@@ -197,20 +202,6 @@ for phase in "$@"; do
     scenarios256)  # the scenarios at the block size of 256 (the Triton default until 2026-12-01), to compare
       for s in ${SCENARIOS:-batch1 batch16 long}; do
         step bench.jsonl python3 bench.py --block-size 256 --scenario $s --json
-      done ;;
-    pdl)  # programmatic dependent launch (NANOVLLM_PDL): its GPU kernel test, then profile_step and bench off/on
-      step test_pdl.log python3 -m pytest tests/test_kernels.py -q -rA -k pdl
-      for p in 0 1; do step profile_step.jsonl env NANOVLLM_PDL=$p python3 tools/profile_step.py --batch 1 16 64; done
-      step profile_step.jsonl env NANOVLLM_PDL=1 NANOVLLM_PDL_PREFETCH=0 python3 tools/profile_step.py --batch 1 16
-      for s in batch1 batch16; do
-        for p in 0 1; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --scenario $s --json; done
-      done
-      for p in 0 1; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --json; done ;;
-    pdl2)  # PDL mode 2 (the next kernel let in before a kernel's last stores) against none, batch 1 and 16
-      step test_pdl.log python3 -m pytest tests/test_kernels.py -q -rA -k pdl
-      step profile_step.jsonl env NANOVLLM_PDL=2 python3 tools/profile_step.py --batch 1 16
-      for s in batch1 batch16; do
-        for p in 0 2; do step bench.jsonl env NANOVLLM_PDL=$p python3 bench.py --scenario $s --json; done
       done ;;
     profile8b) step profile_step.jsonl python3 tools/profile_step.py --model qwen3-8b ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
