@@ -210,7 +210,7 @@ class FakeRunner:
         self.seqs = list(seqs)
         return None
 
-    def run(self, step, sampling):
+    def run(self, step, sampling, staged=None):
         return FakeSampled(fake_forward(self.seqs, step, self.core.inflight))
 
     def exit(self):

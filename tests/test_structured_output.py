@@ -7,6 +7,7 @@ On the shipped demo model (a byte-level BPE tokenizer of 4,096 tokens) and a tin
 model vocabulary (320) exceeds its tokenizer's (259)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -165,6 +166,14 @@ def test_apply_token_bitmask_matches_a_loop():
     got = apply_token_bitmask(logits.clone(), bitmask)
     assert torch.equal(got, expected) and torch.equal(got[1], logits[1])
     assert torch.isinf(got[0]).any() and torch.isinf(got[2]).any() and torch.isinf(got[39]).any()
+    if importlib.util.find_spec("triton") is not None:  # the Triton kernel (the interpreter on CPU), in blocks
+        from nanovllm.kernels import triton_sampler  # that split a word's bits and end past the vocabulary
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        wide = torch.randn(40, 100, generator=gen)
+        got = wide.to(device)
+        triton_sampler.apply_token_bitmask(got[:, :70], bitmask.to(device), block=16)  # rows 100 apart
+        assert torch.equal(got[:, :70].cpu(), apply_token_bitmask(wide[:, :70].clone(), bitmask))
+        assert torch.equal(got[:, 70:].cpu(), wide[:, 70:])  # past the vocabulary: untouched
 
 
 def test_the_triton_sampler_never_picks_a_masked_token():
@@ -338,9 +347,9 @@ def test_async_matches_sync_under_preemption():
         llm.core.defer_grammar_sampler = defer
         original, sample_pending = llm.core._launch_forward, llm.core._sample_pending
 
-        def spy(step, sampling, mode=(async_scheduling, overlap, defer), original=original):
+        def spy(step, sampling, staged=None, mode=(async_scheduling, overlap, defer), original=original):
             split_launches.append(mode)
-            return original(step, sampling)
+            return original(step, sampling, staged)
 
         def spy_pending(mode=(async_scheduling, overlap, defer), core=llm.core, original=sample_pending):
             if core.pending is not None:
@@ -508,7 +517,7 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
     llm = LLM("nanovllm:demo", num_kvcache_blocks=64, kvcache_block_size=16)
     splits = []
     original = llm.core._launch_forward
-    llm.core._launch_forward = lambda step, sampling: splits.append(1) or original(step, sampling)
+    llm.core._launch_forward = lambda step, sampling, staged=None: splits.append(1) or original(step, sampling, staged)
     try:
         assert llm.config.async_scheduling and not llm.config.enforce_eager
         outs = llm.generate(prompts, plain, use_tqdm=False)

@@ -190,11 +190,11 @@ class EngineCore:
         except BaseException as e:
             self.resources.fail(e, self.shutdown)
 
-    def _launch(self, step: batch.StepInput, sampling: SamplingInputs) -> SampledTokens:
-        self._sample_pending()
+    def _launch(self, step: batch.StepInput, sampling: SamplingInputs, staged: dict | None = None) -> SampledTokens:
+        staged = self._launch_pending(step) or staged
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
-        return self.resources.runner.run(step, sampling)
+        return self.resources.runner.run(step, sampling, staged)
 
     def _launch_constrained(self, step: batch.StepInput, seqs: list[Sequence], is_prefill: bool,
                             sampling: SamplingInputs, done: list[Sequence]) -> tuple[ScheduledStep, SampledTokens]:
@@ -205,14 +205,14 @@ class EngineCore:
         rows = [row for row, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens
                 == seq.num_tokens]  # the rows whose sampled token is kept (Scheduler.launched's)
         pin = self.config.device == "cuda"
-        self._sample_pending()  # before this step's forward, which reads its tokens; and one fill at a time
+        staged = self._launch_pending(step)  # before this step's forward, which reads its tokens; one fill at a time
         fill = self.structured_outputs.grammar_bitmask  # (a failure there is the engine's: guarded)
         if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
                                             for row in rows):
             sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
-            output = self.guarded(self._launch, step, sampling)
+            output = self.guarded(self._launch, step, sampling, staged)
             return self.scheduler.launched(seqs, is_prefill), output
-        forward = self.guarded(self._launch_forward, step, sampling)
+        forward = self.guarded(self._launch_forward, step, sampling, staged)
         scheduled = self.scheduler.launched(seqs, is_prefill)
         self._finish_inflight(done)
         if self.defer_grammar_sampler and self.resources.workers is None:
@@ -237,12 +237,21 @@ class EngineCore:
         output = self.guarded(self.resources.runner.sample, pending.step, pending.forward, pending.sampling)
         self.inflight = self.inflight[0], output
 
-    def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs):
-        """``_launch`` up to the logits: the workers run the whole step (they do not sample)."""
+    def _launch_pending(self, step: batch.StepInput) -> dict | None:
+        """Before ``step`` is launched: the pending sampler (``_sample_pending``), and if there was one, ``step``'s
+        inputs copied to the device first (``ModelRunner.stage_inputs``; returned), while its fill may still run."""
+        if self.pending is None:
+            return None
+        staged = self.guarded(self.resources.runner.stage_inputs, step)
         self._sample_pending()
+        return staged
+
+    def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs, staged: dict | None = None):
+        """``_launch`` up to the logits: the workers run the whole step (they do not sample)."""
+        staged = self._launch_pending(step) or staged
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
-        return self.resources.runner.forward(step, sampling)
+        return self.resources.runner.forward(step, sampling, staged)
 
     def _prepare_sampling(self, seqs: list[Sequence], is_prefill: bool, done: list[Sequence]):
         """Rank 0's sampling inputs, built before any rank starts the step: a sequence whose own

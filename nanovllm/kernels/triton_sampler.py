@@ -88,3 +88,25 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, quarter:
     _pick_chunk_kernel[(batch,)](vals, idx, out, NUM_CHUNKS=num_chunks,
                                  BLOCK=max(2, triton.next_power_of_2(num_chunks)))
     return out
+
+
+@triton.jit
+def _apply_token_bitmask_kernel(logits_ptr, stride_l, bitmask_ptr, stride_b, vocab_size, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = offs < vocab_size
+    words = tl.load(bitmask_ptr + row * stride_b + offs // 32, mask=in_vocab, other=-1)
+    banned = ((words >> (offs % 32)) & 1) == 0
+    tl.store(logits_ptr + row * stride_l + offs, float("-inf"), mask=in_vocab & banned)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """``layers.sampler.apply_token_bitmask`` in one launch: logits [B, V] of disallowed tokens set to -inf in
+    place (bit t % 32 of int32 ``bitmask[b, t // 32]`` clear), only those written."""
+    batch, vocab_size = logits.shape
+    assert logits.stride(1) == 1 and bitmask.stride(1) == 1 and bitmask.size(0) >= batch
+    assert bitmask.size(1) * 32 >= vocab_size and bitmask.dtype == torch.int32
+    if batch:
+        _apply_token_bitmask_kernel[(batch, triton.cdiv(vocab_size, block))](
+            logits, logits.stride(0), bitmask, bitmask.stride(0), vocab_size, BLOCK=block)
+    return logits

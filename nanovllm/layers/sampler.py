@@ -7,7 +7,7 @@ penalties, the min_tokens ban, greedy argmax, temperature, top-k / top-p / min-p
 so a plain batch pays for none. Seeded requests draw their noise from their own generator: the same seed
 gives the same tokens whatever else is in the batch. On CUDA a plain batch (temperatures only, bench.py's;
 a bitmask keeps it plain) takes one Triton pass over the logits instead (``kernels/triton_sampler.py``,
-keyed by a seed and a draw counter).
+keyed by a seed and a draw counter), and the bitmask is applied by one Triton kernel.
 """
 from __future__ import annotations
 
@@ -114,7 +114,9 @@ class Sampler(nn.Module):
         (the sampled tokens' logprobs and ranks, the top k) from the raw distribution (after the bitmask).
         The bitmask leaves a plain batch plain: the fast path samples the masked logits."""
         if b.token_bitmask is not None:
-            logits = apply_token_bitmask(logits, b.token_bitmask)
+            kernels = _triton_sampler() if logits.is_cuda and logits.stride(1) == 1 else None
+            logits = (kernels.apply_token_bitmask if kernels is not None else apply_token_bitmask)(
+                logits, b.token_bitmask)
         fast = _triton_sampler() if b.is_plain and logits.is_cuda else None
         if fast is not None:
             self.num_draws += 1
