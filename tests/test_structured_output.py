@@ -388,10 +388,15 @@ def test_constraints_that_do_not_compile_are_refused_before_any_request(demo):
         assert demo.is_finished() and not demo.core.requests
 
 
-def test_a_refused_token_ends_that_request_alone(demo):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_refused_token_ends_that_request_alone(demo, async_scheduling):
     """A token the grammar refuses (never sampled under its mask; forced here) ends that completion with
-    finish_reason "error", naming why; its neighbour goes on."""
+    finish_reason "error", naming why; its neighbour goes on. With async scheduling the next bitmask is filled
+    before the stop checks (the deferred sampler): the refused row is left out of it."""
     from nanovllm.engine import core, structured_output
+    if async_scheduling:
+        demo = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
+                   async_scheduling=True)
     bad = demo.add_request("config = ", json_params())
     good = demo.add_request("config = ", json_params())
 
@@ -406,6 +411,9 @@ def test_a_refused_token_ends_that_request_alone(demo):
     assert bad.seqs[0].finish_reason == "error" and "the grammar refused token" in bad.error
     assert good.seqs[0].finish_reason == "stop"
     assert_no_leaks(demo)
+    if async_scheduling:
+        assert demo.core.pending is None
+        demo.exit()
 
 
 def test_compiled_grammars_are_cached(demo):

@@ -214,15 +214,19 @@ class EngineCore:
             return self.scheduler.launched(seqs, is_prefill), output
         forward = self.guarded(self._launch_forward, step, sampling, staged)
         scheduled = self.scheduler.launched(seqs, is_prefill)
-        self._finish_inflight(done)
         if self.defer_grammar_sampler and self.resources.workers is None:
-            # the fill goes on in a thread while this step() returns and the next one is scheduled and built;
-            # under TP the workers wait in the sampler's broadcast, so there the sampler is launched at once
-            bitmask = self.guarded(self.structured_outputs.grammar_bitmask_async, seqs, rows, pin)
-            if bitmask is not None:
-                self.pending = PendingSample(step, forward, sampling, bitmask)
+            # the fill starts in a thread once the matchers have their tokens, and goes on while the stop checks
+            # run and this step() returns and the next one is scheduled and built; under TP the workers wait in
+            # the sampler's broadcast, so there the sampler is launched at once
+            started = []
+            self._finish_inflight(done, lambda refused: started.append(self.guarded(
+                self.structured_outputs.grammar_bitmask_async, seqs, rows, pin, refused)))
+            if started[0] is not None:
+                self.pending = PendingSample(step, forward, sampling, started[0])
                 return scheduled, None  # the output: _sample_pending's
+            bitmask = None
         else:
+            self._finish_inflight(done)
             bitmask = self.guarded(fill, seqs, rows, pin)
         sampling.token_bitmask = bitmask
         return scheduled, self.guarded(self.resources.runner.sample, step, forward, sampling)
@@ -274,8 +278,10 @@ class EngineCore:
         seqs = [seq for seq in seqs if seq not in errors]
         return seqs, runner.prepare_sampling(seqs, is_prefill) if seqs else None
 
-    def _finish_inflight(self, done: list[Sequence]):
-        """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``)."""
+    def _finish_inflight(self, done: list[Sequence], after_accept=None):
+        """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``);
+        ``after_accept(refused)`` is called once the matchers have taken them, before the stop checks (``refused``:
+        the sequences whose grammar refused its token)."""
         self._sample_pending()
         step, output = self.inflight
         self.inflight = None
@@ -290,6 +296,8 @@ class EngineCore:
         if constrained:
             errors = accept_tokens([seq.grammar for seq, _ in constrained], [t for _, t in constrained])
             refusals = {seq: e for (seq, _), e in zip(constrained, errors) if e is not None}
+        if after_accept is not None:
+            after_accept(refusals.keys())
         for seq, token_id in advanced:
             try:
                 if seq in refusals:

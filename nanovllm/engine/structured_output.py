@@ -154,16 +154,21 @@ class StructuredOutputManager:
         prepared = self._prepare_bitmask(seqs, rows, pin_memory)
         return None if prepared is None else self._fill(*prepared)
 
-    def grammar_bitmask_async(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False) -> Future | None:
+    def grammar_bitmask_async(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False,
+                              skip=()) -> Future | None:
         """``grammar_bitmask``, its fill in a background thread (xgrammar lets go of the GIL there, so the caller
-        goes on meanwhile): a Future of the bitmask, or None when no row is constrained. Until the Future is done
-        the caller must not advance these sequences' matchers, nor start another fill."""
-        prepared = self._prepare_bitmask(seqs, rows, pin_memory)
+        goes on meanwhile): a Future of the bitmask, or None when no row is constrained. It may be called before
+        the stop checks of the tokens just accepted: a row whose matcher has ended (it took EOS) or whose sequence
+        is in ``skip`` (its grammar refused its token) is left free, and the row of a sequence about to end is
+        filled and then unused. Until the Future is done the caller must not advance these sequences' matchers,
+        nor start another fill."""
+        prepared = self._prepare_bitmask(seqs, rows, pin_memory, skip)
         return None if prepared is None else _background().submit(self._fill, *prepared)
 
-    def _prepare_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool):
+    def _prepare_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool, skip=()):
         """The bitmask with its free rows set, and the (row, matcher) pairs left to fill; None if there are none."""
-        constrained = [row for row in rows if seqs[row].grammar is not None and not seqs[row].is_finished]
+        constrained = [row for row in rows if seqs[row].grammar is not None and not seqs[row].is_finished
+                       and seqs[row] not in skip and not seqs[row].grammar.is_terminated]
         if not constrained:
             return None
         xgr = import_xgrammar()
