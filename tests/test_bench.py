@@ -1,6 +1,7 @@
 """bench.py: nano-vllm's workload, the roofline arithmetic, and a small run end to end on CPU."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -141,3 +142,21 @@ def test_roofline_reads_the_experts_a_moe_step_touches():
     flops_linear = 2 * active * (10 + 5) + 2 * 151936 * h * (1 + 5)
     flops_attn = 4 * layers * 32 * 128 * (10 * 10 / 2 + 10 * 4 + 5 * 4 // 2)
     assert one.seconds_compute * 1e15 == pytest.approx(flops_linear + flops_attn, rel=1e-9)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="needs the structured extra")
+def test_bench_structured_runs_on_cpu_with_the_deferred_sampler():
+    """tools/bench_structured.py end to end on the demo model with async scheduling (the deferred sampler's
+    path): both batches run, the JSON batch's bitmasks are counted, and every phase of the host's steps is
+    timed."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_structured.py"), "--model",
+                          "nanovllm:demo", "--num-seqs", "4", "--prompt-len", "16", "--output-len", "12", "--reps",
+                          "1", "--async-scheduling", "--phases", "--json"], capture_output=True, text=True,
+                         timeout=600, check=True, cwd=ROOT).stdout
+    record = json.loads(out.splitlines()[-1])
+    assert record["async_scheduling"] and record["deferred_sampler"] and record["accept_method"] == "loop"
+    free, constrained = record["runs"]["free"][0], record["runs"]["json"][0]
+    assert free["output_tokens"] == 4 * 12 and free["fill_calls"] == 0
+    assert constrained["fill_calls"] > 0 and constrained["xgrammar_ms_per_call"] > 0
+    phases = constrained["host_ms_per_step"]
+    assert phases["steps"] > 0 and phases["sample_pending"] > 0 and phases["accept_tokens"] > 0

@@ -107,9 +107,9 @@ class FillTimer:
             setattr(manager, name, self.timed(getattr(manager, name)))
 
     def timed(self, fill):
-        def call(seqs, rows, pin_memory=False):
+        def call(seqs, rows, *args):
             start = time.perf_counter()
-            bitmask = fill(seqs, rows, pin_memory)
+            bitmask = fill(seqs, rows, *args)
             self.seconds += time.perf_counter() - start
             if bitmask is not None:
                 self.calls += 1
