@@ -16,7 +16,8 @@
 #             same, each test's result printed as it ends (a run cut at the deadline keeps them)
 #   ktests_dense  the dense-layer kernel tests alone; bench_before: bench.py of the tree in .old
 #   linear    the dense-layer kernel tests, then the linear-layer microbenchmarks against cuBLAS with a tile sweep
-#   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload
+#   scenarios bench.py --scenario batch1 / batch16 / long / prefix, and the 8B preset's default workload;
+#             scenariosfa: the same with flash-attn (carry .gpu: its sdist)
 #   blocksizes bench.py (default, prefix, batch16) at kvcache_block_size 16, 32, 64, 128, 256 (BLOCK_SCENARIOS:
 #             the scenarios beside the default workload, default "prefix batch16")
 #   fp8       the fp8-cache and sliding-window kernel tests compiled, decode microbenchmarks over an fp8 cache
@@ -127,6 +128,11 @@ for phase in "$@"; do
     scenarios)  # SCENARIOS: which (default all four)
       for s in ${SCENARIOS:-batch1 batch16 long prefix}; do step bench.jsonl python3 bench.py --scenario $s --json; done
       [[ -z ${SCENARIOS:-} ]] && step bench.jsonl python3 bench.py --model qwen3-8b --json ;;
+    scenariosfa)  # the scenarios and the 8B default workload with flash-attn (built from the carried sdist once)
+      for s in ${SCENARIOS:-batch1 batch16 long prefix}; do
+        step bench.jsonl $FA bench.py --attention-backend flash-attn --scenario $s --json
+      done
+      [[ -z ${SCENARIOS:-} ]] && step bench.jsonl $FA bench.py --attention-backend flash-attn --model qwen3-8b --json ;;
     fp8)  # issue 20's GPU measurements: kernels, the cache's speed and capacity, quality on the presets' logits
       step test_kernels.log python3 -m pytest tests/test_kernels.py -q -rA -k "fp8 or window"
       step bench_kernels_fp8.log python3 tools/bench_kernels.py --kv-cache-dtype fp8 --sweep --out "$OUT"
