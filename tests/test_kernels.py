@@ -663,6 +663,3 @@ def test_fp8_tiles_never_cross_shared_memory_a_byte_at_a_time():
         assert row["cvt.e4m3x2"] > 0, (name, row)   # the tiles are converted by the hardware's instruction
     assert rows["decode bf16"]["mma.sync"] > 0 and rows["prefill paged bf16"]["wgmma"] > 0
     assert all(row["cp.async"] > 0 for row in rows.values())  # compiled as launched: aligned, pipelined loads
-
-
-# ---- programmatic dependent launch -----------------------------------------------------------------

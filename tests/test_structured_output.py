@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
 
@@ -637,3 +638,43 @@ def test_accept_tokens_advances_each_grammar(demo, method):
     assert torch.equal(a, b) and structured_output.accept_tokens([], [], method) == []
     with pytest.raises(ValueError, match="accept method 'threads'"):
         structured_output.accept_tokens(grammars, [y, q, n], "threads")
+
+
+def test_a_constrained_generate_on_a_thread_the_main_thread_left_behind():
+    """With async scheduling (the deferred sampler's fill in a background thread), a generate() running on a
+    non-daemon thread when the main thread ends still finishes: past that point concurrent.futures refuses new
+    work, so the fill is done in the engine's thread. (It failed the engine with "cannot schedule new futures
+    after interpreter shutdown".)"""
+    import subprocess
+    script = f"""
+import sys, threading
+sys.path.insert(0, {repr(os.path.dirname(os.path.abspath(__file__)))})
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from test_structured_output import SMALL_SCHEMA
+llm = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16, async_scheduling=True)
+sp = SamplingParams(temperature=0, max_tokens=40,
+                    structured_outputs=StructuredOutputsParams(json=SMALL_SCHEMA, disable_any_whitespace=True))
+def work():
+    outs = llm.generate(["config = "] * 4, sp, use_tqdm=False)
+    print("DONE", [o.outputs[0].finish_reason for o in outs], flush=True)
+threading.Thread(target=work).start()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "DONE ['stop', 'stop', 'stop', 'stop']" in out.stdout, (out.stdout, out.stderr[-2000:])
+
+
+def test_exit_drops_a_pending_sampler():
+    """A step's sampler left pending (the add_request/step API stopped mid-way) is dropped at exit(), with the
+    logits it holds."""
+    llm = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16, async_scheduling=True)
+    try:
+        llm.add_request("config = ", json_params(max_tokens=40))
+        for _ in range(20):
+            llm.step()
+            if llm.core.pending is not None:
+                break
+        assert llm.core.pending is not None and llm.core.pending.forward[0].numel() > 0
+    finally:
+        llm.exit()
+    assert llm.core.pending is None

@@ -99,7 +99,7 @@ class EngineCore:
                  structured_outputs: StructuredOutputManager | None = None):
         """``shutdown()`` frees ``resources`` (the engine's finalizer); ``structured_outputs`` fills the bitmasks
         of constrained sequences (those with a ``Sequence.grammar``)."""
-        self.config, self.resources, self.shutdown = config, resources, shutdown
+        self.config, self.resources, self._free = config, resources, shutdown
         self.structured_outputs = structured_outputs
         # True: a constrained step's bitmask is filled while the device runs its forward (_launch_constrained);
         # False: such a decode batch waits for the step in flight before it is built, as penalty batches do
@@ -116,6 +116,12 @@ class EngineCore:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.eos_token_id = config.eos_token_ids[0] if config.eos_token_ids else None  # the model's own
         self.lock = threading.Lock()  # one step (or request admission) at a time
+
+    def shutdown(self):
+        """Frees the engine's resources; a sampler left pending (an exit or a failure part-way) is dropped with
+        the logits it holds, a whole step's on the device."""
+        self.pending = None
+        self._free()
 
     def add(self, request: Request):
         with self.lock:

@@ -196,6 +196,8 @@ class LLMEngine:
     def exit(self):
         """Frees the engine's processes, shared memory and device memory (also when it is garbage-collected and
         at interpreter exit); safe to call twice, and after a failure (dead or stuck workers are killed)."""
+        if getattr(self, "core", None) is not None:
+            self.core.shutdown()
         self._finalizer()
 
     shutdown = exit

@@ -163,7 +163,14 @@ class StructuredOutputManager:
         filled and then unused. Until the Future is done the caller must not advance these sequences' matchers,
         nor start another fill."""
         prepared = self._prepare_bitmask(seqs, rows, pin_memory, skip)
-        return None if prepared is None else _background().submit(self._fill, *prepared)
+        if prepared is None:
+            return None
+        try:
+            return _background().submit(self._fill, *prepared)
+        except RuntimeError:  # the interpreter is exiting (a generate() on a thread the main thread left behind):
+            done = Future()   # concurrent.futures takes no new work then, so the fill is done here
+            done.set_result(self._fill(*prepared))
+            return done
 
     def _prepare_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool, skip=()):
         """The bitmask with its free rows set, and the (row, matcher) pairs left to fill; None if there are none."""
