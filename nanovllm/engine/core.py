@@ -112,7 +112,8 @@ class EngineCore:
         self.pending: PendingSample | None = None  # the step in flight's sampler, not yet launched
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
-        self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
+        # launched, result not yet read (the output None while its sampler is pending)
+        self.inflight: tuple[ScheduledStep, SampledTokens | None] | None = None
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.eos_token_id = config.eos_token_ids[0] if config.eos_token_ids else None  # the model's own
         self.lock = threading.Lock()  # one step (or request admission) at a time
@@ -207,7 +208,9 @@ class EngineCore:
         """Launches a step with constrained sequences. Their bitmask needs every known token, so when one of
         them has its token in the step in flight (async scheduling), the forward is launched first, the step in
         flight is read back (its tokens advance the matchers) while the device runs it, and the bitmask is
-        filled and the sampler launched after: the device waits only if that host work outlasts the forward."""
+        filled and the sampler launched after: the device waits only if that host work outlasts the forward. On
+        one rank (``defer_grammar_sampler``) the fill goes to a thread and the sampler is left pending until the
+        next launch or read-back (``_sample_pending``), so that the next step is built meanwhile."""
         rows = [row for row, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens
                 == seq.num_tokens]  # the rows whose sampled token is kept (Scheduler.launched's)
         pin = self.config.device == "cuda"
