@@ -198,7 +198,9 @@ class EngineCore:
             self.resources.fail(e, self.shutdown)
 
     def _launch(self, step: batch.StepInput, sampling: SamplingInputs, staged: dict | None = None) -> SampledTokens:
-        staged = self._launch_pending(step) or staged
+        """The whole step; ``staged``: its inputs if ``_launch_pending`` already ran for it."""
+        if staged is None:
+            staged = self._launch_pending(step)
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
         return self.resources.runner.run(step, sampling, staged)
@@ -261,7 +263,8 @@ class EngineCore:
 
     def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs, staged: dict | None = None):
         """``_launch`` up to the logits: the workers run the whole step (they do not sample)."""
-        staged = self._launch_pending(step) or staged
+        if staged is None:
+            staged = self._launch_pending(step)
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
         return self.resources.runner.forward(step, sampling, staged)

@@ -101,8 +101,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x."""
-    f = x.float()
-    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * rms_normalize(x, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
