@@ -540,25 +540,18 @@ def test_qk_norm_rope_store_fp8():
 triton_linear = pytest.importorskip("nanovllm.kernels.triton_linear")
 
 
-def check_linear(m: int, k: int, n: int, dtype, fusion: str, bias: bool, seed: int = 0, norm: bool = False):
+def check_linear(m: int, k: int, n: int, dtype, fusion: str, bias: bool, seed: int = 0):
     """triton_linear.linear against float64 separate ops, within the dtype's tolerance. ``fusion``: "" (plain),
-    "silu" (the weight is [gate; up], 2n rows) or "residual" (the add after the projection, in place). ``norm``:
-    x is an RMSNorm's input (norm_eps), the norm's weight folded into the projection's."""
+    "silu" (the weight is [gate; up], 2n rows) or "residual" (the add after the projection, in place)."""
     g = torch.Generator().manual_seed(seed)
     rows = 2 * n if fusion == "silu" else n
-    x, residual = 3 * torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    x, residual = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
     weight, b = torch.randn(rows, k, generator=g) / k ** 0.5, torch.randn(rows, generator=g)
-    gamma = 1 + 0.2 * torch.randn(k, generator=g)
-    x, residual, weight, b, gamma = (t.to(DEVICE, dtype) for t in (x, residual, weight, b, gamma))
+    x, residual, weight, b = (t.to(DEVICE, dtype) for t in (x, residual, weight, b))
     into = residual.clone() if fusion == "residual" else None
-    folded = reference.fold_norm_weight(weight, gamma) if norm else weight
-    out = triton_linear.linear(x, folded, b if bias else None, silu_mul=fusion == "silu", residual=into,
-                               norm_eps=1e-6 if norm else None)
+    out = triton_linear.linear(x, weight, b if bias else None, silu_mul=fusion == "silu", residual=into)
     assert into is None or out is into, "the residual is updated in place"
-    xd = x.double()
-    if norm:
-        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.double()
-    ref = torch.nn.functional.linear(xd, weight.double(), b.double() if bias else None)
+    ref = torch.nn.functional.linear(x.double(), weight.double(), b.double() if bias else None)
     ref = reference.silu_and_mul(ref) if fusion == "silu" else ref + residual.double() if fusion else ref
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype], (m, k, n, fusion, bias)
@@ -571,19 +564,6 @@ def test_skinny_linear_matches_separate_ops(fusion, dtype):
     cuBLAS's epilogue), K and N not multiples of the tiles, with and without bias."""
     for m in (1, 5, triton_linear.SKINNY_MAX_M, triton_linear.SKINNY_MAX_M + 1, 40):
         check_linear(m, 200, 72, dtype, fusion, bias=m % 2 == 1, seed=m)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fusion", ["", "silu"], ids=["plain", "silu"])
-def test_skinny_linear_with_the_norm_folded_in(fusion, dtype):
-    """norm_eps: the RMSNorm inside the skinny kernel (its weight folded into the projection's), up to the skinny
-    limit and past it (the norm, then cuBLAS), K not a multiple of the tiles, with and without bias; refused with a
-    residual."""
-    for m in (1, 5, triton_linear.SKINNY_MAX_M, triton_linear.SKINNY_MAX_M + 1):
-        check_linear(m, 300, 72, dtype, fusion, bias=m % 2 == 1, seed=m, norm=True)
-    x = torch.randn(2, 8, device=DEVICE, dtype=dtype)
-    with pytest.raises(ValueError, match="norm_eps and residual"):
-        triton_linear.linear(x, torch.randn(8, 8, device=DEVICE, dtype=dtype), residual=x.clone(), norm_eps=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -607,8 +587,6 @@ def test_skinny_linear_at_real_shapes(m):
               (1024, 151936, "")]
     for k, n, fusion in shapes:
         check_linear(m, k, n, torch.bfloat16, fusion, bias=False, seed=k + n)
-        if fusion in ("", "silu") and n != 151936:  # qkv_proj and gate_up_proj follow a norm
-            check_linear(m, k, n, torch.bfloat16, fusion, bias=False, seed=k + n, norm=True)
 
 
 # ---- the one-pass sampler of plain batches ------------------------------------------------------

@@ -7,9 +7,7 @@ query-key pair) at 1-16 sequences x 512-8192 tokens, with and without a cached p
 the device copy bandwidth (bytes read + written). Linear (``--only linear`` for these alone): the
 decode projections of Qwen3-0.6B and -8B and 0.6B's LM head at 1-256 rows, weight bytes read per second
 by cuBLAS alone, by the unfused chain (norm kernel, cuBLAS, SiLU-and-mul kernel) and by the fused skinny
-kernel (M <= 16), with ``--sweep`` over its tile sizes; for qkv_proj and gate_up_proj also the RMSNorm kernel
-then the skinny one (``norm_then_skinny_us``) against the norm folded into the skinny kernel
-(``norm_folded_us``, ``linear(..., norm_eps=)``). MoE (``--only moe``): Qwen3-30B-A3B's experts (128 of
+kernel (M <= 16), with ``--sweep`` over its tile sizes. MoE (``--only moe``): Qwen3-30B-A3B's experts (128 of
 2048 x 768, top-8; one layer) at 1-4096 tokens, the fused kernel against a loop over the experts the batch
 touches of cuBLAS GEMMs (gather, gate/up, SiLU-and-mul, down, weighted index_add; the routing found
 beforehand, so the loop has no host sync), both replayed from CUDA Graphs over 8 routings, in expert weight
@@ -175,12 +173,6 @@ def linear_rows(sweep: bool, bw: float):
                 t = bench_graph_each([partial(tlin.linear, x, w, **kwargs) for w in weights])
                 row.update(skinny_us=t * 1e6, skinny_of_copy=nbytes / t / bw,
                            config=tlin.skinny_config(m, n, DTYPE.itemsize, silu))
-                if layer in ("qkv_proj", "gate_up_proj"):  # after an RMSNorm: its kernel, or folded in
-                    gamma = torch.ones(k, device="cuda", dtype=DTYPE)
-                    row.update(norm_then_skinny_us=1e6 * bench_graph_each(
-                        [partial(_norm_then_linear, x, gamma, w, silu) for w in weights]),
-                        norm_folded_us=1e6 * bench_graph_each(
-                            [partial(tlin.linear, x, w, silu_mul=silu, norm_eps=1e-6) for w in weights]))
                 if sweep and m in (1, 16) and (model, layer) in SWEPT:
                     configs = [dict(cfg, BLOCK_M=16) for cfg in SKINNY_CONFIGS]
                     best = fastest(t, ((cfg, partial(bench_graph_each, [partial(tlin.linear, x, w, config=cfg, **kwargs)
@@ -189,11 +181,6 @@ def linear_rows(sweep: bool, bw: float):
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
-
-
-def _norm_then_linear(x, gamma, weight, silu: bool):
-    """The engine's decode path today: the RMSNorm kernel, then the projection."""
-    return tlin.linear(tlin.rms_norm(x, gamma, 1e-6), weight, silu_mul=silu)
 
 
 def _unfused(x, weight, silu: bool, residual):

@@ -116,20 +116,10 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
-    """A projection's weight [N, K] with the RMSNorm weight [K] before it folded in: (x / rms) * g @ W.T is
-    (x / rms) @ (W * g).T, so ``linear(x, fold_norm_weight(W, g), norm_eps=eps)`` projects the normed x."""
-    return (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           residual: torch.Tensor | None = None, silu_mul: bool = False,
-           norm_eps: float | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
     """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. With
-    ``residual``, y is added to it in place and it is returned. With ``norm_eps``, x is normed first
-    (``rms_normalize``) and weight has the norm's weight folded in (``fold_norm_weight``)."""
-    if norm_eps is not None:
-        x = rms_normalize(x, norm_eps)
+    ``residual``, y is added to it in place and it is returned."""
     y = F.linear(x, weight, bias)
     y = silu_and_mul(y) if silu_mul else y
     return y if residual is None else residual.add_(y)

@@ -10,11 +10,11 @@ the activation kernel after it) at every decode projection of Qwen3-0.6B and -8B
 (docs/PERFORMANCE.md). More rows go to cuBLAS (the residual add in its epilogue), with the activation
 kernel after it.
 
-Not fused in the models, because it made the kernel slower, not faster: the RMSNorm before a projection.
-Scaling x inside the K loop ran the projection 3-5x slower than a separate norm kernel plus the projection
-(measured on the H200; docs/PERFORMANCE.md). ``linear(..., norm_eps=)`` is the other way, not yet timed on a
-GPU: the norm's weight folded into the projection's (``reference.fold_norm_weight``), x fed to the product
-as loaded, and each row scaled by its 1 / rms after it (``tools/bench_kernels.py --only linear`` times it).
+Not fused, because it made the kernel slower, not faster: the RMSNorm before a projection, tried two
+ways (measured on the H200; docs/PERFORMANCE.md). Scaling x inside the K loop ran the projection 3-5x
+slower than a separate norm kernel plus the projection; the norm's weight folded into the projection's,
+with x fed to the product as loaded and each row scaled by 1 / rms after, 1.4-2.4x slower (commit 0f891fe
+has that kernel).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.kernels import dot_precision, reference
+from nanovllm.kernels import dot_precision
 
 SKINNY_MAX_M = 16
 
@@ -73,15 +73,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["m"])  # one compilation for every batch size (CUDA graph buckets)
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_r, stride_y, eps,
-                          SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, NORM: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_r, stride_y,
+                          SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
     """Output columns [pid * BLOCK_N, +BLOCK_N) of y = x @ w.T (+ bias) for all rows (m <= BLOCK_M); with
     SILU_MUL w is [gate; up] (2n rows) and y = SiLU(gate) * up; with RESIDUAL y += residual (y may be the
-    residual itself: each element is read and written by the same program). With NORM x is an RMSNorm's input
-    and w has the norm's weight folded in: x goes to the product as loaded, its squares are summed from the
-    same tile, and each row of the product is scaled by its 1 / rms."""
+    residual itself: each element is read and written by the same program)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,8 +88,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SILU_MUL:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if NORM:
-        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     w_rows = cols.to(tl.int64)[:, None] * stride_w
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -104,14 +100,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
         if SILU_MUL:
             w_up = tl.load(w_ptr + n * stride_w + w_rows + ks[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-        if NORM:
-            f = x.to(tl.float32)
-            sumsq += tl.sum(f * f, 1)
-    if NORM:
-        rstd = tl.rsqrt(sumsq / k + eps)[:, None]
-        acc *= rstd
-        if SILU_MUL:
-            acc_up *= rstd
     if BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
@@ -138,21 +126,12 @@ def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           residual: torch.Tensor | None = None, silu_mul: bool = False, norm_eps: float | None = None,
-           config: dict | None = None):
+           residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
     """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. With
-    ``residual``, y is added to it in place and it is returned. With ``norm_eps``, x is an RMSNorm's input and
-    weight the projection's with that norm's weight folded in (``reference.fold_norm_weight``): y is the
-    projection of the normed x, the norm inside the skinny kernel. ``config``: the skinny kernel's tile
+    ``residual``, y is added to it in place and it is returned. ``config``: the skinny kernel's tile
     sizes (by default ``skinny_config``'s)."""
     m, k = x.shape
-    skinny = m <= SKINNY_MAX_M and x.stride(-1) == 1 and weight.stride(-1) == 1 and not (residual is not None
-                                                                                         and silu_mul)
-    if norm_eps is not None and residual is not None:
-        raise ValueError("linear: norm_eps and residual are not fused together")
-    if norm_eps is not None and not skinny:
-        return linear(reference.rms_normalize(x, norm_eps), weight, bias, silu_mul=silu_mul)
-    if not skinny:
+    if m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and silu_mul):
         if residual is not None and bias is None and not silu_mul:
             return residual.addmm_(x, weight.t())  # the add in cuBLAS's epilogue (out of place, it copies first)
         y = F.linear(x, weight, bias)
@@ -165,6 +144,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _skinny_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, weight, bias if bias is not None else x, residual if residual is not None else x, y, m, k, n,
             x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-            0.0 if norm_eps is None else norm_eps, SILU_MUL=silu_mul, BIAS=bias is not None,
-            RESIDUAL=residual is not None, NORM=norm_eps is not None, PRECISION=dot_precision(x.dtype), **cfg)
+            SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
+            PRECISION=dot_precision(x.dtype), **cfg)
     return y
