@@ -159,4 +159,5 @@ def test_bench_structured_runs_on_cpu_with_the_deferred_sampler():
     assert free["output_tokens"] == 4 * 12 and free["fill_calls"] == 0
     assert constrained["fill_calls"] > 0 and constrained["xgrammar_ms_per_call"] > 0
     phases = constrained["host_ms_per_step"]
-    assert phases["steps"] > 0 and phases["sample_pending"] > 0 and phases["accept_tokens"] > 0
+    assert phases["steps"] > 0 and phases["bitmask_launch"] > 0 and phases["accept_tokens"] > 0
+    assert record["bitmask_handoff"] == "host"  # the CPU's: the launch waits for the fill

@@ -189,10 +189,10 @@ def test_async_matches_sync_on_a_mixed_workload(tiny):
     steps_with_two_in_flight = []
     original_run = llm.model_runner.run
 
-    def spy_run(step, sampling=None, staged=None):
+    def spy_run(step, sampling=None):
         if llm.core.inflight is not None:
             steps_with_two_in_flight.append(step.prev_rows is not None)
-        return original_run(step, sampling, staged)
+        return original_run(step, sampling)
 
     llm.model_runner.run = spy_run
     try:

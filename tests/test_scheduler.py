@@ -210,7 +210,7 @@ class FakeRunner:
         self.seqs = list(seqs)
         return None
 
-    def run(self, step, sampling, staged=None):
+    def run(self, step, sampling):
         return FakeSampled(fake_forward(self.seqs, step, self.core.inflight))
 
     def exit(self):

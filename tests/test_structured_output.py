@@ -19,7 +19,7 @@ import torch
 from conftest import CPU_ENGINE, ENGINE, assert_no_leaks
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.engine.structured_output import StructuredOutputManager, choice_grammar
+from nanovllm.engine.structured_output import BitmaskHandoff, StructuredOutputManager, choice_grammar
 from nanovllm.layers.sampler import apply_token_bitmask
 from nanovllm.sampling_params import StructuredOutputsParams as FromModule
 
@@ -175,6 +175,36 @@ def test_apply_token_bitmask_matches_a_loop():
         triton_sampler.apply_token_bitmask(got[:, :70], bitmask.to(device), block=16)  # rows 100 apart
         assert torch.equal(got[:, :70].cpu(), apply_token_bitmask(wide[:, :70].clone(), bitmask))
         assert torch.equal(got[:, 70:].cpu(), wide[:, 70:])  # past the vocabulary: untouched
+
+
+def test_wait_for_flag_holds_until_the_host_raises_it():
+    """triton_sampler.wait_for_flag (the interpreter on CPU, the GPU on CUDA) returns only once another thread has
+    raised the flag to the ticket, and a copy enqueued after it carries what that thread wrote before; with the flag
+    never raised it gives up after max_polls instead of hanging."""
+    import threading
+    import time
+    triton_sampler = pytest.importorskip("nanovllm.kernels.triton_sampler")
+    cuda = torch.cuda.is_available()
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)
+    host = torch.zeros(64, dtype=torch.int32, pin_memory=cuda)
+    seen = torch.empty(64, dtype=torch.int32, device="cuda" if cuda else "cpu")
+
+    def write():
+        time.sleep(0.2)
+        host.copy_(torch.arange(64, dtype=torch.int32))
+        flag.numpy()[0] = 3
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    triton_sampler.wait_for_flag(flag, 3)
+    seen.copy_(host, non_blocking=True)
+    if cuda:
+        torch.cuda.synchronize()
+    writer.join()
+    assert torch.equal(seen.cpu(), torch.arange(64, dtype=torch.int32))
+    triton_sampler.wait_for_flag(flag, 4, max_polls=50)  # never raised: it returns
+    if cuda:
+        torch.cuda.synchronize()
 
 
 def test_the_triton_sampler_never_picks_a_masked_token():
@@ -337,7 +367,8 @@ def test_async_matches_sync_under_preemption():
     step waits for the step in flight, which is read back while the device runs the forward
     (``EngineCore._launch_constrained``: the forward is launched with a step still in flight), or, without
     the overlap, before the batch is built. With the deferred sampler (the default) the bitmask is filled in a
-    thread while the next step is built, and the sampler launched just before that step: the same outputs."""
+    thread and the sampler launched at once (``BitmaskHandoff``; here on the CPU, which waits for the fill at the
+    sampler's launch): the same outputs."""
     prompts, params = _mixed_workload()
     results, split_launches, deferred = [], [], []
     modes = ((False, True, True), (True, True, True), (True, False, True), (True, True, False))
@@ -346,19 +377,20 @@ def test_async_matches_sync_under_preemption():
                   max_num_batched_tokens=48, max_model_len=224, async_scheduling=async_scheduling)
         llm.core.overlap_grammar_bitmask = overlap  # False: constrained batches wait first, as penalty batches
         llm.core.defer_grammar_sampler = defer
-        original, sample_pending = llm.core._launch_forward, llm.core._sample_pending
+        original, handoff = llm.core._launch_forward, llm.core._bitmask_handoff
 
-        def spy(step, sampling, staged=None, mode=(async_scheduling, overlap, defer), original=original):
+        def spy(step, sampling, mode=(async_scheduling, overlap, defer), original=original):
             split_launches.append(mode)
-            return original(step, sampling, staged)
+            return original(step, sampling)
 
-        def spy_pending(mode=(async_scheduling, overlap, defer), core=llm.core, original=sample_pending):
-            if core.pending is not None:
+        def spy_handoff(num_rows, mode=(async_scheduling, overlap, defer), original=handoff):
+            found = original(num_rows)
+            if found is not None:
                 deferred.append(mode)
-            original()
+            return found
 
         llm.core._launch_forward = spy  # the split launch
-        llm.core._sample_pending = spy_pending
+        llm.core._bitmask_handoff = spy_handoff
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert_no_leaks(llm)
@@ -413,7 +445,7 @@ def test_a_refused_token_ends_that_request_alone(demo, async_scheduling):
     assert good.seqs[0].finish_reason == "stop"
     assert_no_leaks(demo)
     if async_scheduling:
-        assert demo.core.pending is None
+        assert demo.core.handoff and demo.core.handoff.ticket > 0  # the deferred sampler's path was taken
         demo.exit()
 
 
@@ -526,7 +558,7 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
     llm = LLM("nanovllm:demo", num_kvcache_blocks=64, kvcache_block_size=16)
     splits = []
     original = llm.core._launch_forward
-    llm.core._launch_forward = lambda step, sampling, staged=None: splits.append(1) or original(step, sampling, staged)
+    llm.core._launch_forward = lambda step, sampling: splits.append(1) or original(step, sampling)
     try:
         assert llm.config.async_scheduling and not llm.config.enforce_eager
         outs = llm.generate(prompts, plain, use_tqdm=False)
@@ -664,17 +696,82 @@ threading.Thread(target=work).start()
     assert "DONE ['stop', 'stop', 'stop', 'stop']" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
-def test_exit_drops_a_pending_sampler():
-    """A step's sampler left pending (the add_request/step API stopped mid-way) is dropped at exit(), with the
-    logits it holds."""
+def test_exit_lets_go_of_a_device_wait_for_a_bitmask():
+    """exit() with a constrained step in flight whose bitmask is still being handed over (the add_request/step API
+    stopped mid-way): the handoff's flag is opened, so that no wait on the device for a fill outlives the engine."""
     llm = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16, async_scheduling=True)
     try:
         llm.add_request("config = ", json_params(max_tokens=40))
         for _ in range(20):
             llm.step()
-            if llm.core.pending is not None:
+            if llm.core.inflight is not None and llm.core.inflight[1].waits_for is not None:
                 break
-        assert llm.core.pending is not None and llm.core.pending.forward[0].numel() > 0
+        assert llm.core.inflight[1].waits_for is not None
+        handoff = llm.core.handoff
+        assert handoff._flag[0] < BitmaskHandoff.OPEN
     finally:
         llm.exit()
-    assert llm.core.pending is None
+    assert handoff._flag[0] == BitmaskHandoff.OPEN
+
+
+def test_bitmask_handoff_tickets_and_its_wait_on_the_cpu():
+    """A handoff's buffer has a row of ceil(V / 32) words a sequence; tickets count up, the flag never goes back
+    (a late publish after a later one, or after open()), and on the CPU the sampler's bitmask is the fill's, once it
+    is done."""
+    import threading
+    from concurrent.futures import Future
+    handoff = BitmaskHandoff(4, 100, torch.device("cpu"))
+    assert handoff.host.shape == (4, 4) and handoff.rows is None
+    first, second = handoff.reserve(), handoff.reserve()
+    assert (first, second) == (1, 2)
+    handoff.publish(second)
+    handoff.publish(first)
+    assert handoff._flag[0] == 2
+    fill = Future()
+    threading.Timer(0.05, lambda: fill.set_result(handoff.host[:3].fill_(7))).start()
+    got = handoff.to_device(second, 3, fill)
+    assert got.data_ptr() == handoff.host.data_ptr() and bool((got == 7).all())
+    handoff.open()
+    handoff.publish(3)
+    assert handoff._flag[0] == BitmaskHandoff.OPEN
+
+
+def test_a_failed_fill_still_raises_the_flag():
+    """The fill's done() (the handoff's publish) is called when the fill fails too, so the device never waits for
+    a fill that ended; the error reaches the caller through the Future."""
+    class Broken:
+        def fill_next_token_bitmask(self, bitmask, row):
+            raise RuntimeError("broken matcher")
+
+    manager = StructuredOutputManager(None, 64, (0,))
+    done = []
+    with pytest.raises(RuntimeError, match="broken matcher"):
+        manager._fill(torch.empty(2, 2, dtype=torch.int32), [(0, Broken())], lambda: done.append(True))
+    assert done == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_device_waits_for_the_bitmask_the_host_writes_after_the_launch():
+    """On CUDA the wait and the copy are launched before the host has written the bitmask (BitmaskHandoff): what
+    reaches the device is what the host wrote, later, in another thread, before it raised the flag."""
+    import threading
+    import time
+    handoff = BitmaskHandoff.create(8, 1000, torch.device("cuda"))
+    assert handoff is not None and handoff.on_device
+    for rows in (1, 8):
+        ticket = handoff.reserve()
+        handoff.host.zero_()
+        got = handoff.to_device(ticket, rows, None)
+        expected = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, handoff.host.size(1)), dtype=torch.int32)
+
+        def write(rows=rows, expected=expected, ticket=ticket):
+            time.sleep(0.2)
+            handoff.host[:rows].copy_(expected)
+            handoff.publish(ticket)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        torch.cuda.synchronize()
+        writer.join()
+        assert torch.equal(got.cpu(), expected)

@@ -5,7 +5,7 @@ the ratio, and the host time spent making bitmasks (``fill_ms_per_call``: on the
 
     python tools/bench_structured.py                      # GPU: Qwen3-0.6B shapes, random weights, 64 requests
     python tools/bench_structured.py --no-overlap         # constrained batches wait for the step in flight first
-    python tools/bench_structured.py --no-deferred-sampler   # bitmask filled and sampler launched before the next step
+    python tools/bench_structured.py --no-deferred-sampler   # bitmask filled, then the sampler launched, in the step
     python tools/bench_structured.py --fill-method batch --fill-threads 8   # xgrammar's BatchGrammarMatcher
     python tools/bench_structured.py --model nanovllm:demo --num-seqs 16 --prompt-len 32 --output-len 48   # CPU
 
@@ -120,7 +120,8 @@ class FillTimer:
 
 class PhaseTimer:
     """Host seconds in each phase of the engine's steps (``--phases``), by wrapping the functions that do them;
-    nested ones are counted in both (``sample_pending`` holds its ``sample`` launch and its wait for the fill)."""
+    nested ones are counted in both. ``wait_and_read_back`` holds the wait for a deferred fill (the host waits for
+    it before it waits for the device); ``bitmask_launch`` is the device's wait for it and the copy, launched."""
 
     def __init__(self, llm):
         from nanovllm.engine import batch, core
@@ -132,7 +133,7 @@ class PhaseTimer:
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(engine.scheduler, "postprocess", "postprocess")
         self.wrap(engine, "_prepare_sampling", "prepare_sampling")
-        self.wrap(engine, "_sample_pending", "sample_pending")
+        self.wrap(structured_output.BitmaskHandoff, "to_device", "bitmask_launch")
         self.wrap(batch, "build_decode", "build_decode")
         self.wrap(core, "accept_tokens", "accept_tokens")
         self.wrap(runner, "forward", "forward_launch")
@@ -208,7 +209,7 @@ def main():
     parser.add_argument("--no-overlap", action="store_true",
                         help="constrained batches wait for the step in flight before they are built")
     parser.add_argument("--no-deferred-sampler", action="store_true",
-                        help="fill the bitmask and launch the sampler before the next step is built")
+                        help="fill the bitmask, then launch the sampler, before the step returns (no BitmaskHandoff)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--fill-method", choices=structured_output.FILL_METHODS, default=structured_output.FILL_METHOD,
                         help="how the bitmask rows are filled (structured_output.fill_rows)")
@@ -255,6 +256,7 @@ def main():
               "enforce_eager": args.enforce_eager,
               "fill_method": args.fill_method, "fill_threads": args.fill_threads, "accept_method": args.accept_method,
               "torch_threads": torch.get_num_threads(),
+              "bitmask_handoff": None if not llm.core.handoff else "device" if llm.core.handoff.on_device else "host",
               "compile_s": round(compile_s, 3), "runs": results,
               "median_tok_per_s": median, "json_over_free": round(median["json"] / median["free"], 3)}
     llm.exit()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from time import perf_counter
 
@@ -17,7 +16,7 @@ from nanovllm.engine.model_runner import ModelRunner, SamplingInputs
 from nanovllm.engine.outputs import SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.structured_output import StructuredOutputManager, accept_tokens
+from nanovllm.engine.structured_output import BitmaskHandoff, StructuredOutputManager, accept_tokens
 from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger("nanovllm")
@@ -44,16 +43,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return not self.waiting_siblings and all(seq.is_finished for seq in self.seqs)
-
-
-@dataclass
-class PendingSample:
-    """A constrained step launched up to its logits, whose sampler waits for the bitmask being filled."""
-
-    step: batch.StepInput
-    forward: tuple          # ModelRunner.forward's (logits, prompt logprobs)
-    sampling: SamplingInputs
-    bitmask: Future         # of the bitmask (StructuredOutputManager.grammar_bitmask_async)
 
 
 class Resources:
@@ -106,22 +95,23 @@ class EngineCore:
         # (kept to measure what the overlap buys: tools/bench_structured.py --no-overlap)
         self.overlap_grammar_bitmask = True
         # True (one rank, async scheduling): the bitmask is filled in a thread while the host builds the next step,
-        # and the constrained step's sampler launched just before that step (_sample_pending); False: filled and
-        # sampled before the next step is built (tools/bench_structured.py --no-deferred-sampler)
+        # and the constrained step's sampler launched at once, behind the device's wait for that fill
+        # (BitmaskHandoff); False: filled, then the sampler launched, before the next step is built
+        # (tools/bench_structured.py --no-deferred-sampler)
         self.defer_grammar_sampler = True
-        self.pending: PendingSample | None = None  # the step in flight's sampler, not yet launched
+        self.handoff: BitmaskHandoff | None | bool = None  # made on the first deferred fill (False: cannot be)
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
-        # launched, result not yet read (the output None while its sampler is pending)
+        # launched, result not yet read
         self.inflight: tuple[ScheduledStep, SampledTokens | None] | None = None
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.eos_token_id = config.eos_token_ids[0] if config.eos_token_ids else None  # the model's own
         self.lock = threading.Lock()  # one step (or request admission) at a time
 
     def shutdown(self):
-        """Frees the engine's resources; a sampler left pending (an exit or a failure part-way) is dropped with
-        the logits it holds, a whole step's on the device."""
-        self.pending = None
+        """Frees the engine's resources, letting go first of a device wait for a bitmask (``BitmaskHandoff``)."""
+        if self.handoff:
+            self.handoff.open()
         self._free()
 
     def add(self, request: Request):
@@ -197,13 +187,10 @@ class EngineCore:
         except BaseException as e:
             self.resources.fail(e, self.shutdown)
 
-    def _launch(self, step: batch.StepInput, sampling: SamplingInputs, staged: dict | None = None) -> SampledTokens:
-        """The whole step; ``staged``: its inputs if ``_launch_pending`` already ran for it."""
-        if staged is None:
-            staged = self._launch_pending(step)
+    def _launch(self, step: batch.StepInput, sampling: SamplingInputs) -> SampledTokens:
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
-        return self.resources.runner.run(step, sampling, staged)
+        return self.resources.runner.run(step, sampling)
 
     def _launch_constrained(self, step: batch.StepInput, seqs: list[Sequence], is_prefill: bool,
                             sampling: SamplingInputs, done: list[Sequence]) -> tuple[ScheduledStep, SampledTokens]:
@@ -211,63 +198,52 @@ class EngineCore:
         them has its token in the step in flight (async scheduling), the forward is launched first, the step in
         flight is read back (its tokens advance the matchers) while the device runs it, and the bitmask is
         filled and the sampler launched after: the device waits only if that host work outlasts the forward. On
-        one rank (``defer_grammar_sampler``) the fill goes to a thread and the sampler is left pending until the
-        next launch or read-back (``_sample_pending``), so that the next step is built meanwhile."""
+        one rank (``defer_grammar_sampler``) the fill goes to a thread and the sampler is launched at once, the
+        device waiting for the fill (``BitmaskHandoff``), so that the next step is built and launched meanwhile."""
         rows = [row for row, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens
                 == seq.num_tokens]  # the rows whose sampled token is kept (Scheduler.launched's)
         pin = self.config.device == "cuda"
-        staged = self._launch_pending(step)  # before this step's forward, which reads its tokens; one fill at a time
         fill = self.structured_outputs.grammar_bitmask  # (a failure there is the engine's: guarded)
         if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
                                             for row in rows):
             sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
-            output = self.guarded(self._launch, step, sampling, staged)
+            output = self.guarded(self._launch, step, sampling)
             return self.scheduler.launched(seqs, is_prefill), output
-        forward = self.guarded(self._launch_forward, step, sampling, staged)
+        forward = self.guarded(self._launch_forward, step, sampling)
         scheduled = self.scheduler.launched(seqs, is_prefill)
-        if self.defer_grammar_sampler and self.resources.workers is None:
-            # the fill starts in a thread once the matchers have their tokens, and goes on while the stop checks
-            # run and this step() returns and the next one is scheduled and built; under TP the workers wait in
-            # the sampler's broadcast, so there the sampler is launched at once
-            started = []
-            self._finish_inflight(done, lambda refused: started.append(self.guarded(
-                self.structured_outputs.grammar_bitmask_async, seqs, rows, pin, refused)))
-            if started[0] is not None:
-                self.pending = PendingSample(step, forward, sampling, started[0])
-                return scheduled, None  # the output: _sample_pending's
-            bitmask = None
-        else:
+        handoff = self._bitmask_handoff(len(seqs))
+        if handoff is None:
             self._finish_inflight(done)
-            bitmask = self.guarded(fill, seqs, rows, pin)
-        sampling.token_bitmask = bitmask
-        return scheduled, self.guarded(self.resources.runner.sample, step, forward, sampling)
+            sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
+            return scheduled, self.guarded(self.resources.runner.sample, step, forward, sampling)
+        # the fill starts in a thread once the matchers have their tokens, before the stop checks, and raises the
+        # handoff's flag to this step's ticket when it ends
+        ticket, started = handoff.reserve(), []
+        self._finish_inflight(done, lambda refused: started.append(self.guarded(
+            self.structured_outputs.grammar_bitmask_async, seqs, rows, pin, refused, handoff.host,
+            lambda: handoff.publish(ticket))))
+        if started[0] is not None:
+            sampling.token_bitmask = self.guarded(handoff.to_device, ticket, len(seqs), started[0])
+        output = self.guarded(self.resources.runner.sample, step, forward, sampling)
+        output.waits_for = started[0]
+        return scheduled, output
 
-    def _sample_pending(self):
-        """Launches the sampler of the step in flight if it waits for its bitmask (``defer_grammar_sampler``):
-        before any later launch, and before its result is read."""
-        if self.pending is None:
-            return
-        pending, self.pending = self.pending, None
-        pending.sampling.token_bitmask = self.guarded(pending.bitmask.result)
-        output = self.guarded(self.resources.runner.sample, pending.step, pending.forward, pending.sampling)
-        self.inflight = self.inflight[0], output
-
-    def _launch_pending(self, step: batch.StepInput) -> dict | None:
-        """Before ``step`` is launched: the pending sampler (``_sample_pending``), and if there was one, ``step``'s
-        inputs copied to the device first (``ModelRunner.stage_inputs``; returned), while its fill may still run."""
-        if self.pending is None:
+    def _bitmask_handoff(self, num_rows: int) -> BitmaskHandoff | None:
+        """The handoff for a step of ``num_rows`` sequences, or None where the sampler must wait for the fill: not
+        ``defer_grammar_sampler``, under TP (the workers would wait in the sampler's broadcast meanwhile, which has
+        not been measured), or where the device cannot wait for the host."""
+        if not self.defer_grammar_sampler or self.resources.workers is not None:
             return None
-        staged = self.guarded(self.resources.runner.stage_inputs, step)
-        self._sample_pending()
-        return staged
+        if self.handoff is None:
+            self.handoff = BitmaskHandoff.create(self.config.max_num_seqs, self.structured_outputs.vocab_size,
+                                                 self.resources.runner.device) or False
+        return self.handoff if self.handoff and num_rows <= self.handoff.host.size(0) else None
 
-    def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs, staged: dict | None = None):
+    def _launch_forward(self, step: batch.StepInput, sampling: SamplingInputs):
         """``_launch`` up to the logits: the workers run the whole step (they do not sample)."""
-        if staged is None:
-            staged = self._launch_pending(step)
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
-        return self.resources.runner.forward(step, sampling, staged)
+        return self.resources.runner.forward(step, sampling)
 
     def _prepare_sampling(self, seqs: list[Sequence], is_prefill: bool, done: list[Sequence]):
         """Rank 0's sampling inputs, built before any rank starts the step: a sequence whose own
@@ -294,7 +270,6 @@ class EngineCore:
         """Reads the in-flight forward's sampled tokens and books them (``Scheduler.postprocess``);
         ``after_accept(refused)`` is called once the matchers have taken them, before the stop checks (``refused``:
         the sequences whose grammar refused its token)."""
-        self._sample_pending()
         step, output = self.inflight
         self.inflight = None
         finished_before = [seq.is_finished for seq in step.seqs]  # on an earlier token: reported then

@@ -197,7 +197,7 @@ class LLMEngine:
         """Frees the engine's processes, shared memory and device memory (also when it is garbage-collected and
         at interpreter exit); safe to call twice, and after a failure (dead or stuck workers are killed)."""
         if getattr(self, "core", None) is not None:
-            self.core.shutdown()  # a pending sampler dropped, then the finalizer
+            self.core.shutdown()  # a device wait for a bitmask let go, then the finalizer
         else:
             self._finalizer()
 

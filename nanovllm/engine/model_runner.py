@@ -165,25 +165,17 @@ class ModelRunner:
         t = torch.as_tensor(values, dtype=dtype, device="cpu")  # on the host even under a device context
         return (t.pin_memory() if self.is_cuda else t).to(self.device, non_blocking=True)
 
-    CONTEXT_ARRAYS = ("slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_indices", "context_lens")
-
-    def stage_inputs(self, step: StepInput) -> dict[str, torch.Tensor | None]:
-        """A step's host arrays copied to the device (``step_tensors`` but the gather of the last sampled tokens):
-        issued early, the copies leave the step's launch shorter (``EngineCore._launch_pending``)."""
-        return {name: self._to_device(getattr(step, name))
-                for name in (*self.CONTEXT_ARRAYS, "input_ids", "positions", "prev_rows")}
-
-    def step_tensors(self, step: StepInput, staged: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(input ids, positions, the attention context's fields) of a step (``staged``: its ``stage_inputs``,
-        else made now). A decode input still on the device (``prev_rows`` >= 0) is gathered from the last
-        forward's sampled tokens."""
-        t = staged if staged is not None else self.stage_inputs(step)
-        context = {name: t[name] for name in self.CONTEXT_ARRAYS}
+    def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(input ids, positions, the attention context's fields) of a step. A decode input still on the
+        device (``prev_rows`` >= 0) is gathered from the last forward's sampled tokens."""
+        arrays = ("slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_indices", "context_lens")
+        context = {name: self._to_device(getattr(step, name)) for name in arrays}
         context.update(max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k)
-        input_ids, rows = t["input_ids"], t["prev_rows"]
-        if rows is not None:
+        input_ids = self._to_device(step.input_ids)
+        if step.prev_rows is not None:
+            rows = self._to_device(step.prev_rows)
             input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
-        return input_ids, t["positions"], context
+        return input_ids, self._to_device(step.positions), context
 
     def prepare_sampling(self, seqs: list[Sequence], is_prefill: bool) -> SamplingInputs:
         """Rank 0's inputs for sampling a step of ``seqs``."""
@@ -268,20 +260,19 @@ class ModelRunner:
         return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
 
     @torch.inference_mode()
-    def run(self, step: StepInput, sampling: SamplingInputs | None = None, staged: dict | None = None):
+    def run(self, step: StepInput, sampling: SamplingInputs | None = None):
         """Launches one forward and, on rank 0, its sampling (``sampling``: ``prepare_sampling``'s).
         Returns rank 0's ``SampledTokens`` (read them with ``result()``); None elsewhere. With async
         scheduling the sampled tokens stay on every rank's device as the next forward's inputs (TP:
         broadcast from rank 0)."""
-        return self.sample(step, self.forward(step, sampling, staged), sampling)
+        return self.sample(step, self.forward(step, sampling), sampling)
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, sampling: SamplingInputs | None = None,
-                staged: dict | None = None) -> tuple | None:
+    def forward(self, step: StepInput, sampling: SamplingInputs | None = None) -> tuple | None:
         """The first half of ``run``: launches the forward; on rank 0 returns (the logits of the rows to sample,
         the prompt logprobs or None) for ``sample``, None elsewhere. Apart, so that rank 0 can build what
         sampling needs (a structured-output bitmask) while the device runs the forward."""
-        input_ids, positions, context = self.step_tensors(step, staged)
+        input_ids, positions, context = self.step_tensors(step)
         with set_context(step.is_prefill, **context):
             logits = self.run_model(input_ids, positions, step.is_prefill)
         if self.rank != 0:
@@ -295,12 +286,14 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, step: StepInput, forward: tuple | None, sampling: SamplingInputs | None = None):
         """The second half of ``run``: rank 0 samples ``forward``'s logits (with ``sampling.token_bitmask``
-        applied, moved to the device now); with async scheduling every rank keeps the sampled tokens."""
+        applied, moved to the device now if it is on the host); with async scheduling every rank keeps the sampled
+        tokens."""
         token_ids = logprobs = prompt_lps = None
         if self.rank == 0:
             logits, prompt_lps = forward
-            if sampling.token_bitmask is not None:
-                sampling.batch.token_bitmask = self._to_device(sampling.token_bitmask)
+            bitmask = sampling.token_bitmask
+            if bitmask is not None:  # on the host, or already on its way (structured_output.BitmaskHandoff)
+                sampling.batch.token_bitmask = bitmask if bitmask.device == self.device else self._to_device(bitmask)
             token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
         if self.config.async_scheduling:
             if self.group is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -65,11 +66,14 @@ def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float
 
 class SampledTokens:
     """One forward's sampled tokens (and logprobs) on their way to the host: the copies into pinned memory start at
-    once (behind the sampler on the stream); ``result`` waits for them, so the CPU can launch the next forward first."""
+    once (behind the sampler on the stream); ``result`` waits for them, so the CPU can launch the next forward first.
+    With ``waits_for`` (host work the device waits for before these tokens), ``result`` waits for that first and
+    raises its error: the host never blocks on the device while the device waits for the host."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
                  prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None):
         self.num_logprobs, self.prompt, self.event = num_logprobs, prompt, None
+        self.waits_for: Future | None = None  # host work the device waits for before these tokens (see result)
         tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
         if token_ids.is_cuda:
             tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
@@ -83,6 +87,8 @@ class SampledTokens:
         """(the sampled token ids; per sequence, {token id: logprob} of the sampled token and its top k, or None
         where not asked; per sequence, (its first prompt position, such an entry, of the actual token and the top k,
         for each prompt token from there that this forward computed), or None). ``alive``: see ``wait_for_event``."""
+        if self.waits_for is not None:  # the fill of the bitmask the device waits for (BitmaskHandoff): first
+            self.waits_for.result()
         if self.event is not None:
             wait_for_event(self.event, alive)
         token_ids = self.token_ids.tolist()

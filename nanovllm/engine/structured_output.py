@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import threading
@@ -25,6 +26,7 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import StructuredOutputsParams
 
+logger = logging.getLogger("nanovllm")
 # xgrammar's C++ errors begin with a time and a source location: "[19:07:16] /project/cpp/x.cc:94: "
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 # a step's bitmask rows are filled by up to FILL_THREADS threads, each taking at least FILL_MIN_ROWS rows, by
@@ -154,26 +156,28 @@ class StructuredOutputManager:
         prepared = self._prepare_bitmask(seqs, rows, pin_memory)
         return None if prepared is None else self._fill(*prepared)
 
-    def grammar_bitmask_async(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False,
-                              skip=()) -> Future | None:
+    def grammar_bitmask_async(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False, skip=(),
+                              out: torch.Tensor | None = None, done=None) -> Future | None:
         """``grammar_bitmask``, its fill in a background thread (xgrammar lets go of the GIL there, so the caller
         goes on meanwhile): a Future of the bitmask, or None when no row is constrained. It may be called before
         the stop checks of the tokens just accepted: a row whose matcher has ended (it took EOS) or whose sequence
         is in ``skip`` (its grammar refused its token) is left free, and the row of a sequence about to end is
-        filled and then unused. Until the Future is done the caller must not advance these sequences' matchers,
-        nor start another fill."""
-        prepared = self._prepare_bitmask(seqs, rows, pin_memory, skip)
+        filled and then unused. ``out``: a buffer whose first rows take the bitmask (else a new one); ``done()`` is
+        called once the fill has ended, whether it failed or not. Until the Future is done the caller must not
+        advance these sequences' matchers, nor start another fill."""
+        prepared = self._prepare_bitmask(seqs, rows, pin_memory, skip, out)
         if prepared is None:
             return None
         try:
-            return _background().submit(self._fill, *prepared)
+            return _background().submit(self._fill, *prepared, done)
         except RuntimeError:  # the interpreter is exiting (a generate() on a thread the main thread left behind):
-            done = Future()   # concurrent.futures takes no new work then, so the fill is done here
-            done.set_result(self._fill(*prepared))
-            return done
+            result = Future()   # concurrent.futures takes no new work then, so the fill is done here
+            result.set_result(self._fill(*prepared, done))
+            return result
 
-    def _prepare_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool, skip=()):
-        """The bitmask with its free rows set, and the (row, matcher) pairs left to fill; None if there are none."""
+    def _prepare_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool, skip=(), out=None):
+        """The bitmask (``out``'s first rows, or a new one) with its free rows set, and the (row, matcher) pairs
+        left to fill; None if there are none."""
         constrained = [row for row in rows if seqs[row].grammar is not None and not seqs[row].is_finished
                        and seqs[row] not in skip and not seqs[row].grammar.is_terminated]
         if not constrained:
@@ -183,7 +187,7 @@ class StructuredOutputManager:
         # not torch.full: its fill of the whole buffer is a parallel region of torch's CPU threads, and with it
         # the H200 host's fill took 5.5 ms a step against 1.1 without (likely those threads spinning on the
         # fill's cores); a free row is set alone, below torch's grain size
-        bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin_memory)
+        bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin_memory) if out is None else out[:shape[0]]
         for row in set(range(len(seqs))).difference(constrained):
             bitmask[row].fill_(-1)
         for row in constrained:  # the matcher must have accepted every known completion token, none more
@@ -193,11 +197,79 @@ class StructuredOutputManager:
                                    f"its {len(seq.token_ids) - seq.num_prompt_tokens}")
         return bitmask, [(row, seqs[row].grammar.matcher) for row in constrained]
 
-    def _fill(self, bitmask: torch.Tensor, rows: list[tuple[int, object]]) -> torch.Tensor:
+    def _fill(self, bitmask: torch.Tensor, rows: list[tuple[int, object]], done=None) -> torch.Tensor:
         start = time.perf_counter()
-        fill_rows(rows, bitmask)
-        self.fill_seconds += time.perf_counter() - start
+        try:
+            fill_rows(rows, bitmask)
+        finally:
+            self.fill_seconds += time.perf_counter() - start
+            if done is not None:
+                done()
         return bitmask
+
+
+class BitmaskHandoff:
+    """A constrained step's bitmask on its way to the sampler while the host goes on (one rank, async scheduling).
+    The sampler is launched at once, behind a wait on the device for a flag in pinned host memory
+    (``triton_sampler.wait_for_flag``) and a copy of one pinned host buffer to the device; the fill, in a thread,
+    writes that buffer and then raises the flag to the step's ticket (``publish``). So the host schedules and
+    launches the next step meanwhile, and the device waits only if the fill outlasts the forward before it.
+
+    One buffer serves every step: a fill starts only once the matchers have the previous step's tokens, which the
+    host reads back after the device copied the buffer for them. The host must not block on the device while the
+    device waits for a fill: the sampled tokens' ``result`` waits for the fill first (``SampledTokens.waits_for``),
+    and ``open`` lets every wait go at shutdown. On the CPU the sampler runs on the host, so there the step's
+    launch waits for its fill (``to_device``)."""
+
+    OPEN = 1 << 62  # the flag's value once nothing may wait any more
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device):
+        self.on_device = device.type == "cuda"
+        words = (vocab_size + 31) // 32
+        self.host = torch.empty((max_rows, words), dtype=torch.int32, pin_memory=self.on_device)
+        self.rows = torch.empty((max_rows, words), dtype=torch.int32, device=device) if self.on_device else None
+        self.flag = torch.zeros(1, dtype=torch.int64, pin_memory=self.on_device)
+        self._flag = self.flag.numpy()  # written without torch: one aligned 8-byte store
+        self.ticket = 0
+
+    @classmethod
+    def create(cls, max_rows: int, vocab_size: int, device: torch.device) -> BitmaskHandoff | None:
+        """A handoff whose device wait has been checked once, or None where the device cannot wait for the host (no
+        Triton: then the engine fills before it launches the sampler)."""
+        try:
+            handoff = cls(max_rows, vocab_size, device)
+            if handoff.on_device:
+                ticket = handoff.reserve()
+                handoff.publish(ticket)
+                handoff.to_device(ticket, 1, None)
+                torch.cuda.current_stream(device).synchronize()
+            return handoff
+        except Exception as e:  # ImportError (no Triton), or a Triton that cannot read pinned host memory
+            logger.warning("structured outputs: the sampler waits for each bitmask's fill on the host (%s)", e)
+            return None
+
+    def reserve(self) -> int:
+        """The next step's ticket (before its fill starts)."""
+        self.ticket += 1
+        return self.ticket
+
+    def publish(self, ticket: int) -> None:
+        """The fill of ``ticket``'s buffer has ended: the device may copy it (from the fill's thread)."""
+        if ticket > self._flag[0]:
+            self._flag[0] = ticket
+
+    def open(self) -> None:
+        """No wait on the device holds from now on (at shutdown)."""
+        self._flag[0] = self.OPEN
+
+    def to_device(self, ticket: int, num_rows: int, fill: Future | None) -> torch.Tensor:
+        """The bitmask's first ``num_rows`` rows for the sampler: on CUDA, the device copy of the buffer, made once
+        the flag reaches ``ticket`` (the host does not wait); on the CPU, ``fill``'s bitmask, once it is done."""
+        if not self.on_device:
+            return fill.result()
+        from nanovllm.kernels import triton_sampler
+        triton_sampler.wait_for_flag(self.flag, ticket)
+        return self.rows[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
 
 
 @functools.cache

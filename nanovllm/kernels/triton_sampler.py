@@ -110,3 +110,25 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int 
         _apply_token_bitmask_kernel[(batch, triton.cdiv(vocab_size, block))](
             logits, logits.stride(0), bitmask, bitmask.stride(0), vocab_size, BLOCK=block)
     return logits
+
+
+# polls of the host's flag before a waiting kernel gives up (each a read over PCIe, ~1 µs: half a minute or more)
+MAX_POLLS = 1 << 25
+
+
+@triton.jit(do_not_specialize=["ticket", "max_polls"])
+def _wait_for_flag_kernel(flag_ptr, ticket, max_polls):
+    seen = tl.load(flag_ptr, volatile=True)
+    polls = 0
+    while (seen < ticket) & (polls < max_polls):
+        seen = tl.load(flag_ptr, volatile=True)
+        polls += 1
+
+
+def wait_for_flag(flag: torch.Tensor, ticket: int, max_polls: int = MAX_POLLS) -> None:
+    """Holds the current stream until int64 ``flag[0]``, in pinned host memory that the host writes, reaches
+    ``ticket``: one program spins on volatile reads of it, so what follows on the stream (a copy of host memory the
+    host fills meanwhile) runs only once the host has said it is ready. After ``max_polls`` reads it goes on
+    regardless, so that a host that never writes the flag cannot hang the device."""
+    assert flag.dtype == torch.int64 and flag.numel() >= 1
+    _wait_for_flag_kernel[(1,)](flag, ticket, max_polls, num_warps=1)
