@@ -206,6 +206,8 @@ class EngineCore:
         fill = self.structured_outputs.grammar_bitmask  # (a failure there is the engine's: guarded)
         if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
                                             for row in rows):
+            if self.inflight is not None and self.inflight[1] is not None and self.inflight[1].waits_for is not None:
+                self.guarded(self.inflight[1].waits_for.result)  # one fill at a time (they share xgrammar's pool)
             sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
             output = self.guarded(self._launch, step, sampling)
             return self.scheduler.launched(seqs, is_prefill), output
