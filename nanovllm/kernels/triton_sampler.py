@@ -7,6 +7,10 @@ as they are (bf16), and no float32 copy, [B, V] noise or softmax is written: one
 instead of about six. The first kernel reduces chunks of 4 x QUARTER logits per program (one Philox
 call gives the uniforms of four positions); the second picks each row's best chunk. Ties go to the
 lowest token id, as ``torch.argmax``; a greedy row (T = 0) is exactly ``logits.argmax(-1)``.
+
+Also here: the structured-output bitmask applied in one pass (``apply_token_bitmask``), and a stream's wait for a
+flag the host raises in pinned memory (``wait_for_flag``), which lets a sampler be launched before the host has
+filled its bitmask (``engine.structured_output.BitmaskHandoff``).
 """
 from __future__ import annotations
 
