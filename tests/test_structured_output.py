@@ -19,7 +19,7 @@ import torch
 from conftest import CPU_ENGINE, ENGINE, assert_no_leaks
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.engine.structured_output import BitmaskHandoff, StructuredOutputManager, choice_grammar
+from nanovllm.engine.structured_output import BitmaskHandoff, HandedOff, StructuredOutputManager, choice_grammar
 from nanovllm.layers.sampler import apply_token_bitmask
 from nanovllm.sampling_params import StructuredOutputsParams as FromModule
 
@@ -185,7 +185,7 @@ def test_wait_for_flag_holds_until_the_host_raises_it():
     import time
     triton_sampler = pytest.importorskip("nanovllm.kernels.triton_sampler")
     cuda = torch.cuda.is_available()
-    flag = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)
+    flag, gave_up = (torch.zeros(1, dtype=torch.int64, pin_memory=cuda) for _ in range(2))
     host = torch.zeros(64, dtype=torch.int32, pin_memory=cuda)
     seen = torch.empty(64, dtype=torch.int32, device="cuda" if cuda else "cpu")
 
@@ -196,15 +196,16 @@ def test_wait_for_flag_holds_until_the_host_raises_it():
 
     writer = threading.Thread(target=write)
     writer.start()
-    triton_sampler.wait_for_flag(flag, 3)
+    triton_sampler.wait_for_flag(flag, gave_up, 3)
     seen.copy_(host, non_blocking=True)
     if cuda:
         torch.cuda.synchronize()
     writer.join()
-    assert torch.equal(seen.cpu(), torch.arange(64, dtype=torch.int32))
-    triton_sampler.wait_for_flag(flag, 4, max_polls=50)  # never raised: it returns
+    assert torch.equal(seen.cpu(), torch.arange(64, dtype=torch.int32)) and int(gave_up[0]) == 0
+    triton_sampler.wait_for_flag(flag, gave_up, 4, max_polls=50)  # never raised: it returns, and says so
     if cuda:
         torch.cuda.synchronize()
+    assert int(gave_up[0]) == 4
 
 
 def test_the_triton_sampler_never_picks_a_masked_token():
@@ -359,6 +360,36 @@ def test_free_requests_are_unchanged_by_constrained_neighbours(demo, monkeypatch
         assert_valid(params[i].structured_outputs.kind, mixed[i].outputs[0].text, SMALL_SCHEMA)
     alone = demo.generate([prompts[i] for i in con], [params[i] for i in con], use_tqdm=False)
     assert_same(_comparable([mixed[i] for i in con]), _comparable(alone))
+
+
+def test_a_fill_slower_than_the_forward_changes_nothing(monkeypatch):
+    """Every fill made to take 30 ms, longer than the demo's forward: with the deferred sampler the sampler waits for
+    it (on CUDA the device spins on the handoff's flag while the host launches on; on the CPU the launch waits), and
+    the outputs are exactly those of the sampler launched after its fill."""
+    import time
+
+    from nanovllm.engine import structured_output
+    prompts, params = _mixed_workload()
+    fill_rows = structured_output.fill_rows
+
+    def slow(rows, bitmask, *args, **kwargs):
+        time.sleep(0.03)
+        return fill_rows(rows, bitmask, *args, **kwargs)
+
+    monkeypatch.setattr(structured_output, "fill_rows", slow)
+    results = []
+    for defer in (False, True):
+        llm = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
+                  async_scheduling=True)
+        llm.core.defer_grammar_sampler = defer
+        try:
+            results.append(_comparable(llm.generate(prompts[:8], params[:8], use_tqdm=False)))
+            assert bool(llm.core.handoff) == defer
+            assert not defer or llm.core.handoff.ticket > 1
+            assert not defer or llm.core.handoff.on_device == torch.cuda.is_available()
+        finally:
+            llm.exit()
+    assert_same(results[1], results[0])
 
 
 def test_async_matches_sync_under_preemption():
@@ -563,6 +594,7 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
         assert llm.config.async_scheduling and not llm.config.enforce_eager
         outs = llm.generate(prompts, plain, use_tqdm=False)
         assert_no_leaks(llm)
+        assert llm.core.handoff and llm.core.handoff.on_device, "the device did not wait for the bitmasks itself"
     finally:
         llm.exit()
     assert splits, "no bitmask was filled while a step was in flight"
@@ -734,6 +766,24 @@ def test_bitmask_handoff_tickets_and_its_wait_on_the_cpu():
     handoff.open()
     handoff.publish(3)
     assert handoff._flag[0] == BitmaskHandoff.OPEN
+    handoff.gave_up[0] = 2  # as the device writes it, were it a device: the CPU's sampler never waits on a flag
+    HandedOff(Future(), handoff, 2).check()
+
+
+def test_a_device_wait_that_gave_up_is_an_error_at_the_read_back():
+    """A step whose device wait for its bitmask gave up (the device's gave_up word at its ticket) is not read back
+    as if its tokens were constrained: HandedOff.check raises, after the fill's own wait."""
+    from concurrent.futures import Future
+    handoff = BitmaskHandoff(2, 64, torch.device("cpu"))
+    handoff.on_device = True  # the check alone, as on CUDA; nothing is launched here
+    fill = Future()
+    fill.set_result(None)
+    handed = HandedOff(fill, handoff, handoff.reserve())
+    handed.wait()
+    handed.check()  # the device waited (gave_up below the ticket)
+    handoff.gave_up[0] = handed.ticket
+    with pytest.raises(RuntimeError, match="stopped waiting for a structured-output bitmask"):
+        handed.check()
 
 
 def test_a_failed_fill_still_raises_the_flag():

@@ -16,7 +16,7 @@ from nanovllm.engine.model_runner import ModelRunner, SamplingInputs
 from nanovllm.engine.outputs import SampledTokens
 from nanovllm.engine.scheduler import ScheduledStep, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.engine.structured_output import BitmaskHandoff, StructuredOutputManager, accept_tokens
+from nanovllm.engine.structured_output import BitmaskHandoff, HandedOff, StructuredOutputManager, accept_tokens
 from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger("nanovllm")
@@ -207,7 +207,7 @@ class EngineCore:
         if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
                                             for row in rows):
             if self.inflight is not None and self.inflight[1] is not None and self.inflight[1].waits_for is not None:
-                self.guarded(self.inflight[1].waits_for.result)  # one fill at a time (they share xgrammar's pool)
+                self.guarded(self.inflight[1].waits_for.wait)  # one fill at a time (they share xgrammar's pool)
             sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
             output = self.guarded(self._launch, step, sampling)
             return self.scheduler.launched(seqs, is_prefill), output
@@ -227,7 +227,8 @@ class EngineCore:
         if started[0] is not None:
             sampling.token_bitmask = self.guarded(handoff.to_device, ticket, len(seqs), started[0])
         output = self.guarded(self.resources.runner.sample, step, forward, sampling)
-        output.waits_for = started[0]
+        if started[0] is not None:
+            output.waits_for = HandedOff(started[0], handoff, ticket)
         return scheduled, output
 
     def _bitmask_handoff(self, num_rows: int) -> BitmaskHandoff | None:

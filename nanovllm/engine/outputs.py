@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -68,12 +67,13 @@ class SampledTokens:
     """One forward's sampled tokens (and logprobs) on their way to the host: the copies into pinned memory start at
     once (behind the sampler on the stream); ``result`` waits for them, so the CPU can launch the next forward first.
     With ``waits_for`` (host work the device waits for before these tokens), ``result`` waits for that first and
-    raises its error: the host never blocks on the device while the device waits for the host."""
+    raises its error, so the host never blocks on the device while the device waits for the host; and after the
+    device, it raises if the device stopped waiting (``HandedOff.check``)."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
                  prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None):
         self.num_logprobs, self.prompt, self.event = num_logprobs, prompt, None
-        self.waits_for: Future | None = None  # host work the device waits for before these tokens (see result)
+        self.waits_for = None  # host work the device waits for before these tokens: a structured_output.HandedOff
         tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
         if token_ids.is_cuda:
             tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
@@ -88,9 +88,11 @@ class SampledTokens:
         where not asked; per sequence, (its first prompt position, such an entry, of the actual token and the top k,
         for each prompt token from there that this forward computed), or None). ``alive``: see ``wait_for_event``."""
         if self.waits_for is not None:  # the fill of the bitmask the device waits for (BitmaskHandoff): first
-            self.waits_for.result()
+            self.waits_for.wait()
         if self.event is not None:
             wait_for_event(self.event, alive)
+        if self.waits_for is not None:
+            self.waits_for.check()
         token_ids = self.token_ids.tolist()
         logprobs, prompt_logprobs = [None] * len(token_ids), [None] * len(token_ids)
         if self.logprobs is not None:

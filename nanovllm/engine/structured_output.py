@@ -217,9 +217,13 @@ class BitmaskHandoff:
 
     One buffer serves every step: a fill starts only once the matchers have the previous step's tokens, which the
     host reads back after the device copied the buffer for them. The host must not block on the device while the
-    device waits for a fill: the sampled tokens' ``result`` waits for the fill first (``SampledTokens.waits_for``),
-    and ``open`` lets every wait go at shutdown. On the CPU the sampler runs on the host, so there the step's
-    launch waits for its fill (``to_device``)."""
+    device waits for a fill: the sampled tokens' ``result`` waits for the fill first (``SampledTokens.waits_for``,
+    a ``HandedOff``), and ``open`` lets every wait go at shutdown. A wait that gave up (``MAX_POLLS``: a fill that
+    never ended, or a thread elsewhere in the process blocking on the device while it holds the GIL that the fill
+    needs to raise the flag) is an error at the read-back, never a token sampled under a stale mask. The flag is
+    written after the fill's threads have joined; on x86 the device cannot see it before the rows (stores keep
+    their order), which is the ordering this relies on. On the CPU the sampler runs on the host, so there the
+    step's launch waits for its fill (``to_device``)."""
 
     OPEN = 1 << 62  # the flag's value once nothing may wait any more
 
@@ -230,6 +234,8 @@ class BitmaskHandoff:
         self.rows = torch.empty((max_rows, words), dtype=torch.int32, device=device) if self.on_device else None
         self.flag = torch.zeros(1, dtype=torch.int64, pin_memory=self.on_device)
         self._flag = self.flag.numpy()  # written without torch: one aligned 8-byte store
+        self.gave_up = torch.zeros(1, dtype=torch.int64, pin_memory=self.on_device)  # by the device: wait_for_flag
+        self.lock = threading.Lock()  # publish (the fill's thread) against open (the engine's)
         self.ticket = 0
 
     @classmethod
@@ -243,6 +249,7 @@ class BitmaskHandoff:
                 handoff.publish(ticket)
                 handoff.to_device(ticket, 1, None)
                 torch.cuda.current_stream(device).synchronize()
+                handoff.check(ticket)
             return handoff
         except Exception as e:  # ImportError (no Triton), or a Triton that cannot read pinned host memory
             logger.warning("structured outputs: the sampler waits for each bitmask's fill on the host (%s)", e)
@@ -255,12 +262,27 @@ class BitmaskHandoff:
 
     def publish(self, ticket: int) -> None:
         """The fill of ``ticket``'s buffer has ended: the device may copy it (from the fill's thread)."""
-        if ticket > self._flag[0]:
-            self._flag[0] = ticket
+        with self.lock:
+            if ticket > self._flag[0]:
+                self._flag[0] = ticket
 
     def open(self) -> None:
-        """No wait on the device holds from now on (at shutdown)."""
-        self._flag[0] = self.OPEN
+        """No wait on the device holds from now on (at shutdown); the waits already launched are let through before
+        the flag's memory can go back to torch's pinned cache and be reused."""
+        with self.lock:
+            self._flag[0] = self.OPEN
+        if self.on_device:
+            try:
+                torch.cuda.current_stream(self.rows.device).synchronize()
+            except Exception:  # a device that failed: nothing of ours waits on it any more
+                pass
+
+    def check(self, ticket: int) -> None:
+        """Raises if the device's wait for ``ticket``'s fill gave up (after the step's tokens were read back)."""
+        if self.on_device and self.gave_up[0] >= ticket:
+            raise RuntimeError("the device stopped waiting for a structured-output bitmask (its fill did not end "
+                               "within triton_sampler.MAX_POLLS polls of the flag): the step's tokens were sampled "
+                               "without it")
 
     def to_device(self, ticket: int, num_rows: int, fill: Future | None) -> torch.Tensor:
         """The bitmask's first ``num_rows`` rows for the sampler: on CUDA, the device copy of the buffer, made once
@@ -268,8 +290,22 @@ class BitmaskHandoff:
         if not self.on_device:
             return fill.result()
         from nanovllm.kernels import triton_sampler
-        triton_sampler.wait_for_flag(self.flag, ticket)
+        triton_sampler.wait_for_flag(self.flag, self.gave_up, ticket)
         return self.rows[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
+
+
+class HandedOff:
+    """A step's bitmask fill that the device waits for (``BitmaskHandoff``), as its sampled tokens see it:
+    ``wait`` before the host waits on the device (raising the fill's error), ``check`` after."""
+
+    def __init__(self, fill: Future, handoff: BitmaskHandoff, ticket: int):
+        self.fill, self.handoff, self.ticket = fill, handoff, ticket
+
+    def wait(self) -> None:
+        self.fill.result()
+
+    def check(self) -> None:
+        self.handoff.check(self.ticket)
 
 
 @functools.cache

@@ -121,18 +121,21 @@ MAX_POLLS = 1 << 25
 
 
 @triton.jit(do_not_specialize=["ticket", "max_polls"])
-def _wait_for_flag_kernel(flag_ptr, ticket, max_polls):
+def _wait_for_flag_kernel(flag_ptr, gave_up_ptr, ticket, max_polls):
     seen = tl.load(flag_ptr, volatile=True)
     polls = 0
     while (seen < ticket) & (polls < max_polls):
         seen = tl.load(flag_ptr, volatile=True)
         polls += 1
+    if seen < ticket:
+        tl.store(gave_up_ptr, ticket)
 
 
-def wait_for_flag(flag: torch.Tensor, ticket: int, max_polls: int = MAX_POLLS) -> None:
+def wait_for_flag(flag: torch.Tensor, gave_up: torch.Tensor, ticket: int, max_polls: int = MAX_POLLS) -> None:
     """Holds the current stream until int64 ``flag[0]``, in pinned host memory that the host writes, reaches
     ``ticket``: one program spins on volatile reads of it, so what follows on the stream (a copy of host memory the
     host fills meanwhile) runs only once the host has said it is ready. After ``max_polls`` reads it goes on
-    regardless, so that a host that never writes the flag cannot hang the device."""
-    assert flag.dtype == torch.int64 and flag.numel() >= 1
-    _wait_for_flag_kernel[(1,)](flag, ticket, max_polls, num_warps=1)
+    regardless, so that a host that never writes the flag cannot hang the device, and writes ``ticket`` into int64
+    ``gave_up[0]`` (pinned too), for the host to tell that what followed did not wait."""
+    assert flag.dtype == gave_up.dtype == torch.int64 and flag.numel() >= 1 and gave_up.numel() >= 1
+    _wait_for_flag_kernel[(1,)](flag, gave_up, ticket, max_polls, num_warps=1)
