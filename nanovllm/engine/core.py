@@ -102,8 +102,7 @@ class EngineCore:
         self.handoff: BitmaskHandoff | None | bool = None  # made on the first deferred fill (False: cannot be)
         self.scheduler = Scheduler(config)
         self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
-        # launched, result not yet read
-        self.inflight: tuple[ScheduledStep, SampledTokens | None] | None = None
+        self.inflight: tuple[ScheduledStep, SampledTokens] | None = None  # launched, result not yet read
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.eos_token_id = config.eos_token_ids[0] if config.eos_token_ids else None  # the model's own
         self.lock = threading.Lock()  # one step (or request admission) at a time
@@ -206,7 +205,7 @@ class EngineCore:
         fill = self.structured_outputs.grammar_bitmask  # (a failure there is the engine's: guarded)
         if self.inflight is None or not any(seqs[row].grammar is not None and seqs[row].num_pending_tokens
                                             for row in rows):
-            if self.inflight is not None and self.inflight[1] is not None and self.inflight[1].waits_for is not None:
+            if self.inflight is not None and self.inflight[1].waits_for is not None:
                 self.guarded(self.inflight[1].waits_for.wait)  # one fill at a time (they share xgrammar's pool)
             sampling.token_bitmask = self.guarded(fill, seqs, rows, pin)
             output = self.guarded(self._launch, step, sampling)

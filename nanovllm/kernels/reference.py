@@ -101,19 +101,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x."""
-    return weight * rms_normalize(x, eps)
+    f = x.float()
+    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for x [M, 2 * I] = [gate | up] -> [M, I]."""
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, rounded to x's dtype: an RMSNorm without its weight."""
-    f = x.float()
-    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
