@@ -187,14 +187,14 @@ def test_async_matches_sync_on_a_mixed_workload(tiny):
 
     llm = _engine(tiny, True)
     steps_with_two_in_flight = []
-    original_run = llm.model_runner.run
+    original_forward = llm.model_runner.forward
 
-    def spy_run(step, sampling=None):
+    def spy_forward(step, sampling=None):
         if llm.core.inflight is not None:
             steps_with_two_in_flight.append(step.prev_rows is not None)
-        return original_run(step, sampling)
+        return original_forward(step, sampling)
 
-    llm.model_runner.run = spy_run
+    llm.model_runner.forward = spy_forward
     try:
         assert _workload(*_stops(llm))[1] == params  # the same probe, so the same prefix-cache state
         got = _comparable(llm.generate(prompts, params, use_tqdm=False))

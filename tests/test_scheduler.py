@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm import LLM
-from nanovllm.engine.batch import build_decode, build_prefill
+from nanovllm.engine.batch import prepare_decode, prepare_prefill
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.core import EngineCore, Request, Resources
+from nanovllm.engine.core import EngineCore, EngineResources
+from nanovllm.engine.output_processor import Request
+from nanovllm.engine.sampling import LogitsProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
@@ -25,7 +27,7 @@ def test_slot_mapping_worked_example():
     seq = Sequence(list(range(38)), block_size=8)
     seq.block_table = [4, 5, 9, 3, 11]
     seq.num_cached_tokens, seq.num_scheduled_tokens = 1, 37
-    step = build_prefill([seq], 8)  # a pure function of the sequences: no runner, no model
+    step = prepare_prefill([seq], 8)  # a pure function of the sequences: no runner, no model
     expected = [*range(33, 40), *range(40, 48), *range(72, 80), *range(24, 32), *range(88, 94)]
     assert step.slot_mapping.tolist() == expected
     assert step.input_ids.tolist() == list(range(1, 38)) and step.positions.tolist() == list(range(1, 38))
@@ -41,28 +43,28 @@ def test_prefill_of_several_sequences_and_the_warmup():
     a.block_table, b.block_table = [3, 1], [2]
     a.num_scheduled_tokens, b.num_scheduled_tokens = 5, 3
     b.prompt_logprobs = [None] * 3  # b computes its prompt logprobs: the LM head projects all its positions
-    step = build_prefill([a, b], 4)
+    step = prepare_prefill([a, b], 4)
     assert step.input_ids.tolist() == [0, 1, 2, 3, 4, 10, 11, 12]
     assert step.slot_mapping.tolist() == [12, 13, 14, 15, 4, 8, 9, 10]
     assert step.cu_seqlens_q.tolist() == [0, 5, 8] and step.block_tables is None  # nothing cached
     assert step.logits_indices.tolist() == [4, 5, 6, 7]  # a's last position, every one of b's
     warm = Sequence([0] * 6, block_size=4)
     warm.num_scheduled_tokens = 6
-    assert build_prefill([warm], 4).slot_mapping.tolist() == [-1] * 6  # no blocks: nothing is stored
+    assert prepare_prefill([warm], 4).slot_mapping.tolist() == [-1] * 6  # no blocks: nothing is stored
 
 
-def test_build_decode():
+def test_prepare_decode():
     a, b = Sequence(list(range(10)), block_size=4), Sequence(list(range(5)), block_size=4)
     a.block_table, b.block_table = [7, 2, 5], [1, 0]
-    step = build_decode([a, b], 4)
+    step = prepare_decode([a, b], 4)
     assert step.input_ids.tolist() == [9, 4] and step.positions.tolist() == [9, 4]
     assert step.slot_mapping.tolist() == [5 * 4 + 1, 0 * 4 + 0]
     assert step.context_lens.tolist() == [10, 5] and step.prev_rows is None
     assert step.block_tables.tolist() == [[7, 2, 5], [1, 0, -1]]
     b.num_pending_tokens = 1  # b's token is still on the device, at row 3 of the step in flight
     b.block_table.append(6)
-    inflight = SimpleNamespace(seqs=[Sequence([1]), Sequence([2]), a, b], rows=[0, 1, 3])  # row 2: a chunk
-    step = build_decode([a, b], 4, inflight)
+    inflight = SimpleNamespace(seqs=[Sequence([1]), Sequence([2]), a, b], kept_rows=[0, 1, 3])  # row 2: a chunk
+    step = prepare_decode([a, b], 4, inflight)
     assert step.prev_rows.tolist() == [-1, 3] and step.positions.tolist() == [9, 5]
     assert step.input_ids.tolist() == [9, -1] and step.context_lens.tolist() == [10, 6]
     assert b.token_ids == list(range(5)) and b.num_tokens == 6  # a pending token is counted, not stored
@@ -193,25 +195,29 @@ def fake_forward(batch: list[Sequence], step, inflight) -> list[int]:
         if not step.is_prefill and seq.num_pending_tokens:  # its input is the in-flight step's sample
             assert seq.num_pending_tokens == 1 and seq.num_cached_tokens == len(seq.token_ids)
             prev_row = step.prev_rows[row]
-            assert inflight is not None and prev_row in inflight[0].rows and inflight[0].seqs[prev_row] is seq
+            assert inflight is not None and prev_row in inflight[0].kept_rows and inflight[0].seqs[prev_row] is seq
             assert step.input_ids[row] == -1
     return [fake_next(device_history(seq)[:seq.num_cached_tokens + seq.num_scheduled_tokens]) for seq in batch]
 
 
 class FakeRunner:
-    """Rank 0's runner without a model: ``run`` samples the fake model for the sequences whose sampling
+    """Rank 0's runner without a model: ``forward`` samples the fake model for the sequences whose sampling
     inputs were prepared last (the core prepares them right before it launches)."""
 
     def __init__(self):
         self.core: EngineCore | None = None
         self.seqs: list[Sequence] = []
+        self.sampling = LogitsProcessor()  # no per-sequence sampling state to forget
 
-    def prepare_sampling(self, seqs: list[Sequence], is_prefill: bool):
-        self.seqs = list(seqs)
+    def prepare_sample(self, batch):
+        self.seqs = list(batch.seqs)
         return None
 
-    def run(self, step, sampling):
-        return FakeSampled(fake_forward(self.seqs, step, self.core.inflight))
+    def forward(self, step, sampling):
+        return fake_forward(self.seqs, step, self.core.inflight)
+
+    def sample(self, step, token_ids, sampling):
+        return FakeSampled(token_ids)
 
     def exit(self):
         pass
@@ -235,14 +241,14 @@ def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefi
                              max_model_len=min(max_len, num_blocks * block_size), num_kvcache_blocks=num_blocks,
                              kvcache_block_size=block_size,
                              enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
-    resources = Resources()
+    resources = EngineResources()
     resources.runner = runner = FakeRunner()
-    core = runner.core = EngineCore(config, resources, resources.close)
+    core = runner.core = EngineCore(config, resources, resources.close, [])
     seqs = []
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         sp = SamplingParams(max_tokens=m, presence_penalty=0.5 if penalties and penalties[i] else 0.0)
         request_seqs = [Sequence(prompt, sp, block_size) for _ in range(n[i] if n else 1)]
-        core.add(Request(i, prompt, request_seqs, waiting_siblings=request_seqs[1:]))
+        core.add(Request(i, prompt, request_seqs), sp)
         seqs += request_seqs
     for _ in range(100_000):
         if core.is_finished():

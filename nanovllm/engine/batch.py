@@ -52,7 +52,7 @@ def block_tables(seqs: list[Sequence]) -> np.ndarray:
     return table
 
 
-def build_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
+def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
     """Each sequence's scheduled tokens [num_cached_tokens, + num_scheduled_tokens). The LM head
     projects each sequence's last position, and every position of a sequence whose chunk gives prompt
     logprobs (``logits_indices``)."""
@@ -76,10 +76,9 @@ def build_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
     return step
 
 
-def build_decode(seqs: list[Sequence], block_size: int, inflight=None) -> StepInput:
-    """One token per sequence: its last (position len - 1, in its last block). A token still on the
-    device (async scheduling) is taken from its row of the in-flight step's samples (``prev_rows``;
-    ``inflight``: that step, with its ``seqs`` and the ``rows`` whose samples are next tokens)."""
+def prepare_decode(seqs: list[Sequence], block_size: int, inflight=None) -> StepInput:
+    """One token per sequence: its last (position len - 1, in its last block). A token still on the device
+    (async scheduling) is taken from its row of the in-flight batch's samples (``prev_rows``)."""
     context_lens = np.array([seq.num_tokens for seq in seqs], dtype=np.int32)
     step = StepInput(
         is_prefill=False,
@@ -89,7 +88,7 @@ def build_decode(seqs: list[Sequence], block_size: int, inflight=None) -> StepIn
                                for seq, n in zip(seqs, context_lens.tolist())], dtype=np.int32),
         block_tables=block_tables(seqs), context_lens=context_lens)
     if any(seq.num_pending_tokens for seq in seqs):
-        row_of = {inflight.seqs[row].seq_id: row for row in inflight.rows}
+        row_of = {inflight.seqs[row].seq_id: row for row in inflight.kept_rows}
         step.prev_rows = np.array([row_of[seq.seq_id] if seq.num_pending_tokens else -1 for seq in seqs],
                                   dtype=np.int64)
     return step

@@ -18,9 +18,10 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import KEYWORD_ALIASES, Config
-from nanovllm.engine.core import EngineCore, Request, Resources
+from nanovllm.engine.core import EngineCore, EngineResources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.output_processor import Request
 from nanovllm.engine.outputs import request_output
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
@@ -117,19 +118,21 @@ class LLMEngine:
         config = Config.from_kwargs(model, **kwargs)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         config = config.derive(eos_token_ids=eos_token_ids(config.model, config.hf_config, self.tokenizer))
-        self._resources = resources = Resources()
+        self._resources = resources = EngineResources()
         self._finalizer = weakref.finalize(self, resources.close)
         try:
             if config.tensor_parallel_size > 1:
                 resources.workers = WorkerGroup(config)
             resources.runner = ModelRunner(config, 0, resources.workers.connect() if resources.workers else None)
         except BaseException as e:
-            resources.fail(e, self._finalizer)
+            resources.shut_down_and_raise(e, self._finalizer)
         runner = resources.runner
         self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
                                                           self.config.eos_token_ids)
-        self.core = EngineCore(self.config, resources, self._finalizer, self.structured_outputs)
+        self.structured_outputs.bind(runner.device, self.config.max_num_seqs,
+                                     resources.workers is None and bool(self.config.async_scheduling))
+        self.core = EngineCore(self.config, resources, self._finalizer, [self.structured_outputs])
         self._request_ids = itertools.count()
         # requests admitted by add_request, reported by step(): {request_id: its Request} (None while admitted)
         self._step_requests: dict[str, Request | None] = {}
@@ -250,20 +253,15 @@ class LLMEngine:
         completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
                        for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
-        if params.structured_outputs is not None:  # each completion its own matcher (compiled at admission)
-            for seq in seqs:
-                seq.grammar = self.structured_outputs.grammar(params.structured_outputs)
         if params.prompt_logprobs is not None:  # one completion computes them for the request
             seqs[0].prompt_logprobs = [None] * len(prompt_ids)
         incremental = incremental and self.tokenizer is not None
-        if stream is not None or params.stop_strings or incremental:
-            for seq in seqs:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                        if stream is not None or params.stop_strings or incremental else None for _ in seqs]
         while request_id is None or request_id in self._step_requests and self._step_requests[request_id] is not None:
             request_id = str(next(self._request_ids))  # a fresh id, not one that a caller of add_request holds
-        request = Request(index, prompt_ids, seqs, request_id, text, waiting_siblings=seqs[1:], stream=stream,
-                          incremental_text=incremental)
-        self.core.add(request)
+        request = Request(index, prompt_ids, seqs, request_id, text, detokenizers, stream, incremental)
+        self.core.add(request, params)
         return request
 
     def _admitted(self, sampling_params: SamplingParams) -> SamplingParams:

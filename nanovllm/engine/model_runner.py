@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.batch import StepInput, build_prefill
+from nanovllm.engine.batch import StepInput, prepare_prefill
 from nanovllm.engine.cuda_graph import DecodeGraphs
-from nanovllm.engine.outputs import PromptLogprobsBatch, SampledTokens, SamplingInputs
+from nanovllm.engine.outputs import ModelRunnerOutput
+from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
+from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, bind_backend
-from nanovllm.layers.sampler import Sampler, SamplingBatch, prompt_logprobs
+from nanovllm.layers.sampler import Sampler, prompt_logprobs
 from nanovllm.models.llama import head_dim_of
 from nanovllm.utils.context import get_context, set_context
 from nanovllm.utils.distributed import TPGroup, tensor_parallel
@@ -61,6 +63,7 @@ class ModelRunner:
         else:
             load_model(self.model, self.config.model)
         self.sampler = Sampler(self.config.seed)
+        self.sampling = SamplingPreparer(self.device, hf_config.vocab_size, self.config.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
         self.attention_backend = bind_backend(self.config.attention_backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -74,9 +77,13 @@ class ModelRunner:
             self.warmup_model()
         self.allocate_kv_cache()
         if self.is_cuda and not self.config.enforce_eager:
-            max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
-            self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
-                                       hf_config.hidden_size)
+            self.capture_cudagraph()
+
+    def capture_cudagraph(self):
+        """Decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... (``cuda_graph.DecodeGraphs``)."""
+        max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
+        self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
+                                   self.config.hf_config.hidden_size)
 
     def exit(self):
         """Frees what the device holds for this runner, now rather than when the engine object goes: its graphs,
@@ -107,7 +114,8 @@ class ModelRunner:
         dummy = torch.zeros(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.kv_dtype)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = dummy
-        self.run(build_prefill(seqs, self.block_size), self.prepare_sampling(seqs, True) if self.rank == 0 else None)
+        batch = SchedulerOutput(seqs, True)
+        self.run(prepare_prefill(seqs, self.block_size), self.prepare_sample(batch) if self.rank == 0 else None)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -177,81 +185,9 @@ class ModelRunner:
             input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
         return input_ids, self._to_device(step.positions), context
 
-    def prepare_sampling(self, seqs: list[Sequence], is_prefill: bool) -> SamplingInputs:
-        """Rank 0's inputs for sampling a step of ``seqs``."""
-        return SamplingInputs(self.prepare_sample(seqs), self.prepare_prompt_logprobs(seqs) if is_prefill else None,
-                              [seq.sampling_params.logprobs for seq in seqs])
-
-    @torch.inference_mode()  # like run(), which it used to be called from
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The batch's sampling parameters; each optional stage only when some request uses it."""
-        params = [seq.sampling_params for seq in seqs]
-
-        def column(name: str, dtype=torch.float32) -> torch.Tensor:
-            return self._to_device([getattr(sp, name) for sp in params], dtype)
-
-        # a temperature below SAMPLING_EPS is greedy (1 / T would overflow the logits)
-        batch = SamplingBatch(self._to_device([0.0 if sp.is_greedy else sp.temperature for sp in params],
-                                              torch.float32))
-        if all(sp.is_plain for sp in params):
-            return batch
-        vocab_size = self.config.hf_config.vocab_size
-        if any(sp.needs_top_k_top_p for sp in params):
-            batch.top_k = self._to_device([sp.top_k if sp.top_k > 0 else vocab_size for sp in params], torch.int64)
-            batch.top_p = column("top_p")
-        if any(sp.min_p > 0 for sp in params):
-            batch.min_p = column("min_p")
-        if any(sp.needs_penalties for sp in params):
-            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = (
-                column(name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
-            batch.output_ids = self._padded([seq.completion_token_ids for seq in seqs], vocab_size)
-            batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1
-                                             else [] for seq, sp in zip(seqs, params)], vocab_size)
-        # only rows whose sampled token is kept (not a prefill chunk) use min_tokens and seeds
-        final = [seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens for seq in seqs]
-        banned = [set(self.config.eos_token_ids) | set(sp.stop_token_ids)
-                  if f and seq.num_completion_tokens < sp.min_tokens else set()
-                  for seq, sp, f in zip(seqs, params, final)]
-        if any(banned):
-            ids = sorted(set().union(*banned))
-            batch.banned_ids = self._to_device(ids, torch.int64)
-            batch.banned_rows = self._to_device([[i in row for i in ids] for row in banned], torch.bool)
-        for seq, f in zip(seqs, final):
-            if f and seq.sampling_params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
-        if any(sp.seed is not None for sp in params):
-            batch.generators = [seq.generator if f else None for seq, f in zip(seqs, final)]
-        logprobs = [sp.logprobs for sp in params if sp.logprobs is not None]
-        batch.num_logprobs = max(logprobs) if logprobs else -1
-        return batch
-
-    def prepare_prompt_logprobs(self, seqs: list[Sequence]) -> PromptLogprobsBatch | None:
-        """Which logits rows of a prefill give which prompt logprobs (rank 0); None when no sequence
-        computes them. The logits at position p are the distribution of token p + 1, so a sequence's
-        scheduled positions before its last prompt token give the logprobs of its prompt tokens."""
-        counts = [seq.num_prompt_logprob_rows for seq in seqs]
-        if not any(counts):
-            return None
-        sample_rows, rows, targets, spans = [], [], [], []
-        row = 0
-        for seq, count in zip(seqs, counts):
-            if count:
-                start = seq.num_cached_tokens
-                rows.extend(range(row, row + count))
-                targets.extend(seq.token_ids[start + 1:start + 1 + count])
-                spans.append((start + 1, count, seq.sampling_params.prompt_logprobs))
-                row += seq.num_scheduled_tokens
-            else:
-                spans.append(None)
-                row += 1
-            sample_rows.append(row - 1)
-        return PromptLogprobsBatch(self._to_device(sample_rows, torch.int64), self._to_device(rows, torch.int64),
-                                   self._to_device(targets, torch.int64), targets, spans,
-                                   max(span[2] for span in spans if span is not None))
-
-    def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        return self._to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64)
+    def prepare_sample(self, batch: SchedulerOutput) -> SamplingInputs:
+        """Rank 0's inputs for sampling ``batch`` (``sampling.SamplingPreparer``)."""
+        return self.sampling.prepare(batch)
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool):
@@ -261,8 +197,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInput, sampling: SamplingInputs | None = None):
-        """Launches one forward and, on rank 0, its sampling (``sampling``: ``prepare_sampling``'s).
-        Returns rank 0's ``SampledTokens`` (read them with ``result()``); None elsewhere. With async
+        """Launches one forward and, on rank 0, its sampling (``sampling``: ``prepare_sample``'s).
+        Returns rank 0's ``ModelRunnerOutput`` (read them with ``result()``); None elsewhere. With async
         scheduling the sampled tokens stay on every rank's device as the next forward's inputs (TP:
         broadcast from rank 0)."""
         return self.sample(step, self.forward(step, sampling), sampling)
@@ -285,14 +221,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, step: StepInput, forward: tuple | None, sampling: SamplingInputs | None = None):
-        """The second half of ``run``: rank 0 samples ``forward``'s logits (with ``sampling.token_bitmask``
-        applied, moved to the device now if it is on the host); with async scheduling every rank keeps the sampled
-        tokens."""
+        """The second half of ``run``: rank 0 samples ``forward``'s logits (``sampling.token_bitmask`` applied);
+        with async scheduling every rank keeps the sampled tokens."""
         token_ids = logprobs = prompt_lps = None
         if self.rank == 0:
             logits, prompt_lps = forward
             bitmask = sampling.token_bitmask
-            if bitmask is not None:  # on the host, or already on its way (structured_output.BitmaskHandoff)
+            if bitmask is not None:
                 sampling.batch.token_bitmask = bitmask if bitmask.device == self.device else self._to_device(bitmask)
             token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
         if self.config.async_scheduling:
@@ -303,4 +238,5 @@ class ModelRunner:
             self.prev_sampled = token_ids
         if self.rank != 0:
             return None
-        return SampledTokens(token_ids, logprobs, sampling.num_logprobs, sampling.prompt, prompt_lps)
+        return ModelRunnerOutput(token_ids, logprobs, sampling.num_logprobs, sampling.prompt, prompt_lps,
+                                 sampling.host_work)

@@ -1,40 +1,15 @@
-"""Output assembly: what rank 0 samples with (``SamplingInputs``), a forward's sampled tokens on their
-way to the host (``SampledTokens``), vLLM's logprob entries, and the ``RequestOutput`` objects
-(``nanovllm.outputs``) that ``generate`` returns."""
+"""Output assembly: a forward's sampled tokens on their way to the host (``ModelRunnerOutput``), vLLM's logprob
+entries, and the ``RequestOutput`` objects (``nanovllm.outputs``) that ``generate`` returns."""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from nanovllm.engine.sampling import PromptLogprobsBatch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplingBatch
 from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-
-
-@dataclass
-class PromptLogprobsBatch:
-    """Where one prefill's prompt logprobs come from, on rank 0. The LM head projects every scheduled
-    position of a sequence that computes them and the last position of the others, in batch order."""
-
-    sample_rows: torch.Tensor     # [num_seqs] the logits row of each sequence's last scheduled position
-    rows: torch.Tensor            # [R] the logits rows whose next token is a prompt token
-    target_ids: torch.Tensor      # [R] those prompt tokens
-    targets: list[int]            # the same, on the host
-    spans: list[tuple[int, int, int] | None]  # per sequence: (its first prompt position, how many, k), or None
-    num_top: int                  # the largest k
-
-
-@dataclass
-class SamplingInputs:
-    """What rank 0 needs, besides the logits, to sample one step."""
-
-    batch: SamplingBatch
-    prompt: PromptLogprobsBatch | None      # prefills whose sequences compute prompt logprobs
-    num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
-    token_bitmask: torch.Tensor | None = None  # structured outputs: the step's bitmask on the host, or None
 
 
 def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,
@@ -63,17 +38,14 @@ def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float
         time.sleep(poll_s)
 
 
-class SampledTokens:
-    """One forward's sampled tokens (and logprobs) on their way to the host: the copies into pinned memory start at
-    once (behind the sampler on the stream); ``result`` waits for them, so the CPU can launch the next forward first.
-    With ``waits_for`` (host work the device waits for before these tokens), ``result`` waits for that first and
-    raises its error, so the host never blocks on the device while the device waits for the host; and after the
-    device, it raises if the device stopped waiting (``HandedOff.check``)."""
+class ModelRunnerOutput:
+    """What the runner hands back: one forward's sampled tokens (and logprobs) on their way to the host. The copies
+    into pinned memory start at once; ``result`` waits for them, so the host can launch the next forward first.
+    ``host_work``: host work the device waits for (a grammar bitmask's fill): joined before the device is."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
-                 prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None):
-        self.num_logprobs, self.prompt, self.event = num_logprobs, prompt, None
-        self.waits_for = None  # host work the device waits for before these tokens: a structured_output.HandedOff
+                 prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None, host_work=()):
+        self.num_logprobs, self.prompt, self.event, self.host_work = num_logprobs, prompt, None, list(host_work)
         tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
         if token_ids.is_cuda:
             tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
@@ -84,15 +56,14 @@ class SampledTokens:
 
     def result(self, alive: Callable[[], bool] | None = None
                ) -> tuple[list[int], list[dict[int, float] | None], list[tuple[int, list[dict]] | None]]:
-        """(the sampled token ids; per sequence, {token id: logprob} of the sampled token and its top k, or None
-        where not asked; per sequence, (its first prompt position, such an entry, of the actual token and the top k,
-        for each prompt token from there that this forward computed), or None). ``alive``: see ``wait_for_event``."""
-        if self.waits_for is not None:  # the fill of the bitmask the device waits for (BitmaskHandoff): first
-            self.waits_for.wait()
+        """(the token ids; per sequence, {token id: Logprob} of the sampled token and its top k, or None; per
+        sequence, (its first prompt position, such an entry for each prompt token this forward computed), or None)."""
+        for work in self.host_work:  # first: the device may be waiting for it
+            work.wait()
         if self.event is not None:
             wait_for_event(self.event, alive)
-        if self.waits_for is not None:
-            self.waits_for.check()
+        for work in self.host_work:
+            work.check()
         token_ids = self.token_ids.tolist()
         logprobs, prompt_logprobs = [None] * len(token_ids), [None] * len(token_ids)
         if self.logprobs is not None:
@@ -121,15 +92,16 @@ def _decode_entries(entries: list | None, tokenizer) -> None:
                 lp.decoded_token = "" if piece is None else tokenizer.convert_tokens_to_string([piece])
 
 
-def completion_output(seq: Sequence, index: int, tokenizer, incremental: bool = False) -> CompletionOutput:
+def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
+                      incremental: bool = False) -> CompletionOutput:
     """Completion ``index`` of its request: the text (cut at a stop string; without a stop token's text; with
     ``incremental``, its detokenizer's so far, in O(1) a report), the cumulative logprob of the chosen tokens
     (with logprobs), why it ended."""
     sp = seq.sampling_params
     if tokenizer is None:
         text = ""
-    elif seq.detokenizer is not None and (incremental or seq.finish_reason == "stop" and sp.stop_strings):
-        text = seq.detokenizer.text  # (cut at the stop string)
+    elif detokenizer is not None and (incremental or seq.finish_reason == "stop" and sp.stop_strings):
+        text = detokenizer.text  # (cut at the stop string)
     else:  # without the stop token's text unless include_stop_str_in_output (vLLM's)
         by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         ids = seq.completion_token_ids[:-1] if by_token and not sp.include_stop_str_in_output else \
@@ -158,6 +130,6 @@ def request_output(request, tokenizer) -> RequestOutput:
     if prompt_logprobs is not None and tokenizer is not None:
         _decode_entries(prompt_logprobs, tokenizer)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
-                         [completion_output(seq, i, tokenizer, request.incremental_text)
+                         [completion_output(seq, i, tokenizer, request.detokenizers[i], request.incremental_text)
                           for i, seq in enumerate(request.seqs)], finished,
                          first.num_prefix_cached_tokens or 0, metrics, request.error)

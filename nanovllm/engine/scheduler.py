@@ -10,21 +10,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanovllm.config import Config
+from nanovllm.engine.batch import StepInput
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
-class ScheduledStep:
-    """A launched forward: its sequences in batch order, and the rows whose sampled token is kept
-    (all of them, except a prefill chunk that does not reach the end of its prompt)."""
+class SchedulerOutput:
+    """What the scheduler hands the runner: one forward's sequences in batch order. ``kept_rows`` are the rows
+    whose sampled token is the sequence's next (all but a prefill chunk short of its prompt's end), computed
+    once, when the batch is scheduled; ``step_input`` is the batch as arrays (``batch.prepare_prefill``/
+    ``prepare_decode``)."""
 
     seqs: list[Sequence]
     is_prefill: bool
-    rows: list[int]
+    kept_rows: list[int] = field(init=False)
+    step_input: StepInput | None = None
+
+    def __post_init__(self):
+        self.kept_rows = [row for row, seq in enumerate(self.seqs)
+                          if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens]
+
+    def without(self, dropped) -> SchedulerOutput:
+        """The same batch less the sequences in ``dropped`` (ended before it was launched)."""
+        return SchedulerOutput([seq for seq in self.seqs if seq not in dropped], self.is_prefill)
 
 
 class Scheduler:
@@ -36,21 +48,26 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.held: dict[int, list[Sequence]] = {}  # seq_id -> completions that start once its prompt is cached
         self.num_preemptions = 0  # over the engine's life
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def add(self, seq: Sequence):
+    def add(self, seq: Sequence, siblings: list[Sequence] = ()):
+        """Queues ``seq``; its ``siblings`` (the request's other completions) are held until ``seq``'s prompt
+        is in the cache, so that they find its blocks there."""
         self.waiting.append(seq)
+        if siblings:
+            self.held[seq.seq_id] = list(siblings)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Returns the sequences of the next forward and whether it is a prefill. Empty only when
-        every running sequence is waiting for the result of a forward in flight."""
+    def schedule(self) -> SchedulerOutput:
+        """The next forward: a prefill if any waiting sequence fits, else a decode of the running ones. Empty only
+        when every running sequence is waiting for the result of a forward in flight."""
         scheduled = self._schedule_prefill()
         if scheduled:
-            return scheduled, True
-        return self._schedule_decode(), False
+            return SchedulerOutput(scheduled, True)
+        return SchedulerOutput(self._schedule_decode(), False)
 
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
@@ -118,33 +135,28 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
-    def launched(self, seqs: list[Sequence], is_prefill: bool) -> ScheduledStep:
-        """Books the forward just issued for ``seqs``: their scheduled tokens count as cached (the
-        device writes their K/V before any later forward reads it), and each sequence whose sampled
-        token is kept counts it as pending."""
-        rows = []
-        for row, seq in enumerate(seqs):
+    def launched(self, batch: SchedulerOutput):
+        """Books the forward just issued: its scheduled tokens count as cached (the device writes their K/V before
+        any later forward reads them), and each kept row's token as pending."""
+        for seq in batch.seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.hash_blocks(seq)  # now, so that the very next schedule can reuse them
-            if seq.num_cached_tokens == seq.num_tokens:  # else a prefill chunk: its sample is not a next token
-                seq.num_pending_tokens += 1
-                rows.append(row)
-        return ScheduledStep(seqs, is_prefill, rows)
+        for row in batch.kept_rows:
+            batch.seqs[row].num_pending_tokens += 1
 
-    def postprocess(self, step: ScheduledStep, token_ids: list[int], logprobs: list[dict | None],
+    def postprocess(self, batch: SchedulerOutput, token_ids: list[int], logprobs: list[dict | None],
                     prompt_logprobs: list[tuple[int, list[dict]] | None] | None = None) -> list[tuple[Sequence, int]]:
-        """Books the step's sampled tokens (and prompt logprobs: per sequence of a prefill, the first
-        position they are for and the entries); returns (sequence, token) for each sequence that gained a
-        token (the engine core decides which of them it ends). A sequence that finished on an earlier
-        token ignores this one (it was computed before that was known) and never shows it."""
-        for seq, computed in zip(step.seqs, prompt_logprobs or ()):
+        """Appends the batch's sampled tokens (and prompt logprobs: per sequence, its first position and the
+        entries); returns (sequence, token) for each sequence that gained one. A sequence that finished on an
+        earlier token ignores this one (it was computed before that was known)."""
+        for seq, computed in zip(batch.seqs, prompt_logprobs or ()):
             if computed is not None:
                 first, entries = computed
                 seq.prompt_logprobs[first:first + len(entries)] = entries
         advanced = []
-        for row in step.rows:
-            seq = step.seqs[row]
+        for row in batch.kept_rows:
+            seq = batch.seqs[row]
             if seq.is_finished:
                 continue
             token_id = token_ids[row]
@@ -153,13 +165,30 @@ class Scheduler:
                 seq.logprobs.append(logprobs[row])
             advanced.append((seq, token_id))
             self.block_manager.hash_blocks(seq)  # a block whose last id was pending; before finish frees it
+        for seq in batch.seqs if batch.is_prefill else ():
+            if seq.num_cached_tokens >= seq.num_prompt_tokens:
+                self._release_held(seq)
         return advanced
 
-    def finish(self, seq: Sequence, reason: str):
-        """Ends ``seq`` at its last known token (a token still in flight is dropped)."""
+    def _release_held(self, seq: Sequence):
+        for sibling in self.held.pop(seq.seq_id, ()):
+            self.waiting.append(sibling)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        """Ends ``seq`` at its last known token (a token still in flight is dropped); the completions it held
+        start now (the request may go on without it)."""
+        if seq.is_finished:
+            return
         seq.num_pending_tokens = 0
-        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)  # waiting: preempted
+        queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
+        if seq in queue:
+            queue.remove(seq)
+        else:  # a held completion, never scheduled
+            for held in self.held.values():
+                if seq in held:
+                    held.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.finish_time = time.perf_counter()
         self.block_manager.deallocate(seq)
+        self._release_held(seq)

@@ -37,19 +37,15 @@ class Sequence:
         self.num_prefix_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
         self.block_table: list[int] = []
         self.sampling_params = sampling_params or SamplingParams()
-        self.generator = None              # set on rank 0 for a seeded request, on first use
         self.finish_reason: str | None = None   # "stop", "length", "abort" or "error"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.logprobs: list[dict[int, float]] = []
-        # On the one completion of a request that computes its prompt logprobs: entry p for prompt token p
-        # (None for the first). Such a sequence never reads the prefix cache, and every forward over its
-        # prompt fills the entries of the positions it computes (a recomputation fills them again).
+        # the one completion of a request that computes prompt logprobs: entry p for prompt token p (None for
+        # the first); it never reads the prefix cache
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.detokenizer = None            # an IncrementalDetokenizer when text is needed as it grows
-        self.grammar = None                # rank 0: a constrained completion's structured_output.Grammar
 
     @property
     def num_tokens(self) -> int:
