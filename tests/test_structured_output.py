@@ -19,7 +19,9 @@ import torch
 from conftest import CPU_ENGINE, ENGINE, assert_no_leaks
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.engine.structured_output import BitmaskHandoff, HandedOff, StructuredOutputManager, choice_grammar
+from nanovllm.engine.bitmask_handoff import BitmaskHandoff, PendingFill
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.structured_output import StructuredOutputManager, choice_grammar
 from nanovllm.layers.sampler import apply_token_bitmask
 from nanovllm.sampling_params import StructuredOutputsParams as FromModule
 
@@ -363,9 +365,9 @@ def test_free_requests_are_unchanged_by_constrained_neighbours(demo, monkeypatch
 
 
 def test_a_fill_slower_than_the_forward_changes_nothing(monkeypatch):
-    """Every fill made to take 30 ms, longer than the demo's forward: with the deferred sampler the sampler waits for
-    it (on CUDA the device spins on the handoff's flag while the host launches on; on the CPU the launch waits), and
-    the outputs are exactly those of the sampler launched after its fill."""
+    """Every fill made to take 30 ms, longer than the demo's forward: with the handoff the sampler waits for it (on
+    CUDA the device spins on the handoff's flag while the host launches on; on the CPU the launch waits), and the
+    outputs are exactly those of the sampler launched after its fill."""
     import time
 
     from nanovllm.engine import structured_output
@@ -378,15 +380,16 @@ def test_a_fill_slower_than_the_forward_changes_nothing(monkeypatch):
 
     monkeypatch.setattr(structured_output, "fill_rows", slow)
     results = []
-    for defer in (False, True):
+    for hand_off in (False, True):
         llm = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
                   async_scheduling=True)
-        llm.core.defer_grammar_sampler = defer
+        manager = llm.structured_outputs
+        manager.can_hand_off = hand_off
         try:
             results.append(_comparable(llm.generate(prompts[:8], params[:8], use_tqdm=False)))
-            assert bool(llm.core.handoff) == defer
-            assert not defer or llm.core.handoff.ticket > 1
-            assert not defer or llm.core.handoff.on_device == torch.cuda.is_available()
+            assert bool(manager.handoff) == hand_off
+            assert not hand_off or manager.handoff.ticket > 1
+            assert not hand_off or manager.handoff.on_device == torch.cuda.is_available()
         finally:
             llm.exit()
     assert_same(results[1], results[0])
@@ -394,34 +397,27 @@ def test_a_fill_slower_than_the_forward_changes_nothing(monkeypatch):
 
 def test_async_matches_sync_under_preemption():
     """A small cache (preemption, chunked prefill): the mixed workload gives the same outputs with async
-    scheduling on and off, and its constrained outputs are valid. With async scheduling the bitmask of a decode
-    step waits for the step in flight, which is read back while the device runs the forward
-    (``EngineCore._launch_constrained``: the forward is launched with a step still in flight), or, without
-    the overlap, before the batch is built. With the deferred sampler (the default) the bitmask is filled in a
-    thread and the sampler launched at once (``BitmaskHandoff``; here on the CPU, which waits for the fill at the
-    sampler's launch): the same outputs."""
+    scheduling on and off, and its constrained outputs are valid. With async scheduling a constrained decode
+    step whose tokens are in flight reads that step back while the device runs its forward, then fills its
+    bitmask; with the handoff (the default on one rank) the fill runs in a thread and the sampler is launched at
+    once (here on the CPU, which waits for the fill at the sampler's launch): the same outputs."""
     prompts, params = _mixed_workload()
-    results, split_launches, deferred = [], [], []
-    modes = ((False, True, True), (True, True, True), (True, False, True), (True, True, False))
-    for async_scheduling, overlap, defer in modes:
+    results, overlapped, handed_off = [], [], []
+    for async_scheduling, hand_off in ((False, True), (True, True), (True, False)):
         llm = LLM("nanovllm:demo", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=14,
                   max_num_batched_tokens=48, max_model_len=224, async_scheduling=async_scheduling)
-        llm.core.overlap_grammar_bitmask = overlap  # False: constrained batches wait first, as penalty batches
-        llm.core.defer_grammar_sampler = defer
-        original, handoff = llm.core._launch_forward, llm.core._bitmask_handoff
+        manager = llm.structured_outputs
+        manager.can_hand_off = hand_off and async_scheduling
+        original = manager._bitmask_handoff
 
-        def spy(step, sampling, mode=(async_scheduling, overlap, defer), original=original):
-            split_launches.append(mode)
-            return original(step, sampling)
-
-        def spy_handoff(num_rows, mode=(async_scheduling, overlap, defer), original=handoff):
+        def spy_handoff(num_rows, mode=(async_scheduling, hand_off), original=original):
+            overlapped.append(mode)  # a constrained row's token was in flight: read back beside the forward
             found = original(num_rows)
             if found is not None:
-                deferred.append(mode)
+                handed_off.append(mode)
             return found
 
-        llm.core._launch_forward = spy  # the split launch
-        llm.core._bitmask_handoff = spy_handoff
+        manager._bitmask_handoff = spy_handoff
         try:
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert_no_leaks(llm)
@@ -434,9 +430,8 @@ def test_async_matches_sync_under_preemption():
                 assert_valid(sp.structured_outputs.kind, out.outputs[0].text, SMALL_SCHEMA)
     for result in results[1:]:
         assert_same(result, results[0])
-    # split launches: with async scheduling and the overlap only; deferred samplers: with the deferral too
-    assert set(split_launches) == {(True, True, True), (True, True, False)}
-    assert set(deferred) == {(True, True, True)}
+    assert set(overlapped) == {(True, True), (True, False)}
+    assert set(handed_off) == {(True, True)}
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -457,26 +452,30 @@ def test_a_refused_token_ends_that_request_alone(demo, async_scheduling):
     """A token the grammar refuses (never sampled under its mask; forced here) ends that completion with
     finish_reason "error", naming why; its neighbour goes on. With async scheduling the next bitmask is filled
     before the stop checks (the deferred sampler): the refused row is left out of it."""
-    from nanovllm.engine import core, structured_output
     if async_scheduling:
         demo = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
                    async_scheduling=True)
     bad = demo.add_request("config = ", json_params())
     good = demo.add_request("config = ", json_params())
+    manager = demo.structured_outputs
+    accept = manager.accept
 
-    def refuse_bad(grammars, token_ids):  # the real accepts, then the bad request's token refused
-        errors = structured_output.accept_tokens(grammars, token_ids)
-        return [g.refused(t) if g is bad.seqs[0].grammar else e for g, t, e in zip(grammars, token_ids, errors)]
+    def refuse_bad(advanced):  # the real accepts, then the bad request's token refused
+        refused = accept(advanced)
+        refused.update({seq: RuntimeError(f"the grammar refused token {t}") for seq, t in advanced
+                        if seq is bad.seqs[0]})
+        return refused
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(core, "accept_tokens", refuse_bad)
+        patch.setattr(manager, "accept", refuse_bad)
         while demo.has_unfinished_requests():
             demo.step()
     assert bad.seqs[0].finish_reason == "error" and "the grammar refused token" in bad.error
     assert good.seqs[0].finish_reason == "stop"
     assert_no_leaks(demo)
+    assert not manager.matchers, "an ended sequence's matcher was kept"
     if async_scheduling:
-        assert demo.core.handoff and demo.core.handoff.ticket > 0  # the deferred sampler's path was taken
+        assert manager.handoff and manager.handoff.ticket > 0  # the handoff's path was taken
         demo.exit()
 
 
@@ -587,14 +586,14 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
     monkeypatch.setattr(fast, "sample", lambda logits, t, seed: masked_batches.append(
         bool(torch.isinf(logits).any())) or original_sample(logits, t, seed))
     llm = LLM("nanovllm:demo", num_kvcache_blocks=64, kvcache_block_size=16)
-    splits = []
-    original = llm.core._launch_forward
-    llm.core._launch_forward = lambda step, sampling: splits.append(1) or original(step, sampling)
+    splits, manager = [], llm.structured_outputs
+    original = manager._bitmask_handoff
+    manager._bitmask_handoff = lambda num_rows: splits.append(1) or original(num_rows)
     try:
         assert llm.config.async_scheduling and not llm.config.enforce_eager
         outs = llm.generate(prompts, plain, use_tqdm=False)
         assert_no_leaks(llm)
-        assert llm.core.handoff and llm.core.handoff.on_device, "the device did not wait for the bitmasks itself"
+        assert manager.handoff and manager.handoff.on_device, "the device did not wait for the bitmasks itself"
     finally:
         llm.exit()
     assert splits, "no bitmask was filled while a step was in flight"
@@ -615,49 +614,9 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
     assert_same(results[1], results[0])
 
 
-def test_bitmask_rows_filled_in_threads_are_those_of_one_thread(demo):
-    """fill_rows' "pool" deals the rows over threads (xgrammar's fill lets go of the GIL): the same bits as one thread
-    filling every row, more than one thread at work, and a matcher's error raised to the caller."""
-    import threading
-
-    from nanovllm.engine import structured_output
-    manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
-    compiled = manager.compile(StructuredOutputsParams(json={"type": "object", "properties": {
-        "name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
-    xgr = structured_output.import_xgrammar()
-    prefixes = ['', '{', '{"name"', '{"name": "ab', '{"name": "ab", ', '{"name": "x", "n": 1', '{"name": "x", "n"']
-    seen_threads = set()
-
-    class Recorded:  # a matcher that notes the thread filling its row
-        def __init__(self, matcher, fail=False):
-            self.matcher, self.fail = matcher, fail
-
-        def fill_next_token_bitmask(self, bitmask, row):
-            seen_threads.add(threading.current_thread().name)
-            if self.fail:
-                raise RuntimeError("matcher failed")
-            self.matcher.fill_next_token_bitmask(bitmask, row)
-
-    rows = []
-    for i in range(24):
-        matcher = xgr.GrammarMatcher(compiled)
-        assert matcher.accept_string(prefixes[i % len(prefixes)])
-        rows.append((i, Recorded(matcher)))
-    shape = xgr.get_bitmask_shape(24, 4096)
-    alone, dealt = torch.full(shape, -1, dtype=torch.int32), torch.full(shape, -1, dtype=torch.int32)
-    structured_output.fill_rows(rows, alone, threads=1)
-    assert seen_threads == {threading.current_thread().name}
-    structured_output.fill_rows(rows, dealt, threads=4, method="pool")
-    assert torch.equal(alone, dealt) and len(seen_threads) > 1
-    assert len({tuple(row.tolist()) for row in alone}) >= 4   # the rows are of different states
-    rows[13] = (13, Recorded(rows[13][1].matcher, fail=True))                 # a row another thread fills
-    with pytest.raises(RuntimeError, match="matcher failed"):
-        structured_output.fill_rows(rows, dealt, threads=4, method="pool")
-
-
 def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(demo):
-    """fill_rows' "batch" method (xgrammar's BatchGrammarMatcher, its own threads) fills the same bits as one
-    thread filling every row, into the rows named, leaving the others; an unknown method is refused by name."""
+    """fill_rows on several threads (xgrammar's BatchGrammarMatcher) fills the same bits as one thread filling
+    every row, into the rows named, leaving the others."""
     from nanovllm.engine import structured_output
     manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
     compiled = manager.compile(StructuredOutputsParams(json={"type": "object", "properties": {
@@ -672,36 +631,35 @@ def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(
     shape = xgr.get_bitmask_shape(40, 4096)
     alone, batched = torch.full(shape, -1, dtype=torch.int32), torch.full(shape, 7, dtype=torch.int32)
     structured_output.fill_rows(rows, alone, threads=1)
-    structured_output.fill_rows(rows, batched, threads=4, method="batch")
+    structured_output.fill_rows(rows, batched, threads=4)
     assert torch.equal(alone[1::2], batched[1::2])
     assert (batched[0::2] == 7).all()
     assert len({tuple(row.tolist()) for row in alone[1::2]}) >= 4
-    with pytest.raises(ValueError, match="'threads'"):
-        structured_output.fill_rows(rows, batched, threads=4, method="threads")
 
 
-@pytest.mark.parametrize("method", ["loop", "batch"])
-def test_accept_tokens_advances_each_grammar(demo, method):
-    """accept_tokens, by each method: the tokens a grammar takes advance it (num_accepted counts them), a refused
-    one is an error naming it for that grammar alone, and the matchers end where one-by-one accepts leave them."""
+def test_accept_advances_each_matcher(demo):
+    """The tokens a matcher takes advance it (num_accepted counts them); a refused one is an error naming it for
+    that sequence alone; the matchers end where one-by-one accepts leave them."""
     from nanovllm.engine import structured_output
     manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
-    params = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     tok = demo.tokenizer
     y, n, q = tok.encode("y")[0], tok.encode("n")[0], tok.encode("q")[0]
-    grammars = [manager.grammar(params) for _ in range(3)]
-    errors = structured_output.accept_tokens(grammars, [y, q, n], method)
-    assert errors[0] is None and errors[2] is None and f"refused token {q} after 0" in str(errors[1])
-    assert [g.num_accepted for g in grammars] == [1, 0, 1]
-    one = manager.grammar(params).matcher
-    assert one.accept_token(y)
+    seqs = [Sequence([1]) for _ in range(3)]
+    manager.add(seqs, params)
+    refused = manager.accept(list(zip(seqs, [y, q, n])))
+    assert list(refused) == [seqs[1]] and f"refused token {q} after 0" in str(refused[seqs[1]])
+    assert [manager.matchers[seq.seq_id].num_accepted for seq in seqs] == [1, 0, 1]
+    one = [Sequence([1])]
+    manager.add(one, params)
+    assert manager.matchers[one[0].seq_id].matcher.accept_token(y)
     shape = structured_output.import_xgrammar().get_bitmask_shape(2, 4096)
     a, b = torch.zeros(shape, dtype=torch.int32), torch.zeros(shape, dtype=torch.int32)
-    grammars[0].matcher.fill_next_token_bitmask(a, 0)
-    one.fill_next_token_bitmask(b, 0)
-    assert torch.equal(a, b) and structured_output.accept_tokens([], [], method) == []
-    with pytest.raises(ValueError, match="accept method 'threads'"):
-        structured_output.accept_tokens(grammars, [y, q, n], "threads")
+    manager.matchers[seqs[0].seq_id].matcher.fill_next_token_bitmask(a, 0)
+    manager.matchers[one[0].seq_id].matcher.fill_next_token_bitmask(b, 0)
+    assert torch.equal(a, b) and manager.accept([]) == {}
+    manager.forget(seqs[0])
+    assert seqs[0].seq_id not in manager.matchers
 
 
 def test_a_constrained_generate_on_a_thread_the_main_thread_left_behind():
@@ -736,10 +694,10 @@ def test_exit_lets_go_of_a_device_wait_for_a_bitmask():
         llm.add_request("config = ", json_params(max_tokens=40))
         for _ in range(20):
             llm.step()
-            if llm.core.inflight is not None and llm.core.inflight[1].waits_for is not None:
+            if llm.core.inflight is not None and llm.core.inflight[1].host_work:
                 break
-        assert llm.core.inflight[1].waits_for is not None
-        handoff = llm.core.handoff
+        assert llm.core.inflight[1].host_work
+        handoff = llm.structured_outputs.handoff
         assert handoff._flag[0] < BitmaskHandoff.OPEN
     finally:
         llm.exit()
@@ -767,18 +725,18 @@ def test_bitmask_handoff_tickets_and_its_wait_on_the_cpu():
     handoff.publish(3)
     assert handoff._flag[0] == BitmaskHandoff.OPEN
     handoff.gave_up[0] = 2  # as the device writes it, were it a device: the CPU's sampler never waits on a flag
-    HandedOff(Future(), handoff, 2).check()
+    PendingFill(Future(), handoff, 2).check()
 
 
 def test_a_device_wait_that_gave_up_is_an_error_at_the_read_back():
     """A step whose device wait for its bitmask gave up (the device's gave_up word at its ticket) is not read back
-    as if its tokens were constrained: HandedOff.check raises, after the fill's own wait."""
+    as if its tokens were constrained: PendingFill.check raises, after the fill's own wait."""
     from concurrent.futures import Future
     handoff = BitmaskHandoff(2, 64, torch.device("cpu"))
     handoff.on_device = True  # the check alone, as on CUDA; nothing is launched here
     fill = Future()
     fill.set_result(None)
-    handed = HandedOff(fill, handoff, handoff.reserve())
+    handed = PendingFill(fill, handoff, handoff.reserve())
     handed.wait()
     handed.check()  # the device waited (gave_up below the ticket)
     handoff.gave_up[0] = handed.ticket

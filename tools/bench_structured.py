@@ -4,9 +4,8 @@ the ratio, and the host time spent making bitmasks (``fill_ms_per_call``: on the
 ``xgrammar_ms_per_call``: the rows' fill alone, on whichever thread).
 
     python tools/bench_structured.py                      # GPU: Qwen3-0.6B shapes, random weights, 64 requests
-    python tools/bench_structured.py --no-overlap         # constrained batches wait for the step in flight first
-    python tools/bench_structured.py --no-deferred-sampler   # bitmask filled, then the sampler launched, in the step
-    python tools/bench_structured.py --fill-method batch --fill-threads 8   # xgrammar's BatchGrammarMatcher
+    python tools/bench_structured.py --no-handoff         # bitmask filled, then the sampler launched, in the step
+    python tools/bench_structured.py --fill-threads 8     # xgrammar's BatchGrammarMatcher threads
     python tools/bench_structured.py --model nanovllm:demo --num-seqs 16 --prompt-len 32 --output-len 48   # CPU
 
 A preset has no tokenizer, and structured outputs need one, with a realistic vocabulary (xgrammar's work per
@@ -96,12 +95,12 @@ def model_dir(args) -> str:
 
 
 class FillTimer:
-    """Wraps the engine's bitmask fills (``grammar_bitmask``, and ``grammar_bitmask_async`` of the deferred
-    sampler): calls, rows and the seconds they take on the engine's thread (a deferred fill's own time is in
-    the manager's ``fill_seconds``)."""
+    """Wraps the engine's bitmask fills (``grammar_bitmask``, and ``grammar_bitmask_async`` of the handoff): calls,
+    rows and the seconds they take on the engine's thread (a threaded fill's own time is in ``fill_seconds``)."""
 
     def __init__(self, manager):
         self.calls = self.rows = 0
+        self.manager = manager
         self.seconds = 0.0
         for name in ("grammar_bitmask", "grammar_bitmask_async"):
             setattr(manager, name, self.timed(getattr(manager, name)))
@@ -113,32 +112,32 @@ class FillTimer:
             self.seconds += time.perf_counter() - start
             if bitmask is not None:
                 self.calls += 1
-                self.rows += sum(seqs[r].grammar is not None for r in rows)
+                self.rows += sum(seqs[r].seq_id in self.manager.matchers for r in rows)
             return bitmask
         return call
 
 
 class PhaseTimer:
     """Host seconds in each phase of the engine's steps (``--phases``), by wrapping the functions that do them;
-    nested ones are counted in both. ``wait_and_read_back`` holds the wait for a deferred fill (the host waits for
+    nested ones are counted in both. ``wait_and_read_back`` holds the wait for a handed-off fill (the host waits for
     it before it waits for the device); ``bitmask_launch`` is the device's wait for it and the copy, launched."""
 
     def __init__(self, llm):
-        from nanovllm.engine import batch, core
-        from nanovllm.engine.outputs import SampledTokens
+        from nanovllm.engine import batch, bitmask_handoff
+        from nanovllm.engine.outputs import ModelRunnerOutput
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         engine, runner = llm.core, llm.model_runner
         self.wrap(engine, "step", "step")
         self.wrap(engine.scheduler, "schedule", "schedule")
         self.wrap(engine.scheduler, "postprocess", "postprocess")
-        self.wrap(engine, "_prepare_sampling", "prepare_sampling")
-        self.wrap(structured_output.BitmaskHandoff, "to_device", "bitmask_launch")
-        self.wrap(batch, "build_decode", "build_decode")
-        self.wrap(core, "accept_tokens", "accept_tokens")
+        self.wrap(engine, "_prepare_sample", "prepare_sample")
+        self.wrap(bitmask_handoff.BitmaskHandoff, "to_device", "bitmask_launch")
+        self.wrap(batch, "prepare_decode", "prepare_decode")
+        self.wrap(llm.structured_outputs, "accept", "accept")
         self.wrap(runner, "forward", "forward_launch")
         self.wrap(runner, "sample", "sample_launch")
-        self.wrap(SampledTokens, "result", "wait_and_read_back")
+        self.wrap(ModelRunnerOutput, "result", "wait_and_read_back")
 
     def wrap(self, owner, name: str, phase: str):
         fn = getattr(owner, name)
@@ -206,30 +205,23 @@ def main():
     parser.add_argument("--work", default=os.environ.get("BENCH_WORK", "/tmp/nanovllm-bench-structured"))
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true", help="on, also on CPU (where it is off by default)")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="constrained batches wait for the step in flight before they are built")
-    parser.add_argument("--no-deferred-sampler", action="store_true",
+    parser.add_argument("--no-handoff", action="store_true",
                         help="fill the bitmask, then launch the sampler, before the step returns (no BitmaskHandoff)")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--fill-method", choices=structured_output.FILL_METHODS, default=structured_output.FILL_METHOD,
-                        help="how the bitmask rows are filled (structured_output.fill_rows)")
     parser.add_argument("--fill-threads", type=int, default=structured_output.FILL_THREADS)
     parser.add_argument("--phases", action="store_true",
                         help="also the host's milliseconds a step in each phase of the engine (host_ms_per_step)")
-    parser.add_argument("--accept-method", choices=structured_output.ACCEPT_METHODS,
-                        default=structured_output.ACCEPT_METHOD, help="how a step's tokens advance the matchers")
     parser.add_argument("--json", action="store_true", help="one JSON line on stdout")
     args = parser.parse_args()
-    structured_output.ACCEPT_METHOD = args.accept_method
-    structured_output.FILL_METHOD, structured_output.FILL_THREADS = args.fill_method, args.fill_threads
+    structured_output.FILL_THREADS = args.fill_threads
 
     path = model_dir(args)
     dummy = args.model in PRESETS
     llm = LLM(path, load_format="dummy" if dummy else "auto", enforce_eager=args.enforce_eager,
               max_model_len=args.prompt_len + args.output_len + 16,
               async_scheduling=False if args.no_async_scheduling else True if args.async_scheduling else None)
-    llm.core.overlap_grammar_bitmask = not args.no_overlap
-    llm.core.defer_grammar_sampler = not args.no_deferred_sampler
+    if args.no_handoff:
+        llm.structured_outputs.can_hand_off = False
     timer = FillTimer(llm.structured_outputs)
     phases = PhaseTimer(llm) if args.phases else None
     vocab = len(llm.tokenizer) - 1  # ordinary tokens only
@@ -252,18 +244,17 @@ def main():
     record = {"model": args.model, "device": llm.config.device, "vocab": len(llm.tokenizer),
               "num_seqs": args.num_seqs, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "temperature": args.temperature, "async_scheduling": llm.config.async_scheduling,
-              "overlap": not args.no_overlap, "deferred_sampler": not args.no_deferred_sampler,
-              "enforce_eager": args.enforce_eager,
-              "fill_method": args.fill_method, "fill_threads": args.fill_threads, "accept_method": args.accept_method,
+              "handoff": llm.structured_outputs.can_hand_off, "enforce_eager": args.enforce_eager,
+              "fill_threads": args.fill_threads,
               "torch_threads": torch.get_num_threads(),
-              "bitmask_handoff": None if not llm.core.handoff else "device" if llm.core.handoff.on_device else "host",
+              "bitmask_handoff": None if not (h := llm.structured_outputs.handoff) else "device" if h.on_device else "host",
               "compile_s": round(compile_s, 3), "runs": results,
               "median_tok_per_s": median, "json_over_free": round(median["json"] / median["free"], 3)}
     llm.exit()
     if args.json:
         print(json.dumps(record))
     print(f"{args.num_seqs} requests x {args.output_len} tokens, vocab {record['vocab']}, async "
-          f"{record['async_scheduling']}, overlap {record['overlap']}: free {median['free']:,.0f} tok/s, "
+          f"{record['async_scheduling']}, handoff {record['handoff']}: free {median['free']:,.0f} tok/s, "
           f"JSON schema {median['json']:,.0f} tok/s = {record['json_over_free']:.1%}; bitmask fill "
           f"{results['json'][-1]['fill_us_per_row']} us a row, {results['json'][-1]['fill_share_of_wall']:.1%} "
           "of the wall time", file=sys.stderr)

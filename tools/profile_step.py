@@ -1,4 +1,4 @@
-"""Where one decode step's time goes: CPU time of schedule, build_decode + step_tensors (batch arrays, their
+"""Where one decode step's time goes: CPU time of schedule, prepare_decode + step_tensors (batch arrays, their
 copy to the device), the forward's launch, sampling, postprocess; the GPU time of the forward; and on CUDA
 the step's kernels one by one (launches, microseconds, the idle time between them: ``kernel_table``), and
 one decoder layer's kernels in order (time, gap before each, bytes a model says it must move, achieved GB/s:
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.engine import batch as step_input  # noqa: E402
-from nanovllm.engine.outputs import SampledTokens  # noqa: E402
+from nanovllm.engine.outputs import ModelRunnerOutput  # noqa: E402
 from nanovllm.models.presets import PRESETS  # noqa: E402
 
 
@@ -83,14 +83,14 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     runner, scheduler = llm.model_runner, llm.scheduler
     timer = StepTimer(llm.config.device == "cuda")
     timer.wrap(scheduler, "schedule")
-    timer.wrap(step_input, "build_decode")
+    timer.wrap(step_input, "prepare_decode")
     timer.wrap(runner, "step_tensors")
-    timer.wrap(runner, "prepare_sample")
+    timer.wrap(runner.sampling, "prepare_sample")
     timer.wrap(runner, "run_model", gpu=True)
     timer.wrap(runner.sampler, "forward")
     timer.wrap(scheduler, "postprocess")
     timer.wrap(llm.core, "step")
-    timer.wrap(SampledTokens, "result")  # with async scheduling: waiting for the previous step's tokens
+    timer.wrap(ModelRunnerOutput, "result")  # with async scheduling: waiting for the previous step's tokens
     sp = SamplingParams(temperature=0.6, max_tokens=2 * steps + 4, ignore_eos=True)
     for i in range(batch):
         llm.add_request([(i * 7 + j) % 250 for j in range(context)], sp)

@@ -8,7 +8,8 @@ import logging
 import threading
 
 from nanovllm.config import Config
-from nanovllm.engine.batch import StepInput, prepare_decode, prepare_prefill
+from nanovllm.engine import batch as step_inputs
+from nanovllm.engine.batch import StepInput
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import ModelRunnerOutput
@@ -132,8 +133,8 @@ class EngineCore:
     def _step_input(self, batch: SchedulerOutput) -> StepInput:
         block_size = self.config.kvcache_block_size
         if batch.is_prefill:
-            return prepare_prefill(batch.seqs, block_size)
-        return prepare_decode(batch.seqs, block_size, self.inflight[0] if self.inflight else None)
+            return step_inputs.prepare_prefill(batch.seqs, block_size)
+        return step_inputs.prepare_decode(batch.seqs, block_size, self.inflight[0] if self.inflight else None)
 
     def _forward(self, step: StepInput, sampling: SamplingInputs):
         """Launches the forward on every rank (the workers also run their half of sampling)."""
