@@ -89,12 +89,12 @@ def test_stop_reason_names_what_ended_a_completion(llm):
     by_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, stop=[stop], ignore_eos=True),
                            use_tqdm=False)[0].outputs[0]
     assert by_text.finish_reason == "stop" and by_text.stop_reason == stop and stop not in by_text.text
-    eos = llm.core.eos_token_ids, llm.core.eos_token_id
-    llm.core.eos_token_ids, llm.core.eos_token_id = {token}, token  # as though it were the model's EOS
+    eos = llm.core.outputs.eos_token_ids, llm.core.outputs.eos_token_id
+    llm.core.outputs.eos_token_ids, llm.core.outputs.eos_token_id = {token}, token  # as though it were the model's EOS
     try:
         by_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     finally:
-        llm.core.eos_token_ids, llm.core.eos_token_id = eos
+        llm.core.outputs.eos_token_ids, llm.core.outputs.eos_token_id = eos
     assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None and by_eos.token_ids == by_token.token_ids
 
 

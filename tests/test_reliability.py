@@ -365,15 +365,15 @@ def test_a_request_whose_sampling_inputs_fail_ends_alone(tiny, monkeypatch):
     try:
         prompts = random_prompts(3, 5, 20, seed=74)
         ref = token_ids_of(llm.generate(prompts, GREEDY, use_tqdm=False))
-        runner, original = llm.model_runner, llm.model_runner.prepare_sampling
+        runner, original = llm.model_runner, llm.model_runner.prepare_sample
         poisoned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, top_k=3)
 
-        def prepare_sampling(seqs, is_prefill):
-            if any(seq.sampling_params.top_k == 3 for seq in seqs):
+        def prepare_sample(batch):
+            if any(seq.sampling_params.top_k == 3 for seq in batch.seqs):
                 raise RuntimeError("this request's sampling inputs cannot be built")
-            return original(seqs, is_prefill)
+            return original(batch)
 
-        monkeypatch.setattr(runner, "prepare_sampling", prepare_sampling)
+        monkeypatch.setattr(runner, "prepare_sample", prepare_sample)
         out = llm.generate(prompts + [[9, 9, 9]], [GREEDY] * 3 + [poisoned], use_tqdm=False)
         assert token_ids_of(out[:3]) == ref and out[3]["finish_reason"] == "error" and out[3]["token_ids"] == []
         assert_no_leaks(llm)

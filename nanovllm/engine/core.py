@@ -62,8 +62,7 @@ class EngineResources:
 
 class EngineCore:
     def __init__(self, config: Config, resources: EngineResources, shutdown, processors: list[LogitsProcessor]):
-        """``shutdown()`` frees ``resources`` (the engine's finalizer); ``processors``: the logits processors beside
-        the penalties (structured outputs)."""
+        """``shutdown()`` frees ``resources``; ``processors``: the logits processors beside the penalties."""
         self.config, self.resources, self._free = config, resources, shutdown
         self.scheduler = Scheduler(config)
         self.outputs = OutputProcessor(config.eos_token_ids, config.max_model_len)
@@ -165,8 +164,7 @@ class EngineCore:
         batch = batch.without(errors)
         return batch, runner.prepare_sample(batch) if batch.seqs else None
 
-    def _alive(self):
-        """With NCCL ranks the read-back polls, so that a dead worker is noticed (``wait_for_event``)."""
+    def _alive(self):  # with NCCL ranks the read-back polls, so that a dead worker is noticed
         workers = self.resources.workers
         return (lambda: not workers.dead()) if workers is not None and self.config.device == "cuda" else None
 

@@ -35,18 +35,12 @@ CACHE_BYTES = 512 * 2 ** 20
 
 
 def import_xgrammar():
-    """The xgrammar module, or a ValueError saying how to install it."""
     try:
         import xgrammar
     except ImportError as e:
         raise ValueError("structured_outputs needs xgrammar, nanovllm's optional extra: pip install -e "
                          "'.[structured]' (or pip install xgrammar)") from e
     return xgrammar
-
-
-def _size(compiled) -> int:
-    """A compiled grammar's bytes (xgrammar's count; 0 from a version without it)."""
-    return getattr(compiled, "memory_size_bytes", 0)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -61,15 +55,10 @@ class Matcher:
         self.matcher = matcher
         self.num_accepted = 0
 
-    @property
-    def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
-
 
 class StructuredOutputManager(LogitsProcessor):
-    """Rank 0's structured outputs: the compiler (made on the first constrained request), compiled grammars cached
-    per constraint, a matcher per constrained sequence, and each step's bitmask, filled while the device runs the
-    forward (``prepare``)."""
+    """Rank 0's structured outputs: the compiler, compiled grammars cached per constraint, a matcher per
+    constrained sequence, and each step's bitmask, filled while the device runs the forward (``prepare``)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
         """``vocab_size``: the model's (the logits' width); ids past the tokenizer's are never allowed."""
@@ -101,8 +90,7 @@ class StructuredOutputManager(LogitsProcessor):
         return self.compiler
 
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar of a constraint, from the cache when it was compiled before; a constraint that
-        does not compile raises ``ValueError`` naming the field and xgrammar's reason."""
+        """The constraint's compiled grammar (cached); a ``ValueError`` naming the field if it does not compile."""
         kind = params.kind
         spec = {"json": lambda: params.json if isinstance(params.json, str) else json.dumps(params.json),
                 "json_object": lambda: '{"type": "object"}', "regex": lambda: params.regex,
@@ -129,9 +117,9 @@ class StructuredOutputManager(LogitsProcessor):
                 reason = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
             self.cache[key] = compiled
-            self.cache_bytes += _size(compiled)
+            self.cache_bytes += getattr(compiled, 'memory_size_bytes', 0)
             while len(self.cache) > 1 and (len(self.cache) > CACHE_SIZE or self.cache_bytes > CACHE_BYTES):
-                self.cache_bytes -= _size(self.cache.popitem(last=False)[1])
+                self.cache_bytes -= getattr(self.cache.popitem(last=False)[1], 'memory_size_bytes', 0)
             return compiled
 
     def add(self, seqs: list[Sequence], params) -> None:
@@ -161,14 +149,12 @@ class StructuredOutputManager(LogitsProcessor):
         return refused
 
     def prepare(self, batch: SchedulerOutput, sampling: SamplingInputs, read_back) -> None:
-        """The step's bitmask. It needs every known token, so when a constrained row's token is still in flight the
-        step in flight is read back first (the device runs this forward meanwhile). One rank on CUDA fills it in a
-        thread instead, the sampler's launch waiting for it on the device (``BitmaskHandoff``)."""
+        """The step's bitmask. It needs every known token: with a constrained row's token in flight, that step is read
+        back first, beside this forward; on one rank the fill then runs in a thread (``BitmaskHandoff``)."""
         rows = [row for row in batch.kept_rows if batch.seqs[row].seq_id in self.matchers]
         if not rows:
             return
-        prev = batch.step_input.prev_rows
-        pin = self.pin_memory
+        prev, pin = batch.step_input.prev_rows, self.pin_memory
         if read_back is None or prev is None or not any(prev[row] >= 0 for row in rows):
             self._wait_last_fill()  # one fill at a time: they share xgrammar's threads
             sampling.token_bitmask = self.grammar_bitmask(batch.seqs, rows, pin)
@@ -188,8 +174,8 @@ class StructuredOutputManager(LogitsProcessor):
 
     def _wait_last_fill(self):
         if self.last_fill is not None:
-            self.last_fill.wait()
-            self.last_fill = None
+            self.last_fill, last = None, self.last_fill
+            last.wait()
 
     def _bitmask_handoff(self, num_rows: int) -> BitmaskHandoff | None:
         """The handoff for a step of ``num_rows`` sequences, or None where the sampler must wait for the fill."""
@@ -199,22 +185,19 @@ class StructuredOutputManager(LogitsProcessor):
             self.handoff = BitmaskHandoff.create(self.max_rows, self.vocab_size, self.device) or False
         return self.handoff if self.handoff and num_rows <= self.handoff.host.size(0) else None
 
-    def shutdown(self) -> None:
-        """Lets go of a device wait for a bitmask."""
+    def shutdown(self) -> None:  # lets go of a device wait for a bitmask
         if self.handoff:
             self.handoff.open()
 
     def grammar_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False) -> torch.Tensor | None:
-        """The step's bitmask on the host ([len(seqs), ceil(vocab / 32)] int32), or None when no kept row is
-        constrained. A sequence that finished meanwhile gets a free row: its token is dropped anyway."""
+        """The step's bitmask on the host ([len(seqs), ceil(vocab / 32)] int32), or None if no row is constrained."""
         prepared = self._prepare_bitmask(seqs, rows, pin_memory)
         return None if prepared is None else self._fill(*prepared)
 
     def grammar_bitmask_async(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False, skip=(),
                               out: torch.Tensor | None = None, done=None) -> Future | None:
-        """``grammar_bitmask`` filled in a background thread (xgrammar lets go of the GIL): a Future, or None when
-        no row is constrained. Rows whose matcher ended, or whose sequence is in ``skip``, are left free. ``out``:
-        the buffer to fill; ``done()`` is called once the fill has ended, failed or not."""
+        """``grammar_bitmask`` filled in a background thread into ``out`` (xgrammar lets go of the GIL): a Future, or
+        None. Rows in ``skip`` are left free; ``done()`` is called once the fill has ended, failed or not."""
         prepared = self._prepare_bitmask(seqs, rows, pin_memory, skip, out)
         if prepared is None:
             return None
@@ -226,11 +209,10 @@ class StructuredOutputManager(LogitsProcessor):
             return result
 
     def _prepare_bitmask(self, seqs: list[Sequence], rows: list[int], pin_memory: bool, skip=(), out=None):
-        """The bitmask (``out``'s first rows, or a new one) with its free rows set, and the (row, matcher) pairs
-        left to fill; None if there are none."""
+        """The bitmask with its free rows set, and the (row, matcher) pairs left to fill; None if there are none."""
         matchers = {row: self.matchers.get(seqs[row].seq_id) for row in rows}
         constrained = [row for row in rows if matchers[row] is not None and not seqs[row].is_finished
-                       and seqs[row] not in skip and not matchers[row].is_terminated]
+                       and seqs[row] not in skip and not matchers[row].matcher.is_terminated()]
         if not constrained:
             return None
         shape = import_xgrammar().get_bitmask_shape(len(seqs), self.vocab_size)
@@ -238,11 +220,8 @@ class StructuredOutputManager(LogitsProcessor):
         bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin_memory) if out is None else out[:shape[0]]
         for row in set(range(len(seqs))).difference(constrained):
             bitmask[row].fill_(-1)
-        for row in constrained:  # the matcher must have accepted every known completion token, none more
-            seq, matcher = seqs[row], matchers[row]
-            if matcher.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:  # an engine bug, never input
-                raise RuntimeError(f"sequence {seq.seq_id}'s grammar accepted {matcher.num_accepted} tokens of "
-                                   f"its {len(seq.token_ids) - seq.num_prompt_tokens}")
+        # a matcher has accepted every known completion token, none more
+        assert all(matchers[r].num_accepted == len(seqs[r].token_ids) - seqs[r].num_prompt_tokens for r in constrained)
         return bitmask, [(row, matchers[row].matcher) for row in constrained]
 
     def _fill(self, bitmask: torch.Tensor, rows: list[tuple[int, object]], done=None) -> torch.Tensor:
@@ -257,8 +236,7 @@ class StructuredOutputManager(LogitsProcessor):
 
 
 def fill_rows(rows: list[tuple[int, object]], bitmask: torch.Tensor, threads: int | None = None) -> None:
-    """Each (row, matcher)'s allowed tokens into its row of ``bitmask``, on up to ``threads`` threads (FILL_THREADS
-    by default) through xgrammar's batch matcher; a matcher's error is raised here."""
+    """Each (row, matcher)'s allowed tokens into its row of ``bitmask``, on xgrammar's batch matcher's threads."""
     n = min(FILL_THREADS if threads is None else threads, len(rows) // FILL_MIN_ROWS)
     if n <= 1:
         for row, matcher in rows:
