@@ -1,18 +1,6 @@
-"""Beam search, vLLM's ``LLM.beam_search``, built on the engine's public ``generate``.
-
-Each step is one ``generate`` call over every live beam of every prompt (``max_tokens=1``, ``logprobs=2 *
-beam_width``, the search's temperature); the prefix cache makes the beams' shared prefixes cheap. vLLM's rules:
-
-- a beam's candidates are the entries of its step's logprobs (the top ``2 * beam_width`` and the sampled token);
-- a candidate ending in the model's EOS (``config.eos_token_ids[0]``; unless ``ignore_eos``) is finished
-  ("stop") and set aside; the other candidates of a prompt are ranked and the best ``beam_width`` live on;
-- a beam is scored ``cum_logprob / len(tokens) ** length_penalty``, ``tokens`` being prompt + completion (a final
-  EOS not counted);
-- after ``max_tokens`` steps the finished and the live beams ("length") are ranked together, best first, and the
-  best ``beam_width`` returned; ``text`` is the tokenizer's decoding of ``tokens`` (prompt included, special
-  tokens kept, as vLLM's), without the final EOS unless ``include_stop_str_in_output``.
-
-Each step's logprobs are read as ``out.outputs[0].logprobs[0]`` ({token id: Logprob}), their values as floats.
+"""Beam search, vLLM's ``LLM.beam_search`` and its rules, built on ``generate``: each step is one call over every
+live beam (``max_tokens=1``, ``logprobs=2 * beam_width``), whose logprob entries are the beams' candidates; the
+prefix cache makes the shared prefixes cheap.
 """
 from __future__ import annotations
 
@@ -21,13 +9,12 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import prompt_list
-from nanovllm.sampling_params import SamplingParams, check_int, check_number
+from nanovllm.sampling_params import SamplingParams, check_bool, check_int, check_number
 
 
 @dataclass
 class BeamSearchParams:
-    """vLLM's beam search parameters. ``temperature`` is the one each step samples with (its sampled token joins
-    the candidates; the logprobs are the raw model's whatever it is)."""
+    """vLLM's beam search parameters; each step samples at ``temperature`` (its token joins the candidates)."""
 
     beam_width: int
     max_tokens: int
@@ -37,23 +24,21 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def verify(self) -> None:
-        """Raises ``ValueError``/``TypeError`` naming the first bad field (run at construction and by the search)."""
+        """Raises ``ValueError``/``TypeError`` naming the first bad field."""
         check_int("beam_width", self.beam_width, lo=1)
         check_int("max_tokens", self.max_tokens, lo=1)
         check_number("temperature", self.temperature, lo=0.0)
         check_number("length_penalty", self.length_penalty)  # any finite number
         for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
 
     __post_init__ = verify
 
 
 @dataclass
 class BeamSearchSequence:
-    """One beam: ``tokens`` (prompt + completion), ``logprobs`` (per completion token, that step's whole entry:
-    {token id: logprob} of the beam's candidates), their ``cum_logprob``; ``text``, ``finish_reason`` ("stop": EOS,
-    "length": ``max_tokens`` or ``max_model_len``) and ``stop_reason`` (the EOS id) as returned."""
+    """One beam: ``tokens`` (prompt + completion), each step's logprob entry, their ``cum_logprob``; ``text``,
+    ``finish_reason`` ("stop": EOS, "length") and ``stop_reason`` are set when it is returned."""
 
     tokens: list[int]
     logprobs: list[dict[int, float]]
@@ -73,17 +58,15 @@ class BeamSearchOutput:
 
 def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
                           length_penalty: float = 1.0) -> float:
-    """vLLM's (and transformers') length-penalized score: ``cumulative_logprob / len ** length_penalty``, ``len``
-    being ``len(tokens)`` less a final EOS."""
+    """vLLM's length-penalized score: ``cumulative_logprob / len ** length_penalty``, a final EOS not counted."""
     seq_len = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
     return cumulative_logprob / (seq_len ** length_penalty)
 
 
 def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                 concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
-    """``params.beam_width`` best sequences of each prompt (strings, token-id lists, or {"prompt": ...} /
-    {"prompt_token_ids": ...} dicts), in prompt order. ``llm`` is the engine (its ``generate``, ``tokenizer`` and
-    ``config``); ``use_tqdm`` shows a bar over the steps; ``concurrency_limit`` searches that many prompts at a time."""
+    """The ``params.beam_width`` best sequences of each prompt, in prompt order; ``concurrency_limit`` prompts
+    are searched at a time (all by default)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     params.verify()  # again: fields may have been assigned since construction

@@ -1,4 +1,4 @@
-"""vLLM's prompt types: plain dicts, as there (``generate`` also takes strings and token-id lists)."""
+"""vLLM's prompt types, plain dicts (``generate`` also takes strings and token-id lists)."""
 from __future__ import annotations
 
 from typing import TypedDict

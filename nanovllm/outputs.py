@@ -1,15 +1,12 @@
-"""What ``generate`` and ``chat`` return: vLLM's ``RequestOutput`` and ``CompletionOutput`` (its attributes,
-its types), which also answer nano-vllm's and earlier nanovllm's keys (``out["text"]``, ``out["token_ids"]``:
-completion 0's), and vLLM's ``Logprob`` entries, which are floats too (``sum(entry.values())`` and
-``math.exp(entry[t])`` work as they did when entries held plain floats)."""
+"""What ``generate`` and ``chat`` return: vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``; the
+outputs also answer nano-vllm's dict keys (``out["text"]``), and a ``Logprob`` is a float too."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
 
 class Logprob(float):
-    """A token's log probability, with vLLM's ``logprob``, ``rank`` (1 is the most likely token of the whole
-    vocabulary) and ``decoded_token`` (its text; None without a tokenizer)."""
+    """A token's log probability with vLLM's ``rank`` (1: the most likely token) and ``decoded_token``."""
 
     __slots__ = ("rank", "decoded_token")
 
@@ -30,10 +27,8 @@ class Logprob(float):
 
 
 class _Keys:
-    """Key access to a dataclass's fields (``out["text"]``, ``out.get(...)``, ``"logprobs" in out``, ``dict(out)``,
-    ``out.items()``, iteration over the keys),
-    plus the aliases in ``_ALIASES`` (key -> a function of the object); ``_OPTIONAL`` fields count as absent
-    keys while they are None, as they were absent from the dicts earlier versions returned."""
+    """Dict-style access to a dataclass's fields and to ``_ALIASES`` (key -> a function of the object);
+    ``_OPTIONAL`` fields are absent keys while they are None."""
 
     _ALIASES: dict = {}
     _OPTIONAL: tuple[str, ...] = ()
@@ -70,11 +65,8 @@ class _Keys:
 
 @dataclass
 class CompletionOutput(_Keys):
-    """One completion of a request (vLLM's): ``index`` among its ``n``, the text (cut at a stop string),
-    its token ids, ``cumulative_logprob`` (the sum of the chosen tokens' logprobs; None unless logprobs were
-    asked for), ``logprobs`` (per token, {token id: Logprob} of the top k and the chosen token), why it ended
-    (``finish_reason``: "stop", "length", "abort" or "error") and ``stop_reason`` (the stop string or stop
-    token id that ended it; None for EOS, length, abort)."""
+    """One completion of a request, as vLLM's: ``finish_reason`` is "stop", "length", "abort" or "error";
+    ``stop_reason`` the stop string or token id that ended it (None for EOS, length, abort)."""
 
     index: int
     text: str
@@ -92,7 +84,7 @@ class CompletionOutput(_Keys):
 
 @dataclass
 class RequestMetrics(_Keys):
-    """Timings of a request (seconds; times are ``time.perf_counter`` values)."""
+    """Timings of a request, in seconds (``time.perf_counter`` values)."""
 
     arrival_time: float
     first_token_time: float | None
@@ -103,11 +95,8 @@ class RequestMetrics(_Keys):
 
 @dataclass
 class RequestOutput(_Keys):
-    """One request's result (vLLM's): its id, its prompt (the text, the rendered prompt for ``chat``, None for
-    token prompts), the prompt's token ids and logprobs (per position: None for the first, then {token id:
-    Logprob}; None unless asked for), its ``outputs`` (the n completions), whether it finished, how many prompt
-    tokens came from the prefix cache, its timings. Keys: these fields, and completion 0's ``text``,
-    ``token_ids``, ``finish_reason``, ``logprobs`` (nano-vllm's), and ``error`` when a completion failed."""
+    """One request's result, as vLLM's (``prompt`` is None for token prompts); its keys add completion 0's
+    ``text``, ``token_ids``, ``finish_reason`` and ``logprobs``."""
 
     request_id: str
     prompt: str | None

@@ -1,6 +1,5 @@
-"""Per-request sampling parameters, with vLLM's names and meanings (nano-vllm's defaults where the two differ:
-``temperature=1.0``, ``max_tokens=64``). Fields may be assigned after construction: the engine checks (``verify``)
-and copies (``clone``) the object when a request is admitted, so a later assignment never reaches a running one."""
+"""Per-request sampling parameters with vLLM's names and meanings (nano-vllm's defaults ``temperature=1.0``,
+``max_tokens=64``), and the structured-output constraint. The engine verifies and clones them at admission."""
 from __future__ import annotations
 
 import copy
@@ -11,22 +10,14 @@ from functools import cached_property
 
 SAMPLING_EPS = 1e-5  # temperatures below it are greedy (as in vLLM): 1 / T would overflow the logits
 MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
-
-
-# StructuredOutputsParams' constraint fields (vLLM's); a request sets exactly one
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # a request sets one
 
 
 @dataclass
 class StructuredOutputsParams:
-    """vLLM's structured-output constraint of one request (``SamplingParams(structured_outputs=...)``): exactly
-    one of ``json`` (a JSON schema, as a dict or a string), ``regex``, ``choice`` (the output is one of these
-    strings), ``grammar`` (xgrammar's EBNF, with a ``root`` rule) or ``json_object=True`` (any JSON object).
-    ``disable_any_whitespace`` keeps JSON on one line with no spaces between tokens. The output then follows the
-    constraint token by token (compiled by xgrammar, the ``structured`` extra) and ends at EOS only where the
-    constraint is complete. vLLM's ``structural_tag`` and ``whitespace_pattern`` are refused by name;
-    ``disable_additional_properties`` (vLLM: make the guidance backend behave as xgrammar does) changes nothing:
-    xgrammar already refuses properties a schema does not list, unless the schema allows them."""
+    """vLLM's structured-output constraint: exactly one of ``json`` (a schema, dict or string), ``regex``,
+    ``choice``, ``grammar`` (xgrammar's EBNF) or ``json_object=True``, compiled by xgrammar. ``structural_tag``
+    and ``whitespace_pattern`` are refused; ``disable_additional_properties`` is xgrammar's behaviour already."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -52,25 +43,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} is not supported by nanovllm (json, regex, choice, "
                                  f"grammar and json_object are), got {getattr(self, name)!r:.60}")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(f"structured_outputs.{name}", getattr(self, name))
         if self.json is not None:
-            if isinstance(self.json, str):
-                try:
-                    schema = _json.loads(self.json)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
-            elif isinstance(self.json, dict):
-                schema = self.json
-            else:
-                raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or a string), got "
-                                f"{self.json!r:.80}")
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
-            try:
-                _json.dumps(schema)
-            except (TypeError, ValueError) as e:  # what the compiler is given is its JSON text
-                raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
+            self._check_json()
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
@@ -82,6 +57,24 @@ class StructuredOutputsParams:
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be True when given, got {self.json_object!r}")
 
+    def _check_json(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                schema = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
+        elif isinstance(self.json, dict):
+            schema = self.json
+        else:
+            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or a string), got "
+                            f"{self.json!r:.80}")
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
+        try:
+            _json.dumps(schema)
+        except (TypeError, ValueError) as e:  # what the compiler is given is its JSON text
+            raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
+
     @property
     def kind(self) -> str:
         """Which constraint it is: one of CONSTRAINTS."""
@@ -90,15 +83,9 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
-    """``temperature=0`` is greedy. Penalties follow vLLM: ``presence_penalty`` and ``frequency_penalty``
-    over the generated tokens (subtracted from the logits), ``repetition_penalty`` over prompt and generated
-    tokens (logits divided when positive, multiplied when negative). ``logprobs=k`` returns the sampled
-    token's logprob and the top k, from the raw model distribution (before temperature and penalties);
-    ``prompt_logprobs=k`` the same for every prompt token after the first (the actual token's and the top k
-    at its position; such a request computes its whole prompt, never taking it from the prefix cache).
-    ``n`` completions of one prompt share its KV blocks; with a ``seed``, completion i uses (seed + i) mod 2**64.
-    ``structured_outputs``: a ``StructuredOutputsParams`` constraint (JSON schema, regex, choice, grammar); the
-    grammar ends such an output, so it takes neither ``ignore_eos`` nor ``min_tokens``."""
+    """vLLM's sampling parameters (``temperature=0`` is greedy). ``logprobs``/``prompt_logprobs`` come from the
+    raw model distribution, before temperature and penalties; completion i of ``n`` with a ``seed`` uses
+    (seed + i) mod 2**64."""
 
     n: int = 1
     temperature: float = 1.0
@@ -144,8 +131,15 @@ class SamplingParams:
             if getattr(self, name) is not None:  # None: unset
                 check_int(name, getattr(self, name), lo=0, hi=hi)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
+        self._verify_stops()
+        self.temperature = float(self.temperature)
+        if self.structured_outputs is not None:
+            self._verify_structured_outputs()
+
+    __post_init__ = verify  # at construction, and again when a request is admitted
+
+    def _verify_stops(self) -> None:
         if not (self.stop is None or isinstance(self.stop, str) or
                 (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop))):
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -155,21 +149,19 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
-        self.temperature = float(self.temperature)
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
-                                f"{self.structured_outputs!r:.80}")
-            self.structured_outputs.verify()
-            # the grammar decides where the output ends: EOS is allowed exactly where it is complete
-            if self.ignore_eos:
-                raise ValueError("ignore_eos=True cannot be honoured with structured_outputs: the output ends "
-                                 "with EOS where its grammar is complete")
-            if self.min_tokens:
-                raise ValueError(f"min_tokens={self.min_tokens} cannot be honoured with structured_outputs: the "
-                                 "grammar decides where the output ends")
 
-    __post_init__ = verify  # at construction, and again when a request is admitted
+    def _verify_structured_outputs(self) -> None:
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
+                            f"{self.structured_outputs!r:.80}")
+        self.structured_outputs.verify()
+        # the grammar decides where the output ends: EOS is allowed exactly where it is complete
+        if self.ignore_eos:
+            raise ValueError("ignore_eos=True cannot be honoured with structured_outputs: the output ends "
+                             "with EOS where its grammar is complete")
+        if self.min_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} cannot be honoured with structured_outputs: the "
+                             "grammar decides where the output ends")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -213,3 +205,8 @@ def check_int(name: str, value, lo: int, hi: int | None = None):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         raise ValueError(f"{name} must be >= {lo}{f' and <= {hi}' if hi is not None else ''}, got {value}")
+
+
+def check_bool(name: str, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")

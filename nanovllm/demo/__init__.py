@@ -1,7 +1,5 @@
-"""The demo model shipped inside the package: a tiny Qwen3 trained on the Python standard library's
-own source by ``tools/train_demo_model.py``, with its byte-level BPE tokenizer and the held-out files
-it was validated on (``heldout/``). ``LLM("nanovllm:demo")`` loads it; so does ``LLM(DEMO_MODEL)``.
-"""
+"""The demo model shipped in the package (a tiny Qwen3 trained on the standard library's source, with its
+tokenizer and held-out files), and the resolution of ``"nanovllm:<name>"`` model names."""
 from __future__ import annotations
 
 import os
@@ -9,7 +7,6 @@ import os
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
 DEMO_HELDOUT = os.path.join(DEMO_MODEL, "heldout")
 
-# "nanovllm:<name>" -> the checkpoint directory it stands for
 BUILTIN_MODELS = {"nanovllm:demo": DEMO_MODEL}
 PREFIX = "nanovllm:"
 

@@ -1,1 +1,1 @@
-"""Scale-out beyond one machine, on existing distributed engines (Ray)."""
+"""Scale-out over many engines on Ray."""
