@@ -1,6 +1,5 @@
-"""Data parallelism on Ray (``pip install -e ".[ray]"``): one engine per actor (per GPU, or per
-``tensor_parallel_size`` GPUs), prompts spread over the actors in chunks, outputs in prompt order; a chunk whose
-actor dies is retried on another. ``LLMPredictor`` is a callable class for Ray Data's ``Dataset.map_batches``."""
+"""Data parallelism on Ray: ``DataParallelLLM`` spreads prompts in chunks over engine actors (retrying a dead
+actor's chunk on another), ``LLMPredictor`` serves Ray Data's ``Dataset.map_batches``."""
 from __future__ import annotations
 
 import ray
@@ -67,9 +66,8 @@ class DataParallelLLM:
 
 
 class LLMPredictor:
-    """For ``ray.data.Dataset.map_batches(LLMPredictor, fn_constructor_kwargs={"model": ...,
-    "sampling_params": ..., **engine_kwargs}, concurrency=N, batch_size=...)``: reads the "prompt"
-    column (strings or token-id lists) and adds "generated_text" and "generated_token_ids"."""
+    """A ``Dataset.map_batches`` callable: reads the "prompt" column, adds "generated_text" and
+    "generated_token_ids"."""
 
     def __init__(self, model: str, sampling_params: SamplingParams | None = None, **engine_kwargs):
         self.llm = LLM(model, **engine_kwargs)

@@ -1,11 +1,5 @@
-"""The attention layer and its backends.
-
-The layer stores new K/V into the paged cache at ``slot_mapping``, then runs the prefill or
-decode kernel of the backend chosen once at start-up: our Triton kernels on CUDA, flash-attn
-when installed, or the PyTorch reference (any device, the test oracle). ``resolve_backend``
-picks the first that supports the device, dtype, block size and head_dim, and says why; each rank
-binds its kernels once (``bind_backend``).
-"""
+"""The attention layer and its backends (Triton, flash-attn, the PyTorch reference): ``resolve_backend`` picks
+one at start-up and says why, ``bind_backend`` imports its kernels on each rank."""
 from __future__ import annotations
 
 import functools
@@ -32,8 +26,7 @@ class AttentionBackend:
     store_kvcache: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale): slot -1 is skipped
     prefill: Callable        # (q, k, v, layer: Attention, ctx) -> [N, num_heads, head_dim]
     decode: Callable         # (q, layer: Attention, ctx) -> [B, num_heads, head_dim]
-    # Optional: q/k RMSNorm, rotary and the KV store in one kernel, with
-    # ``triton_attention.qk_norm_rope_store``'s signature (power-of-two head_dim).
+    # optional: q/k RMSNorm, rotary and the KV store in one kernel (``triton_attention.qk_norm_rope_store``)
     qk_norm_rope_store: Callable | None = None
 
 
@@ -55,8 +48,7 @@ def _kernel_module_backend(name: str) -> AttentionBackend:
 
 
 def _flash_attn_backend() -> AttentionBackend:
-    """flash-attn 2: varlen prefill (paged when part of the keys are cached) and paged decode. It has no
-    KV-store kernel: ours (Triton) write the cache, so this backend needs triton too."""
+    """flash-attn 2's varlen prefill and paged decode; it has no KV-store kernel, so Triton's writes the cache."""
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
     triton = _kernel_module_backend("triton")
 
@@ -85,7 +77,7 @@ TRITON_HEAD_DIMS = (32, 64, 128)
 
 def _triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
                         kv_dtype: torch.dtype) -> list[str]:
-    """Our Triton kernels (triton ships for Linux only); on CPU only under TRITON_INTERPRET=1 (the tests)."""
+    """Why our Triton kernels cannot run a configuration (on CPU they run only under TRITON_INTERPRET=1)."""
     reasons = []
     if importlib.util.find_spec("triton") is None:
         reasons.append("triton is not installed")
@@ -127,7 +119,7 @@ def _flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, he
 
 @functools.cache
 def _flash_attn_probe(dtype: torch.dtype, head_dim: int) -> str:
-    """Builds may be trimmed to some dtypes and head sizes: try the decode kernel once on tiny inputs."""
+    """Builds may lack some dtypes and head sizes: the error of the decode kernel on tiny inputs, or ""."""
     from flash_attn import flash_attn_with_kvcache
     q = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device="cuda")
     cache = torch.zeros(1, 256, 1, head_dim, dtype=dtype, device="cuda")
@@ -139,10 +131,7 @@ def _flash_attn_probe(dtype: torch.dtype, head_dim: int) -> str:
     return ""
 
 
-# name -> (why it cannot run a configuration, what binds its kernels). "auto" tries them in this order:
-# fastest first (our Triton kernels beat flash-attn 2.8.3 at every measured shape on an H200:
-# docs/PERFORMANCE.md), then flash-attn for what Triton does not cover (e.g. blocks of 512), then the
-# PyTorch reference (any device, dtype, block size and head_dim; the test oracle).
+# name -> (why it cannot run a configuration, what binds its kernels); "auto" tries them in order, fastest first
 BACKENDS: dict[str, tuple[Callable[..., list[str]], Callable[[], AttentionBackend]]] = {
     "triton": (_triton_unsupported, functools.partial(_kernel_module_backend, "triton")),
     "flash-attn": (_flash_attn_unsupported, _flash_attn_backend),
@@ -152,9 +141,8 @@ BACKENDS: dict[str, tuple[Callable[..., list[str]], Callable[[], AttentionBacken
 
 def resolve_backend(name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int,
                     kv_dtype: torch.dtype | None = None) -> str:
-    """The backend called ``name``, or with "auto" the first in BACKENDS that supports the configuration
-    (Triton's interpreter only on request; ``kv_dtype``: the KV cache's, the model's by default); the choice
-    and why the others were passed over are logged."""
+    """``name``, or for "auto" the first of BACKENDS that supports the configuration; logs the choice and why the
+    others were passed over."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     candidates = [name] if name != "auto" else [b for b in BACKENDS if device == "cuda" or b != "triton"]
     skipped = []
@@ -173,9 +161,8 @@ def bind_backend(name: str) -> AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Paged attention over the layer's K/V cache views. ``sliding_window``: a query at position i sees the keys
-    at (i - sliding_window, i] (None or 0: all before it). ``k_scale``/``v_scale``: what an fp8 cache's values are
-    multiplied by when read (stored divided by them; 1.0 unless the checkpoint ships them; vLLM's names)."""
+    """Paged attention over the layer's K/V cache views. A query at position i sees the keys at
+    (i - sliding_window, i]; an fp8 cache holds K/V divided by ``k_scale``/``v_scale`` (vLLM's names)."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None):
@@ -183,7 +170,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.sliding_window = sliding_window or 0
         self.k_scale = self.v_scale = 1.0
-        # Set by the model runner: views of its KV-cache tensor, and the bound backend.
+        # set by the model runner: views of its KV-cache tensor, and the bound backend
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
 

@@ -38,8 +38,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Logits on rank 0 (None elsewhere): decode [num_seqs, vocab]; prefill the rows ``logits_indices``
-        names (each sequence's last position, every position of a sequence that asks for prompt logprobs)."""
+        """Logits on rank 0 (None elsewhere); in prefill only of the rows ``logits_indices`` names."""
         context = get_context()
         if context.is_prefill:
             x = x[context.logits_indices].contiguous()

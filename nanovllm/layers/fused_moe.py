@@ -1,17 +1,5 @@
-"""A mixture-of-experts layer's experts (vLLM's ``FusedMoE``): given the router's logits, each token's top-k
-experts (``fused_topk``: the softmax's top-k, renormalized as the checkpoint's ``norm_topk_prob`` says) and
-the weighted sum of their MLPs.
-
-The experts are packed into two parameters, ``w13_weight [E, 2 * I/tp, H]`` (each expert's gate rows,
-then its up rows) and ``w2_weight [E, H, I/tp]``, and sharded for tensor parallelism along the experts'
-intermediate dimension, as vLLM shards them: every rank holds every expert's slice, computes its partial
-down projection, and the all-reduce sums them (the residual added on rank 0 only, as in a row-parallel
-layer). ``weight_loader`` takes the checkpoint in either layout Hugging Face checkpoints ship: one tensor
-per expert and projection (``experts.{e}.gate_proj.weight``; the Hub's Qwen3-MoE checkpoints, and what
-transformers' ``save_pretrained`` writes) or packed 3-D tensors (``experts.gate_up_proj``,
-``experts.down_proj``, transformers' in-memory layout). Which kernels run follows the tensor:
-``kernels.moe_ops(x)``.
-"""
+"""A mixture-of-experts layer's experts (vLLM's ``FusedMoE``), packed into ``w13_weight [E, 2 * I/tp, H]`` (gate
+rows, then up rows) and ``w2_weight [E, H, I/tp]``, sharded along the intermediate dimension as vLLM shards them."""
 from __future__ import annotations
 
 import torch
@@ -42,8 +30,8 @@ class FusedMoE(nn.Module):
         self._loaded: set[tuple[int, str]] = set()  # (expert, shard id) pairs the checkpoint gave
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int | None, shard_id: str):
-        """One checkpoint tensor: expert ``expert_id``'s gate (w1), up (w3) or down (w2) projection, or, with
-        ``expert_id`` None, every expert's packed gate and up (w13, [E, 2 * I, H]) or down (w2, [E, H, I])."""
+        """Expert ``expert_id``'s gate (w1), up (w3) or down (w2) projection; with ``expert_id`` None, every
+        expert's packed gate and up (w13, [E, 2 * I, H]) or down (w2, [E, H, I])."""
         ip, e, h = self.intermediate_size_per_partition, self.num_experts, self.hidden_size
         i, lo = ip * self.tp_size, self.tp_rank * ip
         if expert_id is not None and not 0 <= expert_id < e:
@@ -66,8 +54,7 @@ class FusedMoE(nn.Module):
         self._loaded.update((expert, shard) for expert in experts for shard in shards)
 
     def missing_weights(self) -> list[str]:
-        """The experts' tensors a checkpoint that gave some of them left out (they would be uninitialized
-        memory); [] when it gave none (the loader names the parameters then) or all."""
+        """The experts' tensors a checkpoint that gave some of them left out ([] when it gave none or all)."""
         if not self._loaded:
             return []
         return [f"expert {e} {s}" for e in range(self.num_experts) for s in ("w1", "w3", "w2")
@@ -75,8 +62,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + the sum over each token's top-k experts of their MLPs of x, weighted by the router (the
-        residual on rank 0 only, before the sum over ranks)."""
+        """residual + the router-weighted sum of each token's top-k experts' MLPs of x."""
         ops = moe_ops(x)
         topk_weights, topk_ids = ops.fused_topk(router_logits, self.top_k, self.renormalize)
         y = ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,

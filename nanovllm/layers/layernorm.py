@@ -1,5 +1,4 @@
-"""RMSNorm (the residual add before it runs in the projection that produced its input: ``linear``'s
-``residual``)."""
+"""RMSNorm; the residual add before it runs in the previous projection (``linear``'s ``residual``)."""
 from __future__ import annotations
 
 import torch
@@ -15,5 +14,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm over the last dim."""
         return dense_ops(x).rms_norm(x.reshape(-1, x.size(-1)), self.weight, self.eps).view(x.shape)

@@ -1,7 +1,5 @@
-"""Linear layers sharded for tensor parallelism. Column-parallel layers split the output features (no
-communication; q/k/v and gate/up are each packed into one matmul); row-parallel layers split the input
-features and all-reduce their output. Each parameter's ``weight_loader`` checks a checkpoint tensor's
-whole shape, then copies this rank's shard of it (a packed part at its offset)."""
+"""Linear layers sharded for tensor parallelism: column-parallel ones split the output features (q/k/v and gate/up
+packed into one matmul), row-parallel ones the input features, all-reducing their output."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +10,7 @@ from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
 def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
-    """``expected`` is the whole checkpoint tensor's shape (checked before a rank takes its shard);
-    the loader names the tensor when it catches this error."""
+    """Checks a whole checkpoint tensor's shape, before a rank takes its shard (the loader adds the name)."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)}")
 
@@ -32,7 +29,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...]) -> torch.Tensor:
-        """This rank's slice along ``dim`` (None: all of it) of a checkpoint tensor that must be ``full_shape``."""
+        """This rank's slice along ``dim`` (None: all of it) of a checkpoint tensor of ``full_shape``."""
         check_shape(loaded, full_shape)
         if dim is None or self.tp_size == 1:
             return loaded
@@ -94,8 +91,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(self._shard(loaded, dim, full))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias) (+ ``residual``, in the projection's kernel, in place): the bias and the
-        residual are added once, on rank 0, before the sum over ranks."""
+        """x @ weight.T + bias, added in place to ``residual``; both on rank 0 only, before the sum over ranks."""
         first = self.tp_rank == 0
         y = dense_ops(x).linear(x, self.weight, self.bias if first else None, residual=residual if first else None)
         return all_reduce(y, self.tp_group)

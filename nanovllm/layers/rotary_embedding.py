@@ -1,6 +1,5 @@
-"""Rotary position embedding (the rotate-half layout of Hugging Face's Llama/Qwen), with the
-``linear``, Llama 3.1 (``llama3``) and YaRN (``yarn``: Qwen2.5's and Qwen3's long contexts) frequency
-scalings."""
+"""Rotary position embedding (Hugging Face's rotate-half layout) with the ``linear``, ``llama3`` and ``yarn``
+frequency scalings."""
 from __future__ import annotations
 
 import math
@@ -23,7 +22,7 @@ class RotaryEmbedding(nn.Module):
         rope_type = (scaling or {}).get("rope_type", "default")
         if rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
-        elif rope_type == "llama3":  # long wavelengths divided by ``factor``, short ones kept, a smooth blend between
+        elif rope_type == "llama3":  # long wavelengths divided by ``factor``, short ones kept, a blend between
             factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
             old_len = scaling["original_max_position_embeddings"]
             wavelen = 2 * math.pi / inv_freq
@@ -46,10 +45,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def yarn(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
-    """YaRN (arXiv 2309.00071), as transformers computes it: frequencies that turn fewer than ``beta_slow``
-    times over the original context are divided by ``factor`` (interpolated), those that turn more than
-    ``beta_fast`` times are kept (extrapolated), a linear ramp between; cos and sin are scaled by the
-    attention factor (``attention_factor``, else from ``mscale``/``mscale_all_dim``, else 0.1 ln(factor) + 1)."""
+    """YaRN's (arXiv 2309.00071) frequencies and attention factor, as transformers computes them: slow ones divided
+    by ``factor``, fast ones kept, a linear ramp between."""
     factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
 
     def dim_of(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times over old_len
@@ -73,8 +70,8 @@ def yarn(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> t
 
 
 def get_rope(head_dim: int, max_position: int, hf_config) -> RotaryEmbedding:
-    """The table for positions 0 to ``max_position - 1`` from a transformers config (``rope_parameters``
-    in transformers 5, ``rope_theta``/``rope_scaling`` before); one module serves every layer."""
+    """The table for positions below ``max_position`` from a transformers config (``rope_parameters``, or the
+    older ``rope_theta``/``rope_scaling``)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
     if params["rope_type"] not in SUPPORTED_ROPE:

@@ -1,6 +1,5 @@
-"""Model registry, keyed by the checkpoint's ``config.json`` ``architectures``: every family is the
-Llama decoder (``llama.py``) with its own ``DecoderOptions`` (Qwen3-MoE's, with its sparse MLPs, in
-``qwen3_moe.py``)."""
+"""The model registry, keyed by config.json's ``architectures``: each family is the Llama decoder with its own
+``DecoderOptions``."""
 from __future__ import annotations
 
 from torch import nn

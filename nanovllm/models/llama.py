@@ -1,6 +1,5 @@
-"""The Llama-style decoder that Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3 share, built from the
-shared layers and tensor-parallel throughout. What differs between the families is a flag
-(``DecoderOptions``): biases on q/k/v, o and the MLP, and Qwen3's per-head q/k RMSNorm."""
+"""The tensor-parallel Llama-style decoder that every supported family shares; what differs between them is
+``DecoderOptions`` (biases, Qwen3's per-head q/k RMSNorm, a mixture-of-experts MLP)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,15 +17,18 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope
 from nanovllm.utils.context import get_context
 
 
+def check_silu(config: PretrainedConfig):
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+
+
 def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def sliding_windows(config: PretrainedConfig) -> list[int]:
-    """Each layer's sliding window (0: full attention), as transformers reads the config: ``layer_types`` where
-    the config has them (Qwen2/Qwen3 derive them from ``use_sliding_window`` and ``max_window_layers``), else
-    for Qwen2/Qwen3 the rule of older transformers (layers from ``max_window_layers`` on), else
-    ``sliding_window`` on every layer (Mistral; Qwen3-MoE when ``use_sliding_window``)."""
+    """Each layer's sliding window (0: full attention), as transformers reads the config: from ``layer_types``,
+    else for Qwen2/Qwen3 the layers from ``max_window_layers`` on, else every layer."""
     window, n = getattr(config, "sliding_window", None) or 0, config.num_hidden_layers
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"the model's sliding_window={window!r} is not a positive int")
@@ -49,8 +51,7 @@ class DecoderOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # layer i's MLP when a family's differs from DecoderMLP (a mixture of experts): (config, options, i) -> module
-    # whose forward(x, residual) returns residual + its output
+    # (config, options, layer i) -> layer i's MLP, when not DecoderMLP; its forward(x, residual) adds to residual
     mlp: Callable[[PretrainedConfig, DecoderOptions, int], nn.Module] | None = None
 
 
@@ -95,8 +96,7 @@ class DecoderAttention(nn.Module):
 class DecoderMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, options: DecoderOptions):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        check_silu(config)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
                                                        bias=options.mlp_bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
@@ -116,9 +116,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The residual stream through one layer: each block's output is added to it inside the block's
-        last projection, so a layer is eight launches at decode batch sizes on CUDA (norm, qkv, attention
-        prologue, attention, o_proj, norm, gate_up, down; nine when the attention splits the context)."""
+        """The residual stream through one layer; each block adds its output in its last projection's kernel."""
         hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), hidden_states)
         return self.mlp(self.post_attention_layernorm(hidden_states), hidden_states)
 
@@ -156,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def check_config(config: PretrainedConfig, max_model_len: int):
-        """Refuses, before anything is loaded, what the decoder cannot build (its attention layer types)."""
+        """Refuses, before anything is loaded, what the decoder cannot build."""
         sliding_windows(config)
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):

@@ -1,8 +1,5 @@
-"""Architecture presets: configs of real models built into the code, so benchmarks run with
-``load_format="dummy"`` and no checkpoint (``LLM("qwen3-0.6b", load_format="dummy", ...)``).
-The fields are the config.json values of Qwen/Qwen3-0.6B, Qwen/Qwen3-8B, meta-llama/Llama-3.2-1B,
-meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B-Instruct and Qwen/Qwen3-30B-A3B: a family's shared ones, then each
-model's."""
+"""Architecture presets: the config.json values of real models, so that benchmarks run without a checkpoint
+(``LLM("qwen3-0.6b", load_format="dummy")``)."""
 from __future__ import annotations
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig

@@ -1,10 +1,5 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B): Qwen3's decoder whose MLPs are sparse
-mixture-of-experts blocks, a router choosing ``num_experts_per_tok`` of ``num_experts`` experts per token.
-
-A layer is sparse unless ``mlp_only_layers`` lists it or ``decoder_sparse_step`` skips it (layer i is sparse
-when (i + 1) % decoder_sparse_step == 0), as transformers decides; a dense layer has Qwen3's MLP of
-``intermediate_size``. There is no shared expert (Qwen2-MoE's), so the block is router + experts.
-"""
+"""Qwen3-MoE: Qwen3's decoder whose MLPs are mixture-of-experts blocks (a router and the experts, no shared
+expert), except the dense layers transformers' rule picks."""
 from __future__ import annotations
 
 import re
@@ -15,7 +10,7 @@ from transformers import PretrainedConfig
 
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.models.llama import DecoderMLP, DecoderOptions, LlamaForCausalLM
+from nanovllm.models.llama import DecoderMLP, DecoderOptions, LlamaForCausalLM, check_silu
 
 # checkpoint tensors of the experts: one per expert and projection (the Hub's), or packed per layer
 _PER_EXPERT = re.compile(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -25,13 +20,11 @@ _SHARDS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"), "
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    """The router (``gate``, replicated on every rank) and the experts; forward(x, residual) returns
-    residual + the weighted sum of the chosen experts' MLPs of x."""
+    """The router (``gate``, replicated on every rank) and the experts."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        check_silu(config)
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, renormalize=config.norm_topk_prob)
@@ -51,7 +44,7 @@ def qwen3_moe_mlp(config: PretrainedConfig, options: DecoderOptions, layer_idx: 
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    """Qwen3's attention (per-head q/k RMSNorm; biases as ``attention_bias``); MLPs as ``qwen3_moe_mlp`` builds them."""
+    """Qwen3's attention; MLPs as ``qwen3_moe_mlp`` builds them."""
 
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:

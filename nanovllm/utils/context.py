@@ -1,6 +1,5 @@
-"""The attention context: what one forward's attention layers need besides the activations. Set only through
-``set_context`` (a context manager that always resets it, even when the forward raises), read with
-``get_context()``; per thread, so that engines in different threads run their forwards independently."""
+"""The attention context: what one forward's attention layers need besides the activations, set per thread by the
+``set_context`` block around the forward and read with ``get_context()``."""
 from __future__ import annotations
 
 import threading

@@ -1,7 +1,6 @@
-"""Tensor-parallel groups, and the rank, size and group that layers see while a model is being built. Each engine
-has a process group of its own (``TPGroup``), never torch.distributed's default one, which a process can create
-only once: so engines live side by side, and one can start after another failed to. An engine builds its model
-inside ``tensor_parallel(rank, size, group)``; layers read the values (per thread) once, at construction."""
+"""Tensor-parallel process groups, and the rank, size and group layers read while a model is built (inside
+``tensor_parallel``). Each engine has its own group, never torch.distributed's default one, which a process can
+create only once."""
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +24,8 @@ def free_port() -> int:
 
 
 class TPGroup:
-    """The collectives tensor parallelism needs, on this engine's own process group (a TCP store on a free port,
-    a gloo or NCCL backend on it). Rank 0 hosts the store and waits for every rank to connect, calling ``waiting()``
-    between checks (it raises if a worker died: so that one that never arrives is named, not waited for)."""
+    """The collectives tensor parallelism needs, on a process group of its own (a TCP store, gloo or NCCL). Rank 0
+    waits for every rank to connect, calling ``waiting()`` between checks (it raises if a worker died)."""
 
     def __init__(self, rank: int, size: int, port: int, device: str, waiting: Callable[[], None] | None = None):
         self.rank, self.size, self.device = rank, size, device

@@ -1,7 +1,5 @@
-"""Finds a checkpoint (``resolve_model``: a directory, a built-in model or a Hugging Face Hub id's snapshot) and loads
-a Hugging Face safetensors checkpoint (one file or shards) into a model, each parameter through its ``weight_loader``
-(which checks the whole tensor's shape, takes this rank's shard and packs q/k/v and gate/up); ``load_dummy_weights``
-fills random values instead (vLLM's ``load_format="dummy"``), for benchmarks."""
+"""Finds a checkpoint (a directory, a built-in model or a Hub snapshot) and loads its safetensors into a model through
+each parameter's ``weight_loader``, or random weights instead (``load_format="dummy"``); also its tokenizer and EOS."""
 from __future__ import annotations
 
 import glob
@@ -20,24 +18,23 @@ from nanovllm.layers.linear import check_shape
 INDEX_FILE = "model.safetensors.index.json"
 # buffers that old checkpoints saved (Llama's rotary tables); the model computes its own
 SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-# files that hold a vocabulary: fast (tokenizers), sentencepiece, BPE/WordPiece, tiktoken
+# files that hold a vocabulary
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
                    "vocab.txt", "*.tiktoken")
-# what a download from the Hub fetches besides the files a caller needs: configs, vocabularies, merges, chat templates
+# what a download from the Hub fetches besides the files a caller needs
 HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # huggingface_hub's, for HF_HUB_OFFLINE
 
 logger = logging.getLogger("nanovllm")
-# fp8 KV-cache scales as checkpoints name them (vLLM reads the same): per layer, on the attention or its k/v proj
+# fp8 KV-cache scales as checkpoints name them (as vLLM reads them)
 KV_SCALE = re.compile(r"(?P<layer>.*\.self_attn)\.(?:[kvq]_proj\.|attn\.)?(?P<which>k_scale|v_scale|kv_scale|"
                       r"q_scale|prob_scale)")
 
 
 def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
                   token: bool | str | None = None) -> str:
-    """What a model (or tokenizer) name stands for on this machine: an existing directory or an architecture
-    preset's name as is, a built-in ``nanovllm:<name>`` model's directory, or a Hugging Face Hub id's snapshot
-    directory (``hub_snapshot``). Any other name comes back as is, for the caller to name as missing."""
+    """The local directory a model (or tokenizer) name stands for; a directory, a preset or a name that is none of
+    these comes back as is."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     from nanovllm.demo import PREFIX
@@ -56,9 +53,8 @@ def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None =
 
 def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
                  token: bool | str | None = None) -> str:
-    """The directory of Hugging Face Hub model ``repo_id``'s snapshot (at ``revision``, else main) holding a file
-    for each glob pattern of ``needs``: the local cache's (``cache_dir``, else huggingface_hub's) if it holds them,
-    else a download of them and HUB_FILES unless HF_HUB_OFFLINE is set; else a ValueError that says how to get it."""
+    """The directory of ``repo_id``'s Hub snapshot with a file for each glob of ``needs``: the local cache's, else a
+    download unless HF_HUB_OFFLINE is set, else a ValueError that says how to get it."""
     from huggingface_hub import constants, snapshot_download
     kwargs = dict(revision=revision, cache_dir=cache_dir, token=token, allow_patterns=[*HUB_FILES, *needs])
     try:
@@ -66,7 +62,7 @@ def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None
     except OSError:  # not cached (LocalEntryNotFoundError), or a snapshot known to be incomplete
         problem = "is not in the local cache"
     else:
-        if not (missing := [p for p in needs if not glob.glob(os.path.join(glob.escape(path), p))]):
+        if not (missing := [p for p in needs if not has_file(path, p)]):
             return path
         problem = f"has a snapshot without {', '.join(missing)} in the local cache"
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES:
@@ -83,14 +79,18 @@ def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None
                      "huggingface_hub 1.0), or pass the path of a local checkpoint") from None
 
 
+def has_file(directory: str, pattern: str) -> bool:
+    return bool(glob.glob(os.path.join(glob.escape(directory), pattern)))
+
+
 def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
     check_shape(loaded, param.shape)
     param.data.copy_(loaded)
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The files ``model.safetensors.index.json`` maps tensors to when it exists (a repository may ship the same
-    weights again under other names, e.g. Mistral's consolidated.safetensors), else every ``*.safetensors`` file."""
+    """The files the safetensors index maps tensors to (a repository may ship the weights twice, e.g. Mistral's
+    consolidated.safetensors), else every ``*.safetensors`` file."""
     index = os.path.join(path, INDEX_FILE)
     if not os.path.exists(index):
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -118,9 +118,8 @@ def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 
 
 def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
-    """A checkpoint's fp8 KV-cache scale, set on its layer's ``Attention`` (``k_scale``/``v_scale``; an old
-    ``kv_scale`` sets both); q_scale/prob_scale (fp8 attention arithmetic, which nanovllm does not do) are
-    skipped. False when ``name`` is no such tensor."""
+    """Sets a checkpoint's fp8 KV-cache scale on its layer's ``Attention`` (``kv_scale``: both); False when
+    ``name`` is no such tensor."""
     match = KV_SCALE.fullmatch(name)
     if match is None:
         return False
@@ -177,9 +176,8 @@ def load_model(model: nn.Module, path: str):
 
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0):
-    """Random weights of a realistic scale: N(0, 0.02) matrices and biases, unit norm weights. ``seed`` is the
-    engine's seed plus the rank (each rank's shards differ); a parameter held whole on every rank and marked
-    with its ``replicated_rank`` (a MoE router) gets rank 0's values on every rank, so that ranks agree."""
+    """N(0, 0.02) weights and biases, unit norm weights; ``seed`` is the engine's plus the rank, but parameters
+    marked ``replicated_rank`` (a MoE router) get rank 0's values on every rank."""
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
     replicated: torch.Generator | None = None  # one stream for all of them, in order: each layer its own values
@@ -195,11 +193,11 @@ def load_dummy_weights(model: nn.Module, seed: int = 0):
 
 
 def load_tokenizer(path: str):
-    """``AutoTokenizer.from_pretrained(path)``, refusing at once a local directory without tokenizer
-    files (transformers would build a vocabulary of one token, and generation would fail later)."""
+    """``AutoTokenizer.from_pretrained(path)``, refusing a directory without tokenizer files (transformers would
+    build a vocabulary of one token)."""
     from transformers import AutoTokenizer
     remedy = "pass tokenizer=<dir> or skip_tokenizer_init=True to run on token ids"
-    if os.path.isdir(path) and not any(glob.glob(os.path.join(glob.escape(path), p)) for p in TOKENIZER_FILES):
+    if os.path.isdir(path) and not any(has_file(path, p) for p in TOKENIZER_FILES):
         raise ValueError(f"{path!r} has no tokenizer files (any of {', '.join(TOKENIZER_FILES)}): {remedy}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if len(tokenizer) < 2:
@@ -208,9 +206,8 @@ def load_tokenizer(path: str):
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
-    """Every EOS id of a checkpoint: generation_config.json's (else config.json's; one or a list), the tokenizer's.
-    The first is the model's own EOS (the tokenizer's, else config.json's first); vLLM reports the others as
-    stop token ids (``stop_reason``)."""
+    """Every EOS id of a checkpoint (generation_config.json's, else config.json's, and the tokenizer's), the model's
+    own first; vLLM reports the others as stop token ids."""
     own = getattr(hf_config, "eos_token_id", None)
     eos = own
     if os.path.isfile(path := os.path.join(model_dir, "generation_config.json")):
