@@ -1,7 +1,5 @@
-"""Kernels. Attention's backends are chosen once at start-up (``nanovllm.layers.attention``); the dense
-layers' ops (RMSNorm, SiLU-and-mul, the fused linear) follow the tensor: ``dense_ops(x)`` is Triton's
-(``triton_linear``) for a CUDA tensor when triton is installed, the PyTorch reference otherwise; so do the
-mixture-of-experts layer's (``moe_ops(x)``: ``triton_moe``, else ``moe_reference``)."""
+"""The kernels, Triton's and the PyTorch references. The dense and MoE layers' ops follow the tensor (Triton's for
+CUDA tensors when triton is installed); attention's backend is chosen at start-up (``layers.attention``)."""
 from __future__ import annotations
 
 import functools
@@ -27,11 +25,9 @@ def dense_ops(x: torch.Tensor) -> ModuleType:
 
 
 def moe_ops(x: torch.Tensor) -> ModuleType:
-    """The module whose ``fused_moe`` runs the experts for tokens x."""
     return _triton_module("triton_moe", moe_reference) if x.is_cuda else moe_reference
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input_precision for inputs of ``dtype``: fp32 inputs would otherwise go through tf32
-    (10-bit mantissa); keep fp32 exact."""
+    """``tl.dot``'s input_precision: fp32 inputs stay exact instead of going through tf32."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,12 +1,7 @@
-"""Paged attention and the dense layers' fused ops in plain PyTorch: the CPU path, the CUDA fallback, and
-the test oracle.
+"""Paged attention and the dense layers' ops in plain PyTorch: the CPU path, the CUDA fallback and the test oracle.
 
-Caches are one layer's views ``[num_blocks, block_size, num_kv_heads, head_dim]``; a token at
-logical position p of a sequence lives at slot ``block_table[p // block_size] * block_size +
-p % block_size``. An fp8 cache holds K/V divided by the layer's ``k_scale``/``v_scale`` (vLLM's
-convention), multiplied back when read. ``window``: sliding-window attention, a query at position i seeing the
-keys at positions (i - window, i] (0: the whole context). Everything here is capturable in a CUDA Graph except
-prefill, which runs eagerly.
+A cache is one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``; position p of a sequence lives at slot
+``block_table[p // block_size] * block_size + p % block_size``. An fp8 cache holds K/V divided by the layer's scales.
 """
 from __future__ import annotations
 
@@ -16,10 +11,8 @@ import torch.nn.functional as F
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped. Without
-    data-dependent shapes: a skipped row writes the first valid row's value to that row's slot, so every
-    duplicate write of a slot carries the same value (all -1, as in the warmup forward: slot 0 of its
-    throwaway cache)."""
+    """Writes k, v [N, num_kv_heads, head_dim] at slot_mapping [N]; slot -1 is skipped. Without data-dependent
+    shapes (CUDA graphs): a skipped row rewrites the first valid row, so duplicate writes of a slot agree."""
     valid = slot_mapping >= 0
     first = valid.int().argmax().view(1)  # 0 when no row is valid; a tensor index: no host sync (graphs)
     slots = torch.where(valid, slot_mapping, slot_mapping.index_select(0, first)).clamp(min=0).long()
@@ -33,8 +26,7 @@ FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, kv_scale: float = 1.0) -> torch.Tensor:
-    """x in the cache's dtype; fp8 (e4m3) holds x / kv_scale, saturated at +-448 instead of overflowing to NaN.
-    A cache in the model's dtype holds x itself (scales apply to fp8 only, as in vLLM)."""
+    """x in the cache's dtype; fp8 (e4m3) holds x / kv_scale, saturated at +-448 instead of overflowing to NaN."""
     if dtype == torch.float8_e4m3fn:
         x = (x.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX)
     return x.to(dtype)
@@ -62,7 +54,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float,
                       k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0) -> torch.Tensor:
     """Causal attention for packed variable-length queries q [N, H, D] (k, v: the same N new tokens); with
-    ``block_tables`` the keys (cached prefix + new) come from the cache. ``max_seqlen_q``: unused (a host loop)."""
+    ``block_tables`` the keys (cached prefix + new) come from the cache. Runs eagerly (a host loop)."""
     out = torch.empty_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for i in range(len(cu_q) - 1):
@@ -100,7 +92,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x."""
     f = x.float()
     return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -1,17 +1,9 @@
-"""Paged attention in Triton: the KV store, varlen causal prefill and split-KV decode.
+"""Paged attention in Triton, with ``reference.py``'s functions and cache layout: the KV store (alone or fused
+with the q/k norm and rotary), varlen causal prefill, and split-KV decode that a CUDA graph can capture.
 
-Same functions and cache layout (slots from block tables) as ``reference.py``, the oracle. Key tiles
-gather their slots token by token, so any power-of-two block size works with any tile size. Decode
-packs the query heads of one KV head into the rows of a single ``tl.dot``, so every K/V tile is read
-once for its whole group, and splits long contexts over several programs (merged by log-sum-exp) when
-batch x kv_heads is too small to fill the GPU. Nothing here reads device values on the host during
-decode, so the decode path can be captured in a CUDA Graph.
-
-An fp8 (e4m3) cache holds K/V divided by the layer's ``k_scale``/``v_scale``, saturated at +-448: the store
-kernels divide and round, the attention kernels convert each tile to the queries' dtype (fp16 for 16-bit
-queries), fold k_scale into the softmax scale and multiply each V tile by v_scale. ``window`` > 0 is
-sliding-window attention: a query at position i sees the keys at (i - window, i]; decode starts at its first
-visible key, prefill skips the tiles wholly before every row's window and masks the rest.
+Decode packs the query heads of a KV head into the rows of one ``tl.dot``, so each K/V tile is read once, and
+splits long contexts over programs merged by log-sum-exp. An fp8 (e4m3) cache holds K/V divided by
+``k_scale``/``v_scale``, saturated at +-448; ``window`` > 0 lets position i see the keys in (i - window, i].
 """
 from __future__ import annotations
 
@@ -25,15 +17,14 @@ from nanovllm.kernels import dot_precision, reference
 
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(reference.FP8_MAX)  # a constexpr: compiled kernels read no other globals
-# Triton's interpreter (the CPU tests) rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4,
-# not 8): under it the store kernels round to e4m3's grid themselves, so that the conversion has nothing to round.
+# Triton's interpreter rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4): under it the
+# store kernels round to e4m3's grid themselves
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
 def _round_to_e4m3(x):
-    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even: steps of 2^(e - 3) for exponent e,
-    2^-9 below the normals (2^-6)."""
+    """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even."""
     bits = x.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
@@ -93,8 +84,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                                ROUND_FP8: tl.constexpr):
-    """One token, its q and k heads the rows of one tile. Rounds where the separate ops round (norm
-    output to the dtype, times the weight in the dtype; rotary in fp32)."""
+    """One token, its q and k heads the rows of one tile; rounds where the separate ops round."""
     i = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     rows = tl.arange(0, BLOCK_H)                       # q heads, then k heads
@@ -140,11 +130,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int, k_scale: float = 1.0, v_scale: float = 1.0):
-    """The attention prologue in one launch instead of four, for qkv [N, (num_heads + 2 * num_kv_heads) *
-    head_dim] from the fused QKV projection: per-head RMSNorm of q and k (Qwen3; skipped when the weights are
-    None), then the rotate-half rotary embedding at ``positions`` (``cos_sin_cache`` [max_position, head_dim]:
-    cos then sin), both in place, then k and v stored at ``slot_mapping`` (slot -1 skipped). Returns the
-    q, k, v views [N, heads, head_dim] of qkv: the results of ``RMSNorm``, ``RotaryEmbedding``, ``store_kvcache``."""
+    """``RMSNorm`` of q and k (skipped when the weights are None), ``RotaryEmbedding`` and ``store_kvcache`` in one
+    launch, in place on qkv [N, (num_heads + 2 * num_kv_heads) * head_dim]; returns its q, k, v views."""
     n = qkv.size(0)
     assert head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1 and cos_sin_cache.is_contiguous()
     assert qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim
@@ -165,14 +152,10 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                  SCALE_V: tl.constexpr):
-    """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on (decode),
-    2 those and the causal diagonal (q_pos read only then), and with WINDOW the keys at or before q_pos - WINDOW;
-    q_start, k_ptr, v_ptr, stride_kt/vt only unpaged. Cached tiles are converted to the queries' dtype: over an
-    fp8 cache the callers pass 16-bit queries as fp16 (e4m3 -> fp16 is one conversion per two values on Hopper,
-    e4m3 -> bf16 several), and SCALE_V multiplies each V tile by v_scale. That multiply also keeps Triton from
-    moving V's conversion after its shuffle into the product's operand layout: the 8-bit tile then went through
-    shared memory a byte at a time (128 ld.shared.b8 and st.shared.b8 a tile, no ldmatrix, in the sm_90 PTX),
-    and P @ V alone took as long as bf16's whole decode (fp8 decode at 2.5-2.9 TB/s on an H200)."""
+    """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on, 2 those,
+    the causal diagonal and the keys outside WINDOW. Cached tiles are converted to the queries' dtype (fp16 over
+    fp8: the cheaper conversion); SCALE_V's multiply also keeps Triton from moving V's conversion after its layout
+    shuffle, which sent the 8-bit tile through shared memory a byte at a time."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_n < k_len
@@ -224,36 +207,31 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     q_pos = k_len - q_len + offs_m                                # its position among the keys
     q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=(offs_m < q_len)[:, None], other=0.0)
-    if Q_FP16:  # paged over an fp8 cache, 16-bit queries: fp16 dot operands (see _attend_tile)
+    if Q_FP16:  # fp16 dot operands over an fp8 cache (see _attend_tile)
         q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     first_q_pos = k_len - q_len + m_block * BLOCK_M
-    unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N   # keys before it are visible to every row of the tile
+    masked_start = (first_q_pos // BLOCK_N) * BLOCK_N   # keys before it are visible to every row of the tile
+    if WINDOW > 0:  # every tile masked, from the tile of the first row's first visible key
+        masked_start = tl.maximum(first_q_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
     end = tl.minimum(k_len, first_q_pos + BLOCK_M)
-    if WINDOW > 0:  # from the tile of the first row's first visible key, every tile masked
-        for start in range(tl.maximum(first_q_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N, end, BLOCK_N):
+    for masked in tl.static_range(1 if WINDOW > 0 else 0, 2):   # the unmasked tiles, then the masked (unrolled)
+        for start in range(masked_start if masked else 0, end if masked else masked_start, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
                                          v_scale, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt,
-                                         stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2,
-                                         PRECISION, WINDOW, FP8)
-    else:
-        for masked in tl.static_range(2):   # the keys every row sees, then the causal diagonal (unrolled)
-            for start in range(unmasked_end if masked else 0, end if masked else unmasked_end, BLOCK_N):
-                acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
-                                             v_scale, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt,
-                                             stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N,
-                                             2 * masked, PRECISION, 0, FP8)
+                                         stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N,
+                                         2 * masked, PRECISION, WINDOW, FP8)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, paged: bool) -> dict:
-    # From tools/bench_kernels.py --sweep on an H200 (docs/PERFORMANCE.md): large tiles for long or
-    # paged prompts, smaller ones (more programs, less causal waste) for short unpaged ones.
+    # tools/bench_kernels.py --sweep's choice: large tiles for long or paged prompts, smaller ones (more programs,
+    # less causal waste) for short unpaged ones
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if paged or max_seqlen_q >= 2048:
@@ -266,9 +244,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float,
                       k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
                       config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention for packed variable-length queries q [N, H, D]; k, v [N, KVH, D] are the
-    same N new tokens. With ``block_tables`` every key (cached prefix and new) is read from the cache
-    (dequantized with k_scale, v_scale when it is fp8)."""
+    """Causal attention for packed variable-length queries q [N, H, D]; k, v [N, KVH, D] are the same N new
+    tokens. With ``block_tables`` every key (cached prefix and new) is read from the cache."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(1)
     paged = block_tables is not None
@@ -354,8 +331,8 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = 32) -> int:
-    """Enough programs for about two waves over the SMs; depends on the batch only, so a CUDA
-    Graph captured for a batch bucket keeps a fixed grid."""
+    """Enough programs for about two waves over the SMs; a function of the batch only, so that a captured CUDA
+    graph keeps a fixed grid."""
     if device.type != "cuda":
         return 1 if batch * num_kv_heads >= 8 else 2   # the interpreter: still exercise the merge
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -365,7 +342,7 @@ def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_s
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, batch: int) -> dict:
-    # From tools/bench_kernels.py --sweep on an H200: 4 warps, 3 stages; 128-token tiles at large batch.
+    # tools/bench_kernels.py --sweep's choice
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
     return dict(BLOCK_N=128 if batch >= 256 else 64, num_warps=4, num_stages=3)

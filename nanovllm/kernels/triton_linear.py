@@ -1,20 +1,6 @@
-"""The decoder's dense layers in Triton: RMSNorm, SiLU-and-mul, and a linear layer for the few rows of a
-decode step that takes its neighbours into the same launch.
-
-Same functions as ``reference.py`` (the oracle). At decode batch sizes a linear layer reads its whole
-weight for a few rows, so its time is the weight's bytes over the memory bandwidth plus a launch and a
-ramp; ``linear`` with at most ``SKINNY_MAX_M`` rows is one kernel that reads the weight once, in tiles of
-output columns (each program all rows, all of K), and applies SiLU-and-mul (``silu_mul``) or the
-residual add (``residual``) to its tile before storing it. On an H200 it matches or beats cuBLAS (with
-the activation kernel after it) at every decode projection of Qwen3-0.6B and -8B but 0.6B's gate_up
-(docs/PERFORMANCE.md). More rows go to cuBLAS (the residual add in its epilogue), with the activation
-kernel after it.
-
-Not fused, because it made the kernel slower, not faster: the RMSNorm before a projection, tried two
-ways (measured on the H200; docs/PERFORMANCE.md). Scaling x inside the K loop ran the projection 3-5x
-slower than a separate norm kernel plus the projection; the norm's weight folded into the projection's,
-with x fed to the product as loaded and each row scaled by 1 / rms after, 1.4-2.4x slower (commit 0f891fe
-has that kernel).
+"""The dense layers' ops in Triton, with ``reference.py``'s functions: RMSNorm, SiLU-and-mul, and ``linear``, whose
+"skinny" kernel for a decode step's few rows reads the weight once and applies SiLU-and-mul or the residual add to
+its tile before storing it (more rows go to cuBLAS). Fusing the RMSNorm into the projection was slower.
 """
 from __future__ import annotations
 
@@ -30,7 +16,7 @@ SKINNY_MAX_M = 16
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
-    """One row; rounds where the PyTorch reference rounds (x / rms to the dtype, then times the weight)."""
+    """One row; rounds where the reference rounds (x / rms to the dtype, then times the weight)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -72,14 +58,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def silu_mul_rounded(gate, up, x_ptr):
+    """SiLU(gate) * up of fp32 accumulators, rounded to x's dtype where the unfused ops round."""
+    dtype = x_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["m"])  # one compilation for every batch size (CUDA graph buckets)
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_r, stride_y,
                           SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
-    """Output columns [pid * BLOCK_N, +BLOCK_N) of y = x @ w.T (+ bias) for all rows (m <= BLOCK_M); with
-    SILU_MUL w is [gate; up] (2n rows) and y = SiLU(gate) * up; with RESIDUAL y += residual (y may be the
-    residual itself: each element is read and written by the same program)."""
+    """Output columns [pid * BLOCK_N, +BLOCK_N) of y = x @ w.T (+ bias) for all m <= BLOCK_M rows; SILU_MUL: w is
+    [gate; up] and y = SiLU(gate) * up; RESIDUAL: y += residual (y may be the residual: one program per element)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,19 +98,16 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
         if SILU_MUL:
             acc_up += tl.load(b_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if SILU_MUL:  # rounded where the unfused path rounds: the projections, then SiLU(gate)
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = act * acc_up.to(dtype).to(tl.float32)
+    if SILU_MUL:
+        acc = silu_mul_rounded(acc, acc_up, x_ptr)
     if RESIDUAL:
         acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=out_mask)
 
 
 def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
-    """Tile sizes for the skinny kernel: all rows in one tile; column tiles of 32, or of 16 when that
-    leaves too few programs for the GPU's SMs (each program re-reads x, m x K: x's traffic is m / BLOCK_N
-    of the weight's); as many pipeline stages of K as fit in shared memory."""
+    """The skinny kernel's tiles: all rows in one; columns 32 wide, or 16 where that leaves too few programs; as many
+    pipeline stages of K as fit in shared memory."""
     block_m, block_k = max(16, triton.next_power_of_2(m)), 256 // element_size * 2
     block_n = 32 if n >= 32 * 120 else 16
     stage_bytes = (block_m + (2 if silu_mul else 1) * block_n) * block_k * element_size
@@ -127,9 +117,8 @@ def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
-    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. With
-    ``residual``, y is added to it in place and it is returned. ``config``: the skinny kernel's tile
-    sizes (by default ``skinny_config``'s)."""
+    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. With ``residual``,
+    y is added to it in place and it is returned. ``config``: the skinny kernel's tiles."""
     m, k = x.shape
     if m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and silu_mul):
         if residual is not None and bias is None and not silu_mul:

@@ -1,23 +1,7 @@
-"""The mixture-of-experts layer in Triton: the router's top-k (``fused_topk``, one launch) and the experts
-(``fused_moe``), vLLM's fused MoE design in three steps.
-
-1. ``moe_align_block_size`` (one launch): the M * top_k (token, expert) pairs the router chose are grouped
-   by expert, and each expert's run is padded to a multiple of BLOCK_M, so that every tile of BLOCK_M
-   rows belongs to one expert (``expert_ids[tile]``); padding rows hold the sentinel M * top_k.
-2. One grouped GEMM for gate and up (``w13``): a program takes one tile of rows and BLOCK_N columns of
-   its expert's gate and the same columns of its up, and stores SiLU(gate) * up (the activation in the
-   epilogue, as the skinny dense kernel does) into the pairs' rows of the intermediate [M * top_k, I].
-3. One grouped GEMM for down (``w2``), each row scaled by its pair's routing weight in the epilogue,
-   into [M, top_k, H], then the sum over top-k (and the residual add).
-
-A tile reads only its expert's weights: a step reads the weights of the experts its batch touches,
-once per tile of their rows (once at decode batch sizes, where an expert gets a few rows). Nothing here
-waits for the host: the grid is sized by the most tiles the padding can make (known from the shapes),
-and tiles past the padded total (a device scalar) return at once, so decode graphs capture it. A sparse
-layer is seven launches: the router's projection, top-k, the alignment, the two GEMMs, the top-k sum and
-the residual add.
-
-Same functions as ``moe_reference`` (the oracle and the CPU path).
+"""The mixture-of-experts layer in Triton, vLLM's fused MoE design, with ``moe_reference``'s functions: the router's
+top-k, then ``fused_moe``, where the (token, expert) pairs are grouped by expert in runs padded to BLOCK_M
+(``moe_align_block_size``), so that every tile of rows of the two grouped GEMMs (gate/up with SiLU-and-mul, then down
+with the routing weight) reads one expert's weights. The grid is sized from the shapes, so a CUDA graph captures it.
 """
 from __future__ import annotations
 
@@ -26,13 +10,14 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import dot_precision
+from nanovllm.kernels.triton_linear import silu_mul_rounded
 
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
                          RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token: the softmax of its router logits in float32, its TOP_K largest (the first index among equals),
-    renormalized to sum to 1 with RENORMALIZE."""
+    """One token: its TOP_K largest softmax probabilities (the first index among equals), renormalized with
+    RENORMALIZE."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -55,7 +40,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), as ``moe_reference.fused_topk``, in one launch."""
+    """(topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), as ``moe_reference.fused_topk``."""
     m, num_experts = router_logits.shape
     weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
@@ -70,10 +55,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, cursor_ptr, num_pairs,
                       capacity, NUM_EXPERTS: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
                       CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
-    """One program (the whole step's pairs are few thousand at decode): each expert's count, the padded runs'
-    starts (into ``cursor``), each tile's expert, the sentinels; then each pair claims the next slot of its
-    expert's run by an atomic add on that expert's cursor (the order within a run is free: a row's result
-    does not depend on the other rows of its tile)."""
+    """One program: each expert's count, its padded run's start (into ``cursor``), each tile's expert, the
+    sentinels; then each pair claims the next slot of its expert's run by an atomic add (any order will do)."""
     bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -103,13 +86,9 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """(sorted_token_ids, expert_ids, num_tokens_post_padded) for topk_ids [M, top_k] (vLLM's names), in one launch.
-
-    ``sorted_token_ids`` [capacity]: pair indices (token * top_k + slot) grouped by expert, each group
-    padded to a multiple of ``block_m`` with the sentinel M * top_k; ``expert_ids`` [capacity / block_m]:
-    each tile's expert (num_experts past the padded total); ``num_tokens_post_padded`` [1]: the padded total.
-    No host sync (CUDA-graph capturable): capacity is a function of the shapes alone, the pairs plus at most
-    block_m - 1 padding rows for each expert that can be touched."""
+    """(sorted_token_ids, expert_ids, num_tokens_post_padded), vLLM's: pair indices (token * top_k + slot) grouped by
+    expert, each group padded to a multiple of ``block_m`` with the sentinel M * top_k; each tile's expert; the
+    padded total. The capacity is the worst case of the shapes, so nothing waits for the host."""
     pairs = topk_ids.numel()
     capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
     device = topk_ids.device
@@ -129,9 +108,8 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, exp
                       n, k, num_pairs, stride_a, stride_we, stride_wn, stride_c,
                       ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Tile ``program_id(0)`` of the sorted pairs, columns [program_id(1) * BLOCK_N, +BLOCK_N) of
-    c[pair] = a[pair // ROWS_PER_A] @ w[expert].T; with SILU_MUL w[expert] is [gate; up] (2n rows) and
-    c = SiLU(gate) * up; with MUL_ROUTED_WEIGHT c is scaled by the pair's routing weight."""
+    """A tile of the sorted pairs, BLOCK_N columns of c[pair] = a[pair // ROWS_PER_A] @ w[expert].T; SILU_MUL: w is
+    [gate; up] and c = SiLU(gate) * up; MUL_ROUTED_WEIGHT: c times the pair's routing weight."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return  # a tile past the padded total: the grid is sized for the worst case
@@ -156,10 +134,8 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, exp
         if SILU_MUL:
             w_up = tl.load(w_rows + n * stride_wn + ks[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    if SILU_MUL:  # rounded where the reference rounds: the projections, then SiLU(gate)
-        gate = acc.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        acc = act * acc_up.to(dtype).to(tl.float32)
+    if SILU_MUL:
+        acc = silu_mul_rounded(acc, acc_up, a_ptr)
     if MUL_ROUTED_WEIGHT:
         acc = acc.to(dtype).to(tl.float32) * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None]
     tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_c + cols[None, :], acc.to(dtype),
@@ -167,8 +143,7 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, exp
 
 
 def moe_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
-    """Tile sizes: BLOCK_M near the rows an expert gets on average (M * top_k / E; decode's few rows
-    waste little padding at 16), wider tiles once the experts' runs are long (prefill)."""
+    """Tile sizes: BLOCK_M near the rows an expert gets on average, wider tiles once the runs are long."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
@@ -189,9 +164,7 @@ def _grouped_gemm(a, w, c, topk_weights, aligned, num_pairs: int, n: int, rows_p
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """sum over k of topk_weights[:, k] * down_e(SiLU(gate_e(x)) * up_e(x)), e = topk_ids[:, k], for x [M, H]
-    (w13 [E, 2 * I, H], w2 [E, H, I]). With ``residual`` the result is added to it in place and it is
-    returned. ``config``: tile sizes (by default ``moe_config``'s)."""
+    """``moe_reference.fused_moe``; ``config``: tile sizes (by default ``moe_config``'s)."""
     m, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:

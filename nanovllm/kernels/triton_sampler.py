@@ -1,16 +1,6 @@
-"""Sampling of plain batches (each row only a temperature; 0 = greedy) in two small Triton kernels.
-
-A Gumbel-max draw, ``argmax(logits / T + G)`` with G = -log(-log U), picks token i with probability
-softmax(logits / T)_i, as the PyTorch path's ``argmax(softmax(logits / T) / E)`` (E ~ Exp(1); -log E
-is a Gumbel variable). The uniforms come from Philox inside the kernel, so the logits are read once,
-as they are (bf16), and no float32 copy, [B, V] noise or softmax is written: one pass over B x V
-instead of about six. The first kernel reduces chunks of 4 x QUARTER logits per program (one Philox
-call gives the uniforms of four positions); the second picks each row's best chunk. Ties go to the
-lowest token id, as ``torch.argmax``; a greedy row (T = 0) is exactly ``logits.argmax(-1)``.
-
-Also here: the structured-output bitmask applied in one pass (``apply_token_bitmask``), and a stream's wait for a
-flag the host raises in pinned memory (``wait_for_flag``), which lets a sampler be launched before the host has
-filled its bitmask (``engine.structured_output.BitmaskHandoff``).
+"""Sampling of plain batches (a temperature per row; 0 = greedy) by a Gumbel-max draw, ``argmax(logits / T + G)``,
+with Philox noise made in the kernel, so the logits are read once; also the structured-output bitmask in one pass,
+and a stream's wait for a flag the host raises in pinned memory.
 """
 from __future__ import annotations
 
@@ -31,8 +21,7 @@ def _chunk_score(row_ptr, offs, vocab_size, inv_t, r, SAMPLED: tl.constexpr):
 
 @triton.jit
 def _chunk_best(row_ptr, base, vocab_size, inv_t, r0, r1, r2, r3, QUARTER: tl.constexpr, SAMPLED: tl.constexpr):
-    """The best score of logits [base, base + 4 * QUARTER) and its offset from base; each quarter
-    uses its own uniforms (r0..r3, unused when not SAMPLED)."""
+    """The best score of logits [base, base + 4 * QUARTER) and its offset; each quarter has its own uniforms."""
     q = tl.arange(0, QUARTER)
     best, idx = _chunk_score(row_ptr, base + q, vocab_size, inv_t, r0, SAMPLED)
     # strictly greater: among equal scores the earlier (lower) id stays
@@ -74,9 +63,8 @@ def _pick_chunk_kernel(vals_ptr, idx_ptr, out_ptr, NUM_CHUNKS: tl.constexpr, BLO
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, quarter: int = 1024) -> torch.Tensor:
-    """Token ids [B] int64 for logits [B, V] (any float dtype, last dim contiguous) and
-    temperatures [B] float32 (0 = greedy). ``seed`` (0 <= seed < 2**63) keys the noise: the same
-    seed and inputs give the same tokens; use a new one for every draw."""
+    """Token ids [B] int64 for logits [B, V] and temperatures [B] float32; ties go to the lowest id, as
+    ``torch.argmax``. ``seed`` (below 2**63) keys the noise: use a new one for every draw."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and temperatures.numel() == batch and 0 <= seed < 2 ** 63
     quarter = min(quarter, max(16, triton.next_power_of_2(triton.cdiv(vocab_size, 4))))
@@ -105,8 +93,7 @@ def _apply_token_bitmask_kernel(logits_ptr, stride_l, bitmask_ptr, stride_b, voc
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """``layers.sampler.apply_token_bitmask`` in one launch: logits [B, V] of disallowed tokens set to -inf in
-    place (bit t % 32 of int32 ``bitmask[b, t // 32]`` clear), only those written."""
+    """Sets logits [B, V] of disallowed tokens (bit t % 32 of int32 ``bitmask[b, t // 32]`` clear) to -inf, in place."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1 and bitmask.size(0) >= batch
     assert bitmask.size(1) * 32 >= vocab_size and bitmask.dtype == torch.int32
@@ -116,7 +103,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int 
     return logits
 
 
-# polls of the host's flag before a waiting kernel gives up (each a read over PCIe, ~1 µs: half a minute or more)
+# polls of the host's flag (each a read over PCIe) before a waiting kernel gives up
 MAX_POLLS = 1 << 25
 
 
@@ -132,10 +119,7 @@ def _wait_for_flag_kernel(flag_ptr, gave_up_ptr, ticket, max_polls):
 
 
 def wait_for_flag(flag: torch.Tensor, gave_up: torch.Tensor, ticket: int, max_polls: int = MAX_POLLS) -> None:
-    """Holds the current stream until int64 ``flag[0]``, in pinned host memory that the host writes, reaches
-    ``ticket``: one program spins on volatile reads of it, so what follows on the stream (a copy of host memory the
-    host fills meanwhile) runs only once the host has said it is ready. After ``max_polls`` reads it goes on
-    regardless, so that a host that never writes the flag cannot hang the device, and writes ``ticket`` into int64
-    ``gave_up[0]`` (pinned too), for the host to tell that what followed did not wait."""
+    """Holds the current stream until int64 ``flag[0]`` in pinned host memory reaches ``ticket``; after ``max_polls``
+    reads it goes on regardless and writes ``ticket`` into pinned ``gave_up[0]``, so a silent host cannot hang it."""
     assert flag.dtype == gave_up.dtype == torch.int64 and flag.numel() >= 1 and gave_up.numel() >= 1
     _wait_for_flag_kernel[(1,)](flag, gave_up, ticket, max_polls, num_warps=1)
