@@ -44,7 +44,7 @@ def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexp
     return x.to(cache_ptr.dtype.element_ty)
 
 
-# ---- KV store ---------------------------------------------------------------------------------
+# ---- KV store
 @triton.jit
 def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v, inv_k_scale,
                           inv_v_scale, D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
@@ -145,7 +145,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
     return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
-# ---- prefill (its key tile also serves decode) --------------------------------------------------
+# ---- prefill (its key tile also serves decode)
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale, v_scale,
                  k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
@@ -268,7 +268,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
-# ---- decode -------------------------------------------------------------------------------------
+# ---- decode
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_lse_ptr,
                    qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
