@@ -65,7 +65,7 @@ def test_profile_step_times_every_phase(tiny):
     assert result["step_ms"] > 0 and result["batch"] == 2
 
 
-def test_scenarios_are_the_issue_table_and_the_warmup_has_other_tokens():
+def test_scenarios_have_their_documented_shapes_and_the_warmup_has_other_tokens():
     batch1, _, _ = bench.scenario_workload(bench.SCENARIOS["batch1"], 0)
     prompts, params, shared = bench.scenario_workload(bench.SCENARIOS["prefix"], 0)
     warm, warm_params, _ = bench.scenario_workload(bench.SCENARIOS["prefix"], 1)

@@ -84,8 +84,8 @@ FEATURES = {  # engine arguments and prompts that force each feature on (blocks 
 
 
 # Every feature with each fast backend under CUDA Graphs and async scheduling (the defaults); eager mode,
-# synchronous scheduling and the PyTorch reference backend on the plain workload (a full cross product
-# takes longer than one device call allows).
+# synchronous scheduling and the PyTorch reference backend on the plain workload (the full cross product
+# would take several times as long).
 CASES = [(b, f, False, True) for b in BACKENDS[:2] for f in FEATURES] + \
     [(b, "plain", True, True) for b in BACKENDS] + [(b, "plain", False, False) for b in BACKENDS[:2]] + \
     [("torch", "plain", False, True)]

@@ -655,7 +655,7 @@ def _kernel_asm() -> dict:
 def test_fp8_tiles_never_cross_shared_memory_a_byte_at_a_time():
     """Compiled for sm_90 here (no GPU needed; tools/kernel_asm.py): over an fp8 cache the decode and paged prefill
     kernels shuffle V as fp16 (ldmatrix), not as bytes. When Triton was left to place V's conversion it moved it
-    after the shuffle: 128 ld.shared.b8 and st.shared.b8 a tile, and fp8 decode at 2.5 TB/s on an H200."""
+    after the shuffle: 128 ld.shared.b8 and st.shared.b8 a tile, byte-wise traffic that slows fp8 decode."""
     rows = _kernel_asm()
     for name in ("decode fp8", "decode fp8, 64-key tiles", "prefill paged fp8"):
         row = rows[name]

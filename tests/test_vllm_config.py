@@ -1,4 +1,4 @@
-"""vLLM's engine keywords and value conventions (issue 19): keywords that change nothing here are accepted and named in
+"""vLLM's engine keywords and value conventions: keywords that change nothing here are accepted and named in
 one log line, those that would change behaviour are refused by name; dtype aliases, seed and None conventions; model
 names as users type them (Hugging Face Hub ids, resolved from a local cache laid out in tmp_path, never the network)."""
 from __future__ import annotations

@@ -5,7 +5,7 @@ be real JIT functions, so TRITON_INTERPRET must be unset (the script refuses oth
 
     python tools/kernel_asm.py [--json] [--ptx-dir DIR]
 
-Seen this way (2026-12-01): over an fp8 cache, Triton moved V's e4m3 -> fp16 conversion after V's shuffle into
+What it showed: over an fp8 cache, Triton moved V's e4m3 -> fp16 conversion after V's shuffle into
 the P @ V operand layout, so the 8-bit tile crossed shared memory a byte at a time (128 ld.shared.b8 and
 st.shared.b8 per 128-key tile, no ldmatrix); multiplying the tile by v_scale first keeps the conversion before
 the shuffle (ldmatrix on fp16, as with a bf16 cache).
