@@ -26,7 +26,7 @@ class Logprob(float):
         return Logprob, (float(self), self.rank, self.decoded_token)
 
 
-class _Keys:
+class DictLike:
     """Dict-style access to a dataclass's fields and to ``_ALIASES`` (key -> a function of the object);
     ``_OPTIONAL`` fields are absent keys while they are None."""
 
@@ -64,7 +64,7 @@ class _Keys:
 
 
 @dataclass
-class CompletionOutput(_Keys):
+class CompletionOutput(DictLike):
     """One completion of a request, as vLLM's: ``finish_reason`` is "stop", "length", "abort" or "error";
     ``stop_reason`` the stop string or token id that ended it (None for EOS, length, abort)."""
 
@@ -83,7 +83,7 @@ class CompletionOutput(_Keys):
 
 
 @dataclass
-class RequestMetrics(_Keys):
+class RequestMetrics(DictLike):
     """Timings of a request, in seconds (``time.perf_counter`` values)."""
 
     arrival_time: float
@@ -94,7 +94,7 @@ class RequestMetrics(_Keys):
 
 
 @dataclass
-class RequestOutput(_Keys):
+class RequestOutput(DictLike):
     """One request's result, as vLLM's (``prompt`` is None for token prompts); its keys add completion 0's
     ``text``, ``token_ids``, ``finish_reason`` and ``logprobs``."""
 

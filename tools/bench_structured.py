@@ -247,7 +247,8 @@ def main():
               "handoff": llm.structured_outputs.can_hand_off, "enforce_eager": args.enforce_eager,
               "fill_threads": args.fill_threads,
               "torch_threads": torch.get_num_threads(),
-              "bitmask_handoff": None if not (h := llm.structured_outputs.handoff) else "device" if h.on_device else "host",
+              "bitmask_handoff": None if not (h := llm.structured_outputs.handoff)
+              else "device" if h.on_device else "host",
               "compile_s": round(compile_s, 3), "runs": results,
               "median_tok_per_s": median, "json_over_free": round(median["json"] / median["free"], 3)}
     llm.exit()

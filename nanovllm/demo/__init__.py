@@ -11,7 +11,7 @@ BUILTIN_MODELS = {"nanovllm:demo": DEMO_MODEL}
 PREFIX = "nanovllm:"
 
 
-def resolve_model(model: str) -> str:
+def builtin_model_path(model: str) -> str:
     """``model`` itself, or the directory of a built-in ``nanovllm:<name>`` model."""
     if not model.startswith(PREFIX):
         return model

@@ -7,6 +7,7 @@ from ray.exceptions import RayActorError
 from tqdm.auto import tqdm
 
 from nanovllm.llm import LLM
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 EngineActor = ray.remote(LLM)  # one engine per actor
@@ -30,14 +31,14 @@ class DataParallelLLM:
         self.retries = 0  # chunks retried after their actor died, over this object's life
 
     def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 chunk_size: int = 256, use_tqdm: bool = True) -> list[dict]:
+                 chunk_size: int = 256, use_tqdm: bool = True) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         chunks = [range(i, min(i + chunk_size, len(prompts))) for i in range(0, len(prompts), chunk_size)]
         todo, idle, running = list(reversed(chunks)), list(self.actors), {}
-        outputs: list[dict | None] = [None] * len(prompts)
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as pbar:
             while todo or running:
                 while todo and idle:

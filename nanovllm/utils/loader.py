@@ -38,7 +38,7 @@ def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None =
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     from nanovllm.demo import PREFIX
-    from nanovllm.demo import resolve_model as builtin_model
+    from nanovllm.demo import builtin_model_path as builtin_model
     from nanovllm.models.presets import PRESETS
     if name.startswith(PREFIX):
         return builtin_model(name)
