@@ -19,13 +19,12 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger("nanovllm")
-# a peer's sockets close (and a collective fails) a moment before its exit status can be read
-DEATH_GRACE_S = 3.0
+DEATH_GRACE_S = 3.0  # a peer's sockets close (and a collective fails) a moment before its exit status is known
 
 
 class EngineResources:
-    """What an engine holds beyond Python objects: the worker processes, their shared memory, the model runner
-    and its device memory. Apart from the engine, so that its finalizer does not keep the engine alive."""
+    """The worker processes, their shared memory, the model runner and its device memory: apart from the engine,
+    so that the finalizer that frees them does not keep the engine alive."""
 
     def __init__(self):
         self.workers: WorkerGroup | None = None
@@ -46,8 +45,8 @@ class EngineResources:
                 self.workers.close(graceful=self.healthy)
 
     def shut_down_and_raise(self, e: BaseException, shutdown):
-        """After a failure part-way (start-up, a step): shuts the engine down and raises ``e``, or the
-        ``WorkerDiedError`` naming a worker that died (or dies within a moment)."""
+        """After a failure part-way: shuts the engine down and raises ``e``, or the ``WorkerDiedError`` naming a
+        worker that died (or dies within a moment)."""
         if not self.healthy:  # already shut down by an inner call
             raise e
         self.healthy = False
@@ -103,8 +102,7 @@ class EngineCore:
         sequences that had not ended before."""
         if self.inflight is None:
             return []
-        batch, output = self.inflight
-        self.inflight = None
+        (batch, output), self.inflight = self.inflight, None
         running = [seq for seq in batch.seqs if not seq.is_finished]  # an ended one was reported then
         token_ids, logprobs, prompt_logprobs = self.call_or_shut_down(output.result, self._alive())
         advanced = self.scheduler.postprocess(batch, token_ids, logprobs, prompt_logprobs)
@@ -176,7 +174,6 @@ class EngineCore:
         except BaseException as e:
             self.resources.shut_down_and_raise(e, self.shutdown)
 
-    # ---- requests ----------------------------------------------------------------------------
     def add(self, request: Request, params):
         """Admits ``request`` (its checked sampling parameters ``params``)."""
         with self.lock:
@@ -221,8 +218,7 @@ class EngineCore:
                     self.abort(request)
         self.drain_if_idle()
 
-    # ---- life cycle ----------------------------------------------------------------------------
-    def is_finished(self) -> bool:
+    def is_finished(self) -> bool:  # nothing waiting, running or in flight
         return self.scheduler.is_finished() and self.inflight is None
 
     def interruptible_step(self) -> tuple[list[Sequence], int]:
