@@ -182,6 +182,20 @@ class Config:
                   max_model_len=model_len if self.max_model_len in (None, -1) else min(self.max_model_len, model_len))
         self.model_class.check_config(self.hf_config, self.max_model_len)
         self._set(torch_dtype=self._resolve_dtype())
+        self._check_tensor_parallel_split()
+        from nanovllm.layers.attention import resolve_backend
+        from nanovllm.models.llama import head_dim_of
+        # an unusable attention_backend fails here, naming what it does not support
+        self._set(kv_cache_torch_dtype=self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn)
+        # no block size given: one every backend takes while choosing, then the chosen backend's default
+        self._set(attention_backend=resolve_backend(self.attention_backend, self.device, self.torch_dtype,
+                                                    self.kvcache_block_size or 256, head_dim_of(self.hf_config),
+                                                    self.kv_cache_torch_dtype))
+        if self.kvcache_block_size is None:
+            self._set(kvcache_block_size=DEFAULT_BLOCK_SIZE[self.attention_backend])
+
+    def _check_tensor_parallel_split(self):
+        """``tensor_parallel_size`` must divide every dimension that the ranks shard."""
         for name in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(self.hf_config, name, None) or self.hf_config.num_attention_heads
             if value % self.tensor_parallel_size:
@@ -196,16 +210,6 @@ class Config:
             if value and value % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
                                  f"{name}={value}")
-        from nanovllm.layers.attention import resolve_backend
-        from nanovllm.models.llama import head_dim_of
-        # an unusable attention_backend fails here, naming what it does not support
-        self._set(kv_cache_torch_dtype=self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn)
-        # no block size given: one every backend takes while choosing, then the chosen backend's default
-        self._set(attention_backend=resolve_backend(self.attention_backend, self.device, self.torch_dtype,
-                                                    self.kvcache_block_size or 256, head_dim_of(self.hf_config),
-                                                    self.kv_cache_torch_dtype))
-        if self.kvcache_block_size is None:
-            self._set(kvcache_block_size=DEFAULT_BLOCK_SIZE[self.attention_backend])
 
     def _set(self, **values) -> Config:
         for name, value in values.items():

@@ -94,18 +94,15 @@ class LLMEngine(VllmCompatMixin):
     def __exit__(self, *exc):
         self.exit()
 
-    # ---- requests ------------------------------------------------------------------------
     def add_request(self, *args, **kwargs) -> Request | None:
-        """Admits one prompt, in either API: nano-vllm's ``add_request(prompt, sampling_params)`` (returns
-        its ``Request``) or vLLM's ``add_request(request_id, prompt, params)`` (its ``RequestOutput``s come
-        from ``step()``). The sampling parameters are checked and copied now (later assignments to the
-        caller's object do not reach it)."""
+        """Admits one prompt: nano-vllm's ``add_request(prompt, sampling_params)`` (returns its ``Request``) or
+        vLLM's ``add_request(request_id, prompt, params)`` (``step()`` reports it); the parameters are copied."""
         if len(args) >= 2 and isinstance(args[1], SamplingParams) or "sampling_params" in kwargs:
             return self._add_prompt(*args, **kwargs)
         return self._add_request_by_id(*args, **kwargs)
 
     def _add_prompt(self, prompt, sampling_params: SamplingParams, index: int = 0,
-                  stream: deque | None = None) -> Request:
+                    stream: deque | None = None) -> Request:
         ids, text = self._parse_prompt(index, prompt)
         request = self._add(ids, text, self._admitted(sampling_params), index, stream, incremental=True)
         self._step_requests[request.request_id] = request
@@ -182,15 +179,11 @@ class LLMEngine(VllmCompatMixin):
                     del self._step_requests[request_id]
         return outputs
 
-    # ---- the offline API -------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
                  ) -> list[RequestOutput]:
-        """Completions of ``prompts`` (strings, token-id lists, or vLLM's {"prompt": ...} /
-        {"prompt_token_ids": ...} dicts: ``nanovllm.inputs``), in prompt order, as vLLM's ``RequestOutput``s
-        (``nanovllm.outputs``). ``sampling_params``: one for all, one per prompt, or None for
-        ``get_default_sampling_params()``. vLLM's ``lora_request`` and ``priority`` are refused unless None
-        (or all priorities 0)."""
+        """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in prompt order, as
+        ``RequestOutput``s; ``sampling_params``: one for all, one per prompt, or None for the model's defaults."""
         refuse_unsupported(priority, lora_request=lora_request)
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
@@ -227,7 +220,6 @@ class LLMEngine(VllmCompatMixin):
         finally:
             self.core.release(requests)
 
-    # ---- helpers ---------------------------------------------------------------------------
     def _add_requests(self, prompts, sampling_params, stream: deque | None = None,
                       texts: list[str] | None = None) -> list[Request]:
         """Checks every prompt and every sampling parameter before admitting any. ``texts``: the prompts'
