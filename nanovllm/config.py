@@ -1,10 +1,7 @@
-"""Engine configuration: a frozen dataclass, validated and resolved once in ``__post_init__`` (every "auto",
-``hf_config``, ``model_class``; ``max_model_len`` capped at the model's positions); what start-up measures later
-comes in a new object (``derive``). ``model`` is a checkpoint directory, a Hugging Face Hub id (its snapshot in the
-local cache, else downloaded: ``nanovllm.utils.loader.resolve_model``), an architecture preset (random weights,
-``nanovllm.models.presets``) or ``"nanovllm:demo"`` (a tiny Qwen3 shipped with the package, ``nanovllm.demo``).
-Keyword names are nano-vllm's (vLLM's where nano-vllm has none); ``from_kwargs`` also takes vLLM's keywords that
-change nothing here (IGNORED_KEYWORDS) and refuses those that would (UNSUPPORTED_KEYWORDS)."""
+"""Engine configuration: one frozen dataclass, validated and resolved in ``__post_init__`` (every "auto",
+``hf_config``, ``model_class``, ``max_model_len`` capped at the model's positions); ``derive`` makes the copy that
+holds what start-up measures. ``model``: a checkpoint directory, a Hugging Face Hub id, an architecture preset
+(random weights) or ``"nanovllm:demo"``. vLLM's keyword names and conventions: ``from_kwargs``."""
 from __future__ import annotations
 
 import copy
@@ -25,73 +22,12 @@ MAX_ENGINE_SEED = 2 ** 32 - 1  # vLLM's range (numpy's seeds)
 
 logger = logging.getLogger("nanovllm")
 
-# vLLM engine keywords that change nothing here, whatever their value: accepted, and named in one log line
-IGNORED_KEYWORDS = {
-    "trust_remote_code": "the models are nanovllm's own code",
-    "code_revision": "the models are nanovllm's own code",
-    "swap_space": "preempted sequences are recomputed",
-    "disable_log_stats": "no stats logging",
-    "max_seq_len_to_capture": "decode graphs cover max_model_len",
-    "max_context_len_to_capture": "decode graphs cover max_model_len",
-    "disable_custom_all_reduce": "torch.distributed's all-reduce only",
-    "compilation_config": "no torch.compile",
-    "use_v2_block_manager": "one block manager",
-    "disable_async_output_proc": "outputs are processed as each step ends",
-    "disable_cascade_attn": "no cascade attention",
-    "prefix_caching_hash_algo": "prefix blocks are keyed by xxhash",
-    "max_logprobs": "logprobs are bounded by the vocabulary",
-    "served_model_name": "no server",
-    "limit_mm_per_prompt": "text-only models",
-    "mm_processor_kwargs": "text-only models",
-    "allowed_local_media_path": "text-only models",
-    "use_tqdm_on_load": "no progress bar while loading",
-}
-# vLLM engine keywords that nanovllm supports only at values that change nothing (vLLM's default among them):
-# name -> (those values, accepted and named like the above; why any other is refused with a ValueError)
-UNSUPPORTED_KEYWORDS = {
-    "quantization": ((None,), "no quantized weights or kernels"),
-    "cpu_offload_gb": ((0,), "the weights stay on the device"),
-    "kv_cache_memory_bytes": ((None,), "the KV cache is sized by num_kvcache_blocks or gpu_memory_utilization"),
-    "pipeline_parallel_size": ((1,), "tensor parallelism only"),
-    "enable_expert_parallel": ((False,), "experts are sharded along their intermediate size, as tensor parallelism "
-                                         "shards them, not placed whole on ranks"),
-    "data_parallel_size": ((1,), "one replica per engine (nanovllm.distributed.ray runs several)"),
-    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel ranks are local processes"),
-    "speculative_config": ((None,), "no speculative decoding"),
-    "enable_lora": ((False, None), "no LoRA adapters"),
-    "max_lora_rank": ((), "no LoRA adapters"),
-    "max_loras": ((), "no LoRA adapters"),
-    "enable_chunked_prefill": ((None, True), "prefills are always chunked"),
-    "scheduling_policy": (("fcfs",), "first come, first served only"),
-    "preemption_mode": ((None, "recompute"), "preempted sequences are recomputed"),
-    "num_scheduler_steps": ((1,), "one forward per schedule"),
-    "enable_sleep_mode": ((False,), "no sleep mode"),
-    "enable_prompt_embeds": ((False,), "prompts are text or token ids"),
-    "logits_processors": ((None, []), "no logits processors"),
-    "task": ((None, "auto", "generate"), "text generation only"),
-    "runner": (("auto", "generate"), "text generation only"),
-    "convert": (("auto", "none"), "text generation only"),
-    "model_impl": (("auto", "vllm"), "the models are nanovllm's own code"),
-    "tokenizer_mode": (("auto", "hf"), "the tokenizer is transformers' AutoTokenizer, fast when it exists"),
-    "config_format": (("auto", "hf"), "config.json in Hugging Face's format only"),
-    "hf_overrides": ((None, {}), "the model's config.json is used as it is"),
-    "rope_scaling": ((None,), "the model's config.json is used as it is"),
-    "rope_theta": ((None,), "the model's config.json is used as it is"),
-    "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs are compiled with xgrammar"),
-    "structured_outputs_config": ((None, {}, {"backend": "auto"}, {"backend": "xgrammar"}),
-                                  "structured outputs are compiled with xgrammar; disable_any_whitespace is set per "
-                                  "request (StructuredOutputsParams)"),
-    "disable_sliding_window": ((False,), "sliding-window layers always attend within their window; pass "
-                                         "max_model_len <= the window for full attention"),
-}
-
-
 @dataclass(frozen=True)
 class Config:
     model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
-    max_model_len: int | None = 4096  # None or -1 (vLLM's auto): the model's, lowered to what the KV cache holds
+    max_model_len: int | None = 4096  # None or -1: the model's; lowered to what the KV cache holds
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
@@ -99,27 +35,24 @@ class Config:
     num_kvcache_blocks: int = -1
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
-    seed: int | None = 0               # None: 0, as in vLLM (V1)
-    attention_backend: str = "auto"   # "auto", "flash-attn", "triton" or "torch"
-    load_format: str = "auto"         # "auto" (safetensors) or "dummy" (random weights, for benchmarks)
-    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids, outputs carry no text
+    seed: int | None = 0               # None: 0, as in vLLM V1
+    attention_backend: str = "auto"
+    load_format: str = "auto"         # "dummy": random weights, for benchmarks
+    skip_tokenizer_init: bool = False  # prompts are then token ids, and outputs carry no text
     enable_prefix_caching: bool = True
-    tokenizer: str | None = None       # a tokenizer (a directory or a Hub id) other than the model's
-    # Launch step N+1 while the device runs step N (its sampled tokens stay on the device). None: on for CUDA only.
-    async_scheduling: bool | None = None
-    cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, when num_kvcache_blocks is not given
-    # vLLM's: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (one byte a value, e4m3, scales of 1.0)
-    kv_cache_dtype: str = "auto"
-    # vLLM's: where get_default_sampling_params reads its defaults: "auto" (the model's generation_config.json),
-    # "vllm" (SamplingParams' own), or a directory holding a generation_config.json
+    tokenizer: str | None = None       # a directory or Hub id other than the model's
+    async_scheduling: bool | None = None  # launch step N+1 while the device runs step N; None: on for CUDA
+    cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, unless num_kvcache_blocks is given
+    kv_cache_dtype: str = "auto"       # "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (e4m3, scales of 1.0)
+    # get_default_sampling_params' source: "auto" (the model's generation_config.json), "vllm" (SamplingParams')
+    # or a directory holding a generation_config.json
     generation_config: str = "auto"
-    # Hub ids (vLLM's): the model's branch, tag or commit; the tokenizer's (default: revision); the Hugging Face
-    # cache to read and download into (default: huggingface_hub's, HF_HUB_CACHE); a token for gated or private models
+    # Hub ids: the model's revision, the tokenizer's (default: revision), the cache directory, a token
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     hf_token: bool | str | None = field(default=None, repr=False)
-    # Resolved from the above.
+    # Resolved in __post_init__.
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
@@ -128,31 +61,10 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> Config:
-        """Like ``Config(model, **kwargs)`` but names every unknown keyword at once. vLLM's names for the same
-        settings are accepted too (``block_size`` for ``kvcache_block_size``); so are its keywords that change
-        nothing here (IGNORED_KEYWORDS, and UNSUPPORTED_KEYWORDS at the values they accept), named in one log line;
-        UNSUPPORTED_KEYWORDS at other values raise a ValueError that names the keyword, the value and why."""
-        for alias, name in KEYWORD_ALIASES.items():
-            if alias in kwargs:
-                if name in kwargs:
-                    raise TypeError(f"pass {name} or its alias {alias}, not both")
-                kwargs[name] = kwargs.pop(alias)
-        ignored = {name: IGNORED_KEYWORDS[name] for name in kwargs.keys() & IGNORED_KEYWORDS.keys()}
-        for name in sorted(kwargs.keys() & UNSUPPORTED_KEYWORDS.keys()):
-            accepted, why = UNSUPPORTED_KEYWORDS[name]
-            if kwargs[name] not in accepted:
-                only = f" (accepted: {', '.join(map(repr, accepted))})" if accepted else ""
-                raise ValueError(f"{name}={kwargs[name]!r} is not supported by nanovllm: {why}{only}")
-            ignored[name] = why
-        public = {f.name for f in dataclasses.fields(cls) if f.init}
-        if unknown := sorted(set(kwargs) - public - ignored.keys()):
-            raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(public - {'model'})} and "
-                            "vLLM's that change nothing here (nanovllm.config.IGNORED_KEYWORDS)")
-        config = cls(model, **{k: v for k, v in kwargs.items() if k not in ignored})
-        if ignored:
-            logger.info("ignored vLLM engine argument(s), no effect in nanovllm: %s",
-                        "; ".join(f"{name} ({why})" for name, why in sorted(ignored.items())))
-        return config
+        """``Config(model, **kwargs)`` that also takes vLLM's keyword names and conventions and names every unknown
+        keyword at once (``nanovllm.vllm_compat.config_from_kwargs``)."""
+        from nanovllm.vllm_compat import config_from_kwargs
+        return config_from_kwargs(cls, model, kwargs)
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)):
@@ -175,7 +87,7 @@ class Config:
         from nanovllm.models import get_model_class
         # an unsupported architecture fails here, before any process starts
         model_len = self.hf_config.max_position_embeddings
-        if self.max_model_len not in (None, -1) and self.max_model_len > model_len:  # said, as nano-vllm caps it
+        if self.max_model_len not in (None, -1) and self.max_model_len > model_len:
             logger.info("max_model_len lowered from %d to the model's %d positions (max_position_embeddings)",
                         self.max_model_len, model_len)
         self._set(model_class=get_model_class(self.hf_config),
@@ -291,13 +203,9 @@ class Config:
         return dtype if dtype in _DTYPES.values() else torch.bfloat16
 
 
-# vLLM's names -> ours
-KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
-# kvcache_block_size's default per attention backend: flash-attn's paged KV takes multiples of 256; with Triton, 64
-# is the smallest that kept the speed within the runs' spread on an H200 (docs/PERFORMANCE.md), and lets a shared
-# prefix of 64 tokens or more hit the prefix cache; the CPU's torch backend follows Triton
+# kvcache_block_size's default per attention backend: flash-attn's paged KV needs multiples of 256; 64 (Triton and
+# torch) lets a shared prefix of 64 tokens or more hit the prefix cache, no slower (docs/PERFORMANCE.md)
 DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
-# vLLM's None for "the default" (ours); max_model_len's None is the model's length, seed's None is 0 (vLLM V1's);
-# kvcache_block_size's None is its backend's (DEFAULT_BLOCK_SIZE)
+# the fields where vLLM's None means our default (max_model_len's and kvcache_block_size's None are resolved later)
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
                     "enable_prefix_caching")

@@ -1,7 +1,6 @@
-"""The engine's public API (``generate``, ``stream``, ``chat``, ``add_request``/``step``) and life cycle; every
-prompt and sampling parameter is checked here before it is admitted. The step loop is ``core.EngineCore``'s:
-calls wait for their own requests only, one step at a time under its lock, so threads, a ``generate`` inside a
-``stream`` loop and interleaved streams take turns."""
+"""nano-vllm's ``LLMEngine``: every prompt and sampling parameter is checked here, then admitted to
+``core.EngineCore``, whose step loop runs one step at a time under its lock, so that callers in several threads
+(or a ``generate`` inside a ``stream`` loop) take turns. vLLM's extra methods: ``nanovllm.vllm_compat``."""
 from __future__ import annotations
 
 import itertools
@@ -39,6 +38,7 @@ def prompt_list(prompts) -> list:
         raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
     return list(prompts)
 
+
 class LLMEngine(VllmCompatMixin):
     def __init__(self, model: str, **kwargs):
         config = Config.from_kwargs(model, **kwargs)
@@ -63,7 +63,6 @@ class LLMEngine(VllmCompatMixin):
         # requests admitted by add_request, reported by step(): {request_id: its Request} (None while admitted)
         self._step_requests: dict[str, Request | None] = {}
 
-    # ---- life cycle ------------------------------------------------------------------------
     model_runner = property(lambda self: self._resources.runner, doc="Rank 0's runner (None once shut down).")
     workers = property(lambda self: self._resources.workers, doc="The tensor-parallel workers, or None.")
     scheduler = property(lambda self: self.core.scheduler)
@@ -72,11 +71,6 @@ class LLMEngine(VllmCompatMixin):
     def is_finished(self) -> bool:
         """Whether nothing is left to run (nano-vllm's; the opposite of ``has_unfinished_requests``)."""
         return self.core.is_finished()
-
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix block (vLLM's); refused (False) while requests are running."""
-        with self.core.lock:
-            return self.core.scheduler.block_manager.reset_prefix_cache()
 
     def exit(self):
         """Frees the engine's processes, shared memory and device memory (also when it is garbage-collected and
