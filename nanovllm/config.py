@@ -22,6 +22,7 @@ MAX_ENGINE_SEED = 2 ** 32 - 1  # vLLM's range (numpy's seeds)
 
 logger = logging.getLogger("nanovllm")
 
+
 @dataclass(frozen=True)
 class Config:
     model: str

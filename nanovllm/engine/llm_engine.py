@@ -152,10 +152,8 @@ class LLMEngine(VllmCompatMixin):
                     self.core.abort(target)
 
     def step(self) -> list[RequestOutput]:
-        """One forward, if anything is left to run (vLLM's ``LLMEngine.step``). Returns a ``RequestOutput``
-        (cumulative: everything so far) for each request admitted by ``add_request`` that gained tokens
-        since the last report, or finished (also while another call, such as ``generate``, ran the steps);
-        a finished one is reported once, then forgotten."""
+        """One forward, if anything is left to run; a cumulative ``RequestOutput`` for each ``add_request`` request
+        that gained tokens since its last report, whoever ran the steps (a finished one once, then forgotten)."""
         with self.core.lock:
             if not self.core.is_finished():
                 self.core.step()
