@@ -167,11 +167,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, layer_id], self.kv_cache[1, layer_id]
 
     def _to_device(self, values, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """Host values (a list or an array) on the device, through pinned memory, without waiting."""
-        if values is None:
-            return None
-        t = torch.as_tensor(values, dtype=dtype, device="cpu")  # on the host even under a device context
-        return (t.pin_memory() if self.is_cuda else t).to(self.device, non_blocking=True)
+        """Host values (a list or an array) on the device, without waiting (``SamplingPreparer.to_device``)."""
+        return None if values is None else self.sampling.to_device(values, dtype)
 
     def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(input ids, positions, the attention context's fields) of a step. A decode input still on the

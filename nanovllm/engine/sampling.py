@@ -79,7 +79,7 @@ class SamplingPreparer:
 
     def to_device(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Host values on the device, through pinned memory, without waiting."""
-        t = torch.as_tensor(values, dtype=dtype, device="cpu")
+        t = torch.as_tensor(values, dtype=dtype, device="cpu")  # on the host even under a device context
         return (t.pin_memory() if self.device.type == "cuda" else t).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
