@@ -1,9 +1,8 @@
-"""The kernels, Triton's and the PyTorch references. The dense and MoE layers' ops follow the tensor (Triton's for
-CUDA tensors when triton is installed); attention's backend is chosen at start-up (``layers.attention``)."""
+"""Kernel dispatch: the dense and MoE ops follow the tensor (Triton's for CUDA tensors when triton is installed);
+attention's backend is chosen at start-up (``layers.attention``)."""
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 from types import ModuleType
 
@@ -14,7 +13,6 @@ from nanovllm.kernels import moe_reference, reference
 
 @functools.cache
 def _triton_module(name: str, fallback: ModuleType) -> ModuleType:
-    """``nanovllm.kernels.<name>``, imported once; ``fallback`` where triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         return fallback
     return importlib.import_module(f"nanovllm.kernels.{name}")

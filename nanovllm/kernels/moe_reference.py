@@ -1,7 +1,5 @@
-"""The mixture-of-experts layer in plain PyTorch: the CPU path and ``triton_moe``'s oracle. Weights are packed as
-vLLM packs them, ``w13 [E, 2 * I, H]`` (gate rows, then up) and ``w2 [E, H, I]``; the loop over the experts syncs
-with the host.
-"""
+"""The MoE layer in PyTorch (the CPU path, ``triton_moe``'s oracle); weights packed as vLLM's: ``w13 [E, 2 * I, H]``
+(gate rows, then up), ``w2 [E, H, I]``. Its loop over the experts syncs with the host."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +9,7 @@ from nanovllm.kernels.reference import silu_and_mul
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [M, top_k], topk_ids [M, top_k]): the top-k of the float32 softmax over experts,
-    renormalized to sum to 1 when ``renormalize``; float32 as vLLM keeps them."""
+    """(topk_weights float32 [M, top_k], topk_ids [M, top_k]) of the float32 softmax over the experts."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = probs.topk(top_k, dim=-1)
     if renormalize:
@@ -22,8 +19,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """sum over k of topk_weights[:, k] * down_e(SiLU(gate_e(x)) * up_e(x)), e = topk_ids[:, k], for x [M, H] (each
-    pair's output rounded to x's dtype, summed in float32); added in place to ``residual`` when given."""
+    """sum over k of topk_weights[:, k] * down_e(SiLU(gate_e(x)) * up_e(x)), e = topk_ids[:, k], for x [M, H];
+    each pair's output rounded to x's dtype, summed in float32. Added in place to ``residual`` when given."""
     out = torch.zeros(x.size(0), w2.size(1), dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
         rows, slots = torch.where(topk_ids == expert)

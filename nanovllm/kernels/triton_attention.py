@@ -1,10 +1,5 @@
-"""Paged attention in Triton, with ``reference.py``'s functions and cache layout: the KV store (alone or fused
-with the q/k norm and rotary), varlen causal prefill, and split-KV decode that a CUDA graph can capture.
-
-Decode packs the query heads of a KV head into the rows of one ``tl.dot``, so each K/V tile is read once, and
-splits long contexts over programs merged by log-sum-exp. An fp8 (e4m3) cache holds K/V divided by
-``k_scale``/``v_scale``, saturated at +-448; ``window`` > 0 lets position i see the keys in (i - window, i].
-"""
+"""Paged attention in Triton with ``reference.py``'s functions and cache layout: the KV store (alone or fused with
+q/k norm and rotary), varlen causal prefill, split-KV decode. ``window`` > 0: position i sees keys (i - window, i]."""
 from __future__ import annotations
 
 import os
@@ -16,9 +11,8 @@ import triton.language as tl
 from nanovllm.kernels import dot_precision, reference
 
 LOG2E = 1.4426950408889634
-FP8_MAX = tl.constexpr(reference.FP8_MAX)  # a constexpr: compiled kernels read no other globals
-# Triton's interpreter rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4): under it the
-# store kernels round to e4m3's grid themselves
+FP8_MAX = tl.constexpr(reference.FP8_MAX)  # kernels may read only constexpr globals
+# the interpreter rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4): the stores round first
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -28,15 +22,14 @@ def _round_to_e4m3(x):
     bits = x.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    y = x / step                                   # exact: a power of two
+    y = x / step  # exact: a power of two
     r = tl.floor(y + 0.5)
-    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)   # a tie goes to even
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to even
     return ((r * step).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # -0 too
 
 
 @triton.jit
 def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """x in the cache's dtype: divided by the scale and saturated for fp8, unchanged otherwise."""
     if FP8:
         x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
         if ROUND_FP8:
@@ -73,9 +66,9 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     assert k.stride(-1) == v.stride(-1) == 1 and k.stride(1) == v.stride(1) == head_dim
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == n
     if n:
-        _store_kvcache_kernel[(n,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), 1.0 / k_scale,
-                                    1.0 / v_scale, D=d, BLOCK=triton.next_power_of_2(d), FP8=is_fp8(k_cache),
-                                    ROUND_FP8=_ROUND_FP8)
+        _store_kvcache_kernel[(n,)](
+            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), 1.0 / k_scale, 1.0 / v_scale, D=d,
+            BLOCK=triton.next_power_of_2(d), FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
 
 
 @triton.jit
@@ -84,10 +77,10 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
                                NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                                ROUND_FP8: tl.constexpr):
-    """One token, its q and k heads the rows of one tile; rounds where the separate ops round."""
+    """One token, its q and k heads the rows of one tile; rounds where the unfused ops round."""
     i = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
-    rows = tl.arange(0, BLOCK_H)                       # q heads, then k heads
+    rows = tl.arange(0, BLOCK_H)  # q heads, then k heads
     cols = tl.arange(0, HALF)
     mask = (rows < NUM_HEADS + NUM_KV_HEADS)[:, None]
     ptr = qkv_ptr + i.to(tl.int64) * stride_t + rows[:, None] * HEAD_DIM + cols[None, :]
@@ -130,8 +123,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                        num_heads: int, num_kv_heads: int, head_dim: int, k_scale: float = 1.0, v_scale: float = 1.0):
-    """``RMSNorm`` of q and k (skipped when the weights are None), ``RotaryEmbedding`` and ``store_kvcache`` in one
-    launch, in place on qkv [N, (num_heads + 2 * num_kv_heads) * head_dim]; returns its q, k, v views."""
+    """q/k ``RMSNorm`` (unless the weights are None), ``RotaryEmbedding`` and ``store_kvcache`` in one launch, in
+    place on qkv [N, (num_heads + 2 * num_kv_heads) * head_dim]; returns its q, k, v views."""
     n = qkv.size(0)
     assert head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1 and cos_sin_cache.is_contiguous()
     assert qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim
@@ -152,10 +145,9 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
                  SCALE_V: tl.constexpr):
-    """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on, 2 those,
-    the causal diagonal and the keys outside WINDOW. Cached tiles are converted to the queries' dtype (fp16 over
-    fp8: the cheaper conversion); SCALE_V's multiply also keeps Triton from moving V's conversion after its layout
-    shuffle, which sent the 8-bit tile through shared memory a byte at a time."""
+    """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on, 2 also the
+    causal diagonal and outside WINDOW. Cached tiles convert to q's dtype (fp16 for fp8: cheaper); SCALE_V's multiply
+    also keeps Triton from converting V after its layout shuffle (bytewise through shared memory)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_n < k_len
@@ -166,7 +158,7 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
         v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
         if SCALE_V:
             v = v * tl.cast(v_scale, q.dtype)
-    else:  # the keys are the new tokens themselves
+    else:  # the new tokens
         rows = (q_start + offs_n)[:, None].to(tl.int64)
         k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -180,7 +172,7 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_exp = m_new
-    if WINDOW > 0:  # a row may see no key yet (its window starts later): p and alpha 0, not NaN; m stays -inf
+    if WINDOW > 0:  # a row may see no key yet: p and alpha 0, not NaN; m stays -inf
         m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_exp[:, None])
     alpha = tl.math.exp2(m_i - m_exp)
@@ -202,36 +194,34 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     if m_block * BLOCK_M >= q_len:
         return
     k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)           # query index within the sequence
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
-    q_pos = k_len - q_len + offs_m                                # its position among the keys
+    q_pos = k_len - q_len + offs_m  # its position among the keys
     q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=(offs_m < q_len)[:, None], other=0.0)
-    if Q_FP16:  # fp16 dot operands over an fp8 cache (see _attend_tile)
+    if Q_FP16:
         q = q.to(tl.float16)
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     first_q_pos = k_len - q_len + m_block * BLOCK_M
-    masked_start = (first_q_pos // BLOCK_N) * BLOCK_N   # keys before it are visible to every row of the tile
-    if WINDOW > 0:  # every tile masked, from the tile of the first row's first visible key
+    masked_start = (first_q_pos // BLOCK_N) * BLOCK_N  # keys before it are visible to every row
+    if WINDOW > 0:  # all masked, from the tile of the first row's first visible key
         masked_start = tl.maximum(first_q_pos - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
     end = tl.minimum(k_len, first_q_pos + BLOCK_M)
-    for masked in tl.static_range(1 if WINDOW > 0 else 0, 2):   # the unmasked tiles, then the masked (unrolled)
+    for masked in tl.static_range(1 if WINDOW > 0 else 0, 2):  # the unmasked tiles, then the masked
         for start in range(masked_start if masked else 0, end if masked else masked_start, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale,
-                                         v_scale, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt,
-                                         stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N,
-                                         2 * masked, PRECISION, WINDOW, FP8)
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale, v_scale, k_ptr, v_ptr,
+                k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE,
+                PAGED, BLOCK_N, 2 * masked, PRECISION, WINDOW, FP8)
     out = acc / l_i[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, paged: bool) -> dict:
-    # tools/bench_kernels.py --sweep's choice: large tiles for long or paged prompts, smaller ones (more programs,
-    # less causal waste) for short unpaged ones
+    # tools/bench_kernels.py --sweep's choice; short unpaged prompts: more programs, less causal waste
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if paged or max_seqlen_q >= 2048:
@@ -244,8 +234,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                       max_seqlen_q: int, block_tables: torch.Tensor | None, scale: float,
                       k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
                       config: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention for packed variable-length queries q [N, H, D]; k, v [N, KVH, D] are the same N new
-    tokens. With ``block_tables`` every key (cached prefix and new) is read from the cache."""
+    """``reference.prefill_attention``; ``config``: the tiles, ``out``: the output buffer."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.size(1)
     paged = block_tables is not None
@@ -253,7 +242,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     out = torch.empty_like(q) if out is None else out
     if num_tokens == 0:
         return out
-    bt = block_tables if paged else cu_seqlens_q  # any int32 tensor: not read when not paged
+    bt = block_tables if paged else cu_seqlens_q  # not read unpaged
     fp8 = paged and is_fp8(k_cache)
     if not fp8:
         k_scale = v_scale = 1.0
@@ -268,7 +257,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return out
 
 
-# ---- decode
+# ---- decode: a KV head's query heads share one tl.dot (each K/V tile read once); splits merge by log-sum-exp
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_lse_ptr,
                    qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
@@ -278,7 +267,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
                    Q_FP16: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
-    first = 0                                                      # the first visible key
+    first = 0  # the first visible key
     if WINDOW > 0:
         first = tl.maximum(ctx - WINDOW, 0)
     per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -286,26 +275,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
     end = tl.minimum(start + per_split, ctx)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_g                               # the query heads of this KV head
+    heads = kv_head * GROUP + offs_g  # the query heads of this KV head
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_g < GROUP)[:, None], other=0.0)
-    if Q_FP16:  # fp16 dot operands over an fp8 cache (see _attend_tile)
+    if Q_FP16:
         q = q.to(tl.float16)
-
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for n in range(start, end, BLOCK_N):   # paged keys, masked from the end of this split on
+    for n in range(start, end, BLOCK_N):  # masked from the end of this split on
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, v_scale, None,
                                      None, k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
                                      HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # an empty range (context 0) gives 0
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=store_mask)
     else:
-        # partials [B, H, NUM_SPLITS, HEAD_DIM] and their log2-sum-exp [B, H, NUM_SPLITS], fp32
+        # fp32 partials [B, H, NUM_SPLITS, HEAD_DIM] and their log2-sum-exp [B, H, NUM_SPLITS]
         row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
         tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=offs_g < GROUP)
@@ -331,17 +319,16 @@ _NUM_SMS: dict[int, int] = {}
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = 32) -> int:
-    """Enough programs for about two waves over the SMs; a function of the batch only, so that a captured CUDA
-    graph keeps a fixed grid."""
+    """About two waves of programs over the SMs; depends on the batch only, so a captured graph's grid is fixed."""
     if device.type != "cuda":
-        return 1 if batch * num_kv_heads >= 8 else 2   # the interpreter: still exercise the merge
+        return 1 if batch * num_kv_heads >= 8 else 2  # the interpreter: still exercise the merge
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _NUM_SMS:
         _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return max(1, min(max_splits, triton.cdiv(2 * _NUM_SMS[index], batch * num_kv_heads)))
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, batch: int) -> dict:
+def _decode_config(dtype: torch.dtype, batch: int) -> dict:
     # tools/bench_kernels.py --sweep's choice
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
@@ -352,11 +339,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
                      window: int = 0, num_splits: int | None = None, config: dict | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence, q [B, H, D], over its first context_lens[b] cached tokens (the last ``window``)."""
+    """``reference.decode_attention``; ``num_splits`` defaults to ``num_decode_splits``'s, ``config``: the tiles."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
-    cfg = config or _decode_config(head_dim, q.dtype, batch)
+    cfg = config or _decode_config(q.dtype, batch)
     splits = num_splits or num_decode_splits(batch, num_kv_heads, q.device)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
@@ -377,7 +364,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
-        _merge_kernel[(batch, num_heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
-                                          NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                                          BLOCK_S=triton.next_power_of_2(splits))
+        _merge_kernel[(batch, num_heads)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
     return out

@@ -1,7 +1,5 @@
-"""The dense layers' ops in Triton, with ``reference.py``'s functions: RMSNorm, SiLU-and-mul, and ``linear``, whose
-"skinny" kernel for a decode step's few rows reads the weight once and applies SiLU-and-mul or the residual add to
-its tile before storing it (more rows go to cuBLAS). Fusing the RMSNorm into the projection was slower.
-"""
+"""The dense ops in Triton with ``reference.py``'s functions; ``linear``'s skinny kernel, for up to SKINNY_MAX_M rows,
+reads the weight once and fuses SiLU-and-mul or the residual add (more rows go to cuBLAS)."""
 from __future__ import annotations
 
 import torch
@@ -16,7 +14,7 @@ SKINNY_MAX_M = 16
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
-    """One row; rounds where the reference rounds (x / rms to the dtype, then times the weight)."""
+    """One row; rounds where the reference rounds."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -29,7 +27,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [M, H]."""
     m, n = x.shape
     out = torch.empty_like(x)
     if m:
@@ -50,7 +47,6 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for x [M, 2 * I] = [gate | up] -> [M, I]."""
     m, n = x.size(0), x.size(1) // 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
@@ -71,8 +67,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
                           SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
-    """Output columns [pid * BLOCK_N, +BLOCK_N) of y = x @ w.T (+ bias) for all m <= BLOCK_M rows; SILU_MUL: w is
-    [gate; up] and y = SiLU(gate) * up; RESIDUAL: y += residual (y may be the residual: one program per element)."""
+    """BLOCK_N columns of y = x @ w.T (+ bias) for all m <= BLOCK_M rows. SILU_MUL: w is [gate; up] and y is
+    SiLU(gate) * up; RESIDUAL: y += residual (y may be the residual: one program per element)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,8 +102,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
 
 
 def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
-    """The skinny kernel's tiles: all rows in one; columns 32 wide, or 16 where that leaves too few programs; as many
-    pipeline stages of K as fit in shared memory."""
+    """All rows in one tile; columns 32 wide, or 16 where that leaves too few programs; as many K stages as fit."""
     block_m, block_k = max(16, triton.next_power_of_2(m)), 256 // element_size * 2
     block_n = 32 if n >= 32 * 120 else 16
     stage_bytes = (block_m + (2 if silu_mul else 1) * block_n) * block_k * element_size
@@ -117,12 +112,11 @@ def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
-    """y = x @ weight.T + bias; with ``silu_mul`` weight is [gate; up] and y = SiLU(gate) * up. With ``residual``,
-    y is added to it in place and it is returned. ``config``: the skinny kernel's tiles."""
+    """``reference.linear``; ``config``: the skinny kernel's tiles."""
     m, k = x.shape
     if m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and silu_mul):
         if residual is not None and bias is None and not silu_mul:
-            return residual.addmm_(x, weight.t())  # the add in cuBLAS's epilogue (out of place, it copies first)
+            return residual.addmm_(x, weight.t())  # the add in cuBLAS's epilogue (addmm would copy first)
         y = F.linear(x, weight, bias)
         y = silu_and_mul(y) if silu_mul else y
         return y if residual is None else residual.add_(y)

@@ -1,8 +1,5 @@
-"""The mixture-of-experts layer in Triton, vLLM's fused MoE design, with ``moe_reference``'s functions: the router's
-top-k, then ``fused_moe``, where the (token, expert) pairs are grouped by expert in runs padded to BLOCK_M
-(``moe_align_block_size``), so that every tile of rows of the two grouped GEMMs (gate/up with SiLU-and-mul, then down
-with the routing weight) reads one expert's weights. The grid is sized from the shapes, so a CUDA graph captures it.
-"""
+"""vLLM's fused MoE in Triton, with ``moe_reference``'s functions: (token, expert) pairs grouped by expert in runs
+padded to BLOCK_M, so each row tile of the two grouped GEMMs reads one expert; grids fixed by the shapes (graphs)."""
 from __future__ import annotations
 
 import torch
@@ -16,8 +13,7 @@ from nanovllm.kernels.triton_linear import silu_mul_rounded
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
                          RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token: its TOP_K largest softmax probabilities (the first index among equals), renormalized with
-    RENORMALIZE."""
+    """One token: its TOP_K largest softmax probabilities (the first index among equals)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     mask = offs < num_experts
@@ -40,7 +36,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [M, top_k], topk_ids int32 [M, top_k]), as ``moe_reference.fused_topk``."""
+    """``moe_reference.fused_topk``, the ids int32."""
     m, num_experts = router_logits.shape
     weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
@@ -55,8 +51,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, cursor_ptr, num_pairs,
                       capacity, NUM_EXPERTS: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr,
                       CHUNK: tl.constexpr, TILE_CHUNK: tl.constexpr):
-    """One program: each expert's count, its padded run's start (into ``cursor``), each tile's expert, the
-    sentinels; then each pair claims the next slot of its expert's run by an atomic add (any order will do)."""
+    """One program: each expert's count, its run's start (into ``cursor``), each tile's expert, the sentinels;
+    then each pair claims the next slot of its expert's run by an atomic add (any order will do)."""
     bins = tl.arange(0, NUM_BINS)
     counts = tl.zeros([NUM_BINS], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
@@ -69,14 +65,14 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
     tl.store(num_post_padded_ptr, total)
     tl.store(cursor_ptr + bins, padded_end - padded)
     num_tiles = capacity // BLOCK_M
-    for t0 in range(0, num_tiles, TILE_CHUNK):  # a tile's expert: the experts whose runs end at or before it
+    for t0 in range(0, num_tiles, TILE_CHUNK):  # a tile's expert: the number of runs ending at or before it
         tiles = t0 + tl.arange(0, TILE_CHUNK)
         before = (padded_end[None, :] <= tiles[:, None] * BLOCK_M) & (bins[None, :] < NUM_EXPERTS)
         tl.store(expert_ids_ptr + tiles, tl.sum(before.to(tl.int32), 1), mask=tiles < num_tiles)
     for s0 in range(0, capacity, CHUNK):
         offs = s0 + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < capacity)
-    tl.debug_barrier()  # cursors and sentinels written before any pair claims a slot
+    tl.debug_barrier()  # cursors and sentinels before any pair claims a slot
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         mask = offs < num_pairs
@@ -86,9 +82,8 @@ def _moe_align_kernel(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """(sorted_token_ids, expert_ids, num_tokens_post_padded), vLLM's: pair indices (token * top_k + slot) grouped by
-    expert, each group padded to a multiple of ``block_m`` with the sentinel M * top_k; each tile's expert; the
-    padded total. The capacity is the worst case of the shapes, so nothing waits for the host."""
+    """vLLM's (sorted_token_ids, expert_ids, num_tokens_post_padded): pairs (token * top_k + slot) by expert in runs
+    padded to ``block_m`` with the sentinel M * top_k, each tile's expert, the padded total; worst-case sized."""
     pairs = topk_ids.numel()
     capacity = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
     device = topk_ids.device
@@ -112,7 +107,7 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, exp
     [gate; up] and c = SiLU(gate) * up; MUL_ROUTED_WEIGHT: c times the pair's routing weight."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return  # a tile past the padded total: the grid is sized for the worst case
+        return  # past the padded total
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_mask = pairs < num_pairs  # padding rows hold num_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -143,7 +138,7 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, exp
 
 
 def moe_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
-    """Tile sizes: BLOCK_M near the rows an expert gets on average, wider tiles once the runs are long."""
+    """BLOCK_M near the rows an expert gets on average; wider tiles once the runs are long."""
     rows_per_expert = num_tokens * top_k / num_experts
     if rows_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
@@ -152,21 +147,21 @@ def moe_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def _grouped_gemm(a, w, c, topk_weights, aligned, num_pairs: int, n: int, rows_per_a: int, silu_mul: bool,
-                  mul_routed_weight: bool, cfg: dict):
+def _grouped_gemm(a, w, c, topk_weights, aligned, rows_per_a: int, gate_up: bool, cfg: dict):
+    """c [num_pairs, n]: gate/up with SiLU-and-mul, or (not gate_up) down times the routing weight."""
     sorted_ids, expert_ids, num_post_padded = aligned
+    num_pairs, n = c.shape
     grid = (expert_ids.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     _fused_moe_kernel[grid](a, w, c, topk_weights, sorted_ids, expert_ids, num_post_padded, n, a.size(1), num_pairs,
                             a.stride(0), w.stride(0), w.stride(1), c.stride(0), ROWS_PER_A=rows_per_a,
-                            SILU_MUL=silu_mul, MUL_ROUTED_WEIGHT=mul_routed_weight, PRECISION=dot_precision(a.dtype),
-                            **cfg)
+                            SILU_MUL=gate_up, MUL_ROUTED_WEIGHT=not gate_up, PRECISION=dot_precision(a.dtype), **cfg)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """``moe_reference.fused_moe``; ``config``: tile sizes (by default ``moe_config``'s)."""
+    """``moe_reference.fused_moe``; ``config``: the tiles (``moe_config``'s by default)."""
     m, top_k = topk_ids.shape
-    num_experts, two_i, hidden = w13.shape
+    num_experts, two_i, _ = w13.shape
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("fused_moe needs x, w13 and w2 contiguous in their last dimension")
     out = torch.empty(m, w2.size(1), dtype=x.dtype, device=x.device) if residual is None else residual
@@ -176,10 +171,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     aligned = moe_align_block_size(topk_ids, cfg["BLOCK_M"], num_experts)
     weights = topk_weights.float().contiguous()
     intermediate = torch.empty(m * top_k, two_i // 2, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, intermediate, weights, aligned, m * top_k, two_i // 2, top_k, True, False, cfg)
+    _grouped_gemm(x, w13, intermediate, weights, aligned, top_k, True, cfg)
     down = torch.empty(m, top_k, w2.size(1), dtype=x.dtype, device=x.device)
-    _grouped_gemm(intermediate, w2, down.view(m * top_k, -1), weights, aligned, m * top_k, w2.size(1), 1, False,
-                  True, cfg)
+    _grouped_gemm(intermediate, w2, down.view(m * top_k, -1), weights, aligned, 1, False, cfg)
     if residual is None:
         return torch.sum(down, dim=1, out=out)
     return residual.add_(down.sum(dim=1))

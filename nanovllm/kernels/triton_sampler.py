@@ -1,7 +1,5 @@
-"""Sampling of plain batches (a temperature per row; 0 = greedy) by a Gumbel-max draw, ``argmax(logits / T + G)``,
-with Philox noise made in the kernel, so the logits are read once; also the structured-output bitmask in one pass,
-and a stream's wait for a flag the host raises in pinned memory.
-"""
+"""Plain batches' sampling (a temperature per row, 0 greedy) as Gumbel-max, argmax(logits / T + G), with in-kernel
+Philox noise, one read of the logits; the structured-output bitmask; a stream's wait for a pinned host flag."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +11,7 @@ import triton.language as tl
 def _chunk_score(row_ptr, offs, vocab_size, inv_t, r, SAMPLED: tl.constexpr):
     x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
     if SAMPLED:
-        # u in (0, 1) strictly: 23 random bits centred in their bucket (u = 1 would give G = +inf)
+        # u in (0, 1) strictly, 23 random bits centred in their bucket: u = 1 would give G = +inf
         u = ((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
         x = x * inv_t - tl.log(-tl.log(u))
     return tl.max(x, 0, return_indices=True)
@@ -21,10 +19,9 @@ def _chunk_score(row_ptr, offs, vocab_size, inv_t, r, SAMPLED: tl.constexpr):
 
 @triton.jit
 def _chunk_best(row_ptr, base, vocab_size, inv_t, r0, r1, r2, r3, QUARTER: tl.constexpr, SAMPLED: tl.constexpr):
-    """The best score of logits [base, base + 4 * QUARTER) and its offset; each quarter has its own uniforms."""
+    """The best score of logits [base, base + 4 * QUARTER) and its offset; strictly greater wins (ties: lowest id)."""
     q = tl.arange(0, QUARTER)
     best, idx = _chunk_score(row_ptr, base + q, vocab_size, inv_t, r0, SAMPLED)
-    # strictly greater: among equal scores the earlier (lower) id stays
     v, i = _chunk_score(row_ptr, base + QUARTER + q, vocab_size, inv_t, r1, SAMPLED)
     idx = tl.where(v > best, QUARTER + i, idx)
     best = tl.maximum(best, v)
@@ -47,7 +44,7 @@ def _sample_chunks_kernel(logits_ptr, stride, temperatures_ptr, seed, vals_ptr, 
         q = tl.arange(0, QUARTER)
         r0, r1, r2, r3 = tl.randint4x(seed, (row * NUM_CHUNKS + chunk) * QUARTER + q)
         best, idx = _chunk_best(row_ptr, base, vocab_size, 1.0 / t, r0, r1, r2, r3, QUARTER, True)
-    else:  # greedy: no noise is drawn
+    else:  # greedy: no noise
         best, idx = _chunk_best(row_ptr, base, vocab_size, 1.0, 0, 0, 0, 0, QUARTER, False)
     tl.store(vals_ptr + row * NUM_CHUNKS + chunk, best)
     tl.store(idx_ptr + row * NUM_CHUNKS + chunk, base + idx)
@@ -63,8 +60,8 @@ def _pick_chunk_kernel(vals_ptr, idx_ptr, out_ptr, NUM_CHUNKS: tl.constexpr, BLO
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, quarter: int = 1024) -> torch.Tensor:
-    """Token ids [B] int64 for logits [B, V] and temperatures [B] float32; ties go to the lowest id, as
-    ``torch.argmax``. ``seed`` (below 2**63) keys the noise: use a new one for every draw."""
+    """Token ids [B] int64 for logits [B, V], temperatures [B] float32; ties go to the lowest id, as ``torch.argmax``.
+    ``seed`` (below 2**63) keys the noise: a new one for every draw."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and temperatures.numel() == batch and 0 <= seed < 2 ** 63
     quarter = min(quarter, max(16, triton.next_power_of_2(triton.cdiv(vocab_size, 4))))
@@ -93,7 +90,7 @@ def _apply_token_bitmask_kernel(logits_ptr, stride_l, bitmask_ptr, stride_b, voc
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """Sets logits [B, V] of disallowed tokens (bit t % 32 of int32 ``bitmask[b, t // 32]`` clear) to -inf, in place."""
+    """Sets logits [B, V] to -inf in place where bit t % 32 of int32 ``bitmask[b, t // 32]`` is clear."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1 and bitmask.size(0) >= batch
     assert bitmask.size(1) * 32 >= vocab_size and bitmask.dtype == torch.int32
@@ -103,7 +100,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int 
     return logits
 
 
-# polls of the host's flag (each a read over PCIe) before a waiting kernel gives up
+# polls of the host's flag (each a PCIe read) before a waiting kernel gives up
 MAX_POLLS = 1 << 25
 
 
@@ -119,7 +116,7 @@ def _wait_for_flag_kernel(flag_ptr, gave_up_ptr, ticket, max_polls):
 
 
 def wait_for_flag(flag: torch.Tensor, gave_up: torch.Tensor, ticket: int, max_polls: int = MAX_POLLS) -> None:
-    """Holds the current stream until int64 ``flag[0]`` in pinned host memory reaches ``ticket``; after ``max_polls``
-    reads it goes on regardless and writes ``ticket`` into pinned ``gave_up[0]``, so a silent host cannot hang it."""
+    """Holds the current stream until pinned int64 ``flag[0]`` reaches ``ticket``; after ``max_polls`` reads it goes
+    on, writing ``ticket`` into pinned ``gave_up[0]``, so a silent host cannot hang it."""
     assert flag.dtype == gave_up.dtype == torch.int64 and flag.numel() >= 1 and gave_up.numel() >= 1
     _wait_for_flag_kernel[(1,)](flag, gave_up, ticket, max_polls, num_warps=1)
