@@ -41,9 +41,9 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     weights = torch.empty(m, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(m, top_k, dtype=torch.int32, device=router_logits.device)
     if m:
-        _topk_softmax_kernel[(m,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
-                                   RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                   BLOCK_K=triton.next_power_of_2(top_k))
+        _topk_softmax_kernel[(m,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k))
     return weights, ids
 
 
@@ -107,7 +107,7 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, exp
     [gate; up] and c = SiLU(gate) * up; MUL_ROUTED_WEIGHT: c times the pair's routing weight."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return  # past the padded total
+        return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_mask = pairs < num_pairs  # padding rows hold num_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)

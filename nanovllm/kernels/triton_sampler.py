@@ -72,8 +72,8 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, quarter:
         return out
     vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
-    _sample_chunks_kernel[(batch, num_chunks)](logits, logits.stride(0), temperatures, seed, vals, idx,
-                                               vocab_size, NUM_CHUNKS=num_chunks, QUARTER=quarter)
+    _sample_chunks_kernel[(batch, num_chunks)](
+        logits, logits.stride(0), temperatures, seed, vals, idx, vocab_size, NUM_CHUNKS=num_chunks, QUARTER=quarter)
     _pick_chunk_kernel[(batch,)](vals, idx, out, NUM_CHUNKS=num_chunks,
                                  BLOCK=max(2, triton.next_power_of_2(num_chunks)))
     return out
