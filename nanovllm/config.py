@@ -22,7 +22,7 @@ logger = logging.getLogger("nanovllm")
 
 @dataclass(frozen=True)
 class Config:
-    model: str  # a checkpoint directory, a Hub id, an architecture preset (random weights) or "nanovllm:demo"
+    model: str
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 512
     max_model_len: int | None = 4096  # None or -1: the model's; lowered to what the KV cache holds

@@ -29,7 +29,7 @@ IGNORED_KEYWORDS = {
     "disable_custom_all_reduce": "torch.distributed's all-reduce only",
     "compilation_config": "no torch.compile",
     "use_v2_block_manager": "one block manager",
-    "disable_async_output_proc": "outputs are processed as each step ends",
+    "disable_async_output_proc": "outputs are processed each step",
     "disable_cascade_attn": "no cascade attention",
     "prefix_caching_hash_algo": "prefix blocks are keyed by xxhash",
     "max_logprobs": "logprobs are bounded by the vocabulary",

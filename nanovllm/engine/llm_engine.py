@@ -50,12 +50,13 @@ class LLMEngine(VllmCompatMixin):
         except BaseException as e:
             resources.shut_down_and_raise(e, self._finalizer)
         runner = resources.runner
-        self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
-                                                          self.config.eos_token_ids)
-        self.structured_outputs.bind(runner.device, self.config.max_num_seqs,
-                                     resources.workers is None and bool(self.config.async_scheduling))
-        self.core = EngineCore(self.config, resources, self._finalizer, [self.structured_outputs])
+        config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
+        self.config = config
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
+                                                          config.eos_token_ids)
+        self.structured_outputs.bind(runner.device, config.max_num_seqs,
+                                     resources.workers is None and bool(config.async_scheduling))
+        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs])
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}
@@ -69,10 +70,10 @@ class LLMEngine(VllmCompatMixin):
         return self.core.is_finished()
 
     def exit(self):
-        """Frees the engine's processes, shared memory and device memory (also on garbage collection and at
-        exit); safe to call twice, and after a failure."""
+        """Frees the engine's processes and memory, as garbage collection and interpreter exit also do; safe to
+        call twice, and after a failure."""
         if getattr(self, "core", None) is not None:
-            self.core.shutdown()
+            self.core.shutdown()  # lets go of a device wait for a bitmask, then runs the finalizer
         else:
             self._finalizer()
 
