@@ -1,7 +1,5 @@
-"""Engine configuration: one frozen dataclass, validated and resolved in ``__post_init__`` (every "auto",
-``hf_config``, ``model_class``, ``max_model_len`` capped at the model's positions); ``derive`` makes the copy that
-holds what start-up measures. ``model``: a checkpoint directory, a Hugging Face Hub id, an architecture preset
-(random weights) or ``"nanovllm:demo"``. vLLM's keyword names and conventions: ``from_kwargs``."""
+"""Engine configuration: one frozen dataclass, validated and resolved (every "auto", ``hf_config``,
+``model_class``) in ``__post_init__``; ``derive`` makes the copy holding what start-up measures."""
 from __future__ import annotations
 
 import copy
@@ -13,12 +11,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.sampling_params import check_int
+from nanovllm.sampling_params import check_bool, check_int
 
-# vLLM's dtype names ("half" and "float" are its aliases); a torch dtype among these is accepted too
+# vLLM's dtype names; their torch dtypes are accepted too
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "half": torch.float16}
-MAX_ENGINE_SEED = 2 ** 32 - 1  # vLLM's range (numpy's seeds)
 
 logger = logging.getLogger("nanovllm")
 
@@ -32,28 +29,26 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    kvcache_block_size: int | None = None  # None: the attention backend's (DEFAULT_BLOCK_SIZE)
+    kvcache_block_size: int | None = None  # None: the attention backend's DEFAULT_BLOCK_SIZE
     num_kvcache_blocks: int = -1
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
-    seed: int | None = 0               # None: 0, as in vLLM V1
+    seed: int | None = 0  # None: 0, as in vLLM V1
     attention_backend: str = "auto"
-    load_format: str = "auto"         # "dummy": random weights, for benchmarks
+    load_format: str = "auto"  # "dummy": random weights
     skip_tokenizer_init: bool = False  # prompts are then token ids, and outputs carry no text
     enable_prefix_caching: bool = True
-    tokenizer: str | None = None       # a directory or Hub id other than the model's
+    tokenizer: str | None = None  # a directory or Hub id other than the model's
     async_scheduling: bool | None = None  # launch step N+1 while the device runs step N; None: on for CUDA
-    cpu_kvcache_space: float = 4.0     # GiB of KV cache per rank on CPU, unless num_kvcache_blocks is given
-    kv_cache_dtype: str = "auto"       # "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (e4m3, scales of 1.0)
-    # get_default_sampling_params' source: "auto" (the model's generation_config.json), "vllm" (SamplingParams')
-    # or a directory holding a generation_config.json
+    cpu_kvcache_space: float = 4.0  # GiB of KV cache per rank on CPU, unless num_kvcache_blocks is given
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (scales of 1.0)
+    # default sampling: "auto" (the model's generation_config.json), "vllm" (SamplingParams') or a directory
     generation_config: str = "auto"
-    # Hub ids: the model's revision, the tokenizer's (default: revision), the cache directory, a token
-    revision: str | None = None
+    revision: str | None = None  # for Hub ids; tokenizer_revision defaults to it
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     hf_token: bool | str | None = field(default=None, repr=False)
-    # Resolved in __post_init__.
+    # resolved in __post_init__
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
@@ -62,15 +57,13 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> Config:
-        """``Config(model, **kwargs)`` that also takes vLLM's keyword names and conventions and names every unknown
-        keyword at once (``nanovllm.vllm_compat.config_from_kwargs``)."""
+        """``Config(model, **kwargs)`` that also takes vLLM's keywords (``vllm_compat.config_from_kwargs``)."""
         from nanovllm.vllm_compat import config_from_kwargs
         return config_from_kwargs(cls, model, kwargs)
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"model must be a local checkpoint's path, a Hugging Face Hub id or 'nanovllm:demo', "
-                            f"got {self.model!r}")
+            raise TypeError(f"model must be a path, a Hugging Face Hub id or 'nanovllm:demo', got {self.model!r}")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         self._set(**{name: defaults[name] for name in _NONE_IS_DEFAULT if getattr(self, name) is None})
         self._check_values()
@@ -79,28 +72,27 @@ class Config:
         if self.device == "auto":
             self._set(device="cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available")
+            raise ValueError("device='cuda' but CUDA is not available")
         if self.async_scheduling is None:
             self._set(async_scheduling=self.device == "cuda")
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible GPU(s)")
         from nanovllm.models import get_model_class
-        # an unsupported architecture fails here, before any process starts
         model_len = self.hf_config.max_position_embeddings
-        if self.max_model_len not in (None, -1) and self.max_model_len > model_len:
+        max_model_len = model_len if self.max_model_len in (None, -1) else self.max_model_len
+        if max_model_len > model_len:
             logger.info("max_model_len lowered from %d to the model's %d positions (max_position_embeddings)",
-                        self.max_model_len, model_len)
-        self._set(model_class=get_model_class(self.hf_config),
-                  max_model_len=model_len if self.max_model_len in (None, -1) else min(self.max_model_len, model_len))
+                        max_model_len, model_len)
+        # an unsupported architecture fails here, before any process starts
+        self._set(model_class=get_model_class(self.hf_config), max_model_len=min(max_model_len, model_len))
         self.model_class.check_config(self.hf_config, self.max_model_len)
         self._set(torch_dtype=self._resolve_dtype())
         self._check_tensor_parallel_split()
         from nanovllm.layers.attention import resolve_backend
         from nanovllm.models.llama import head_dim_of
-        # an unusable attention_backend fails here, naming what it does not support
         self._set(kv_cache_torch_dtype=self.torch_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn)
-        # no block size given: one every backend takes while choosing, then the chosen backend's default
+        # an unusable backend fails here; without a block size, choose with one every backend takes
         self._set(attention_backend=resolve_backend(self.attention_backend, self.device, self.torch_dtype,
                                                     self.kvcache_block_size or 256, head_dim_of(self.hf_config),
                                                     self.kv_cache_torch_dtype))
@@ -109,17 +101,14 @@ class Config:
 
     def _check_tensor_parallel_split(self):
         """``tensor_parallel_size`` must divide every dimension that the ranks shard."""
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            value = getattr(self.hf_config, name, None) or self.hf_config.num_attention_heads
-            if value % self.tensor_parallel_size:
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
-                                 f"{name}={value}")
         from nanovllm.models.qwen3_moe import is_sparse_layer
-        dense = not all(is_sparse_layer(self.hf_config, i) for i in range(self.hf_config.num_hidden_layers))
-        for name in ("intermediate_size", "moe_intermediate_size"):  # the MLPs' (and experts') sharded dimension
-            value = getattr(self.hf_config, name, None)
-            if name == "intermediate_size" and not dense:
-                continue  # every MLP is a mixture of experts: no dense MLP is built
+        hf = self.hf_config
+        sizes = {"num_attention_heads": hf.num_attention_heads,
+                 "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads}
+        if not all(is_sparse_layer(hf, i) for i in range(hf.num_hidden_layers)):  # a dense MLP is built
+            sizes["intermediate_size"] = getattr(hf, "intermediate_size", None)
+        sizes["moe_intermediate_size"] = getattr(hf, "moe_intermediate_size", None)
+        for name, value in sizes.items():
             if value and value % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide the model's "
                                  f"{name}={value}")
@@ -141,71 +130,67 @@ class Config:
         if self.max_model_len not in (None, -1):
             check_int("max_model_len", self.max_model_len, lo=1)
         check_int("num_kvcache_blocks", self.num_kvcache_blocks, lo=-1)
-        check_int("seed", self.seed, lo=0, hi=MAX_ENGINE_SEED)
+        check_int("seed", self.seed, lo=0, hi=2 ** 32 - 1)  # vLLM's range (numpy's seeds)
         if self.num_kvcache_blocks == 0:
-            raise ValueError("num_kvcache_blocks must be -1 (size automatically) or >= 1, got 0")
+            raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not self.cpu_kvcache_space > 0:
             raise ValueError(f"cpu_kvcache_space must be > 0 GiB, got {self.cpu_kvcache_space!r}")
         if not (self.dtype == "auto" or self.dtype in _DTYPES or self.dtype in _DTYPES.values()):
-            raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or one of their torch dtypes, "
-                             f"got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or their torch dtype, got {self.dtype!r}")
         if not isinstance(self.generation_config, (str, os.PathLike)) or (
                 self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config)):
-            raise ValueError("generation_config must be 'auto', 'vllm' or a directory holding a "
-                             f"generation_config.json, got {self.generation_config!r}")
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         for name, choices in (("device", ("auto", "cuda", "cpu")), ("kv_cache_dtype", ("auto", "fp8", "fp8_e4m3")),
                               ("attention_backend", ("auto", "flash-attn", "triton", "torch")),
                               ("load_format", ("auto", "safetensors", "dummy"))):
             if getattr(self, name) not in choices:
-                listed = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}"
-                raise ValueError(f"{name} must be {listed}, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise TypeError(f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
+            check_bool(name, getattr(self, name))
+        if self.async_scheduling is not None:
+            check_bool("async_scheduling", self.async_scheduling)
 
     def _resolve_paths(self):
-        """``model`` and ``tokenizer`` as local directories (``resolve_model``): a Hub id's snapshot holds config.json,
-        and the safetensors weights unless they are dummy."""
+        """``model`` and ``tokenizer`` as local directories; a Hub id's snapshot must hold config.json, and the
+        safetensors weights unless they are dummy."""
         from nanovllm.utils.loader import resolve_model
         hub = dict(cache_dir=self.download_dir, token=self.hf_token)
         needs = ("config.json",) if self.load_format == "dummy" else ("config.json", "*.safetensors")
         self._set(model=resolve_model(os.fspath(self.model), needs, self.revision, **hub))
         if self.tokenizer is not None:
-            self._set(tokenizer=resolve_model(os.fspath(self.tokenizer), (), self.tokenizer_revision or self.revision,
-                                              **hub))
+            revision = self.tokenizer_revision or self.revision
+            self._set(tokenizer=resolve_model(os.fspath(self.tokenizer), (), revision, **hub))
 
     def _load_hf_config(self) -> PretrainedConfig:
-        """A checkpoint directory's config.json, or a built-in preset (random weights only)."""
+        """A checkpoint directory's config.json, or a built-in preset's (random weights only)."""
         from nanovllm.demo import BUILTIN_MODELS
         from nanovllm.models.presets import PRESETS, preset_config
         if self.model in PRESETS and not os.path.isdir(self.model):
             if self.load_format != "dummy" or not self.skip_tokenizer_init:
-                raise ValueError(f"model {self.model!r} is a built-in architecture preset with no weights and no "
-                                 "tokenizer: use load_format='dummy' and skip_tokenizer_init=True")
+                raise ValueError(f"model {self.model!r} is an architecture preset (no weights, no tokenizer): "
+                                 "pass load_format='dummy' and skip_tokenizer_init=True")
             return preset_config(self.model)
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory {self.model!r} does not exist (built-in models: "
-                             f"{sorted(BUILTIN_MODELS)}; architecture presets: {sorted(PRESETS)})")
+                             f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model directory {self.model!r} has no config.json")
         return AutoConfig.from_pretrained(self.model)
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype != "auto":
-            return _DTYPES.get(self.dtype, self.dtype)  # a name, or a torch dtype
+            return _DTYPES.get(self.dtype, self.dtype)
         if self.device == "cpu":
             return torch.float32
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
-        dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype  # a name, in config.json
+        dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype  # config.json's is a name
         return dtype if dtype in _DTYPES.values() else torch.bfloat16
 
 
-# kvcache_block_size's default per attention backend: flash-attn's paged KV needs multiples of 256; 64 (Triton and
-# torch) lets a shared prefix of 64 tokens or more hit the prefix cache, no slower (docs/PERFORMANCE.md)
+# kvcache_block_size's default per backend: flash-attn's paged KV needs multiples of 256; 64 lets a shared prefix
+# of 64 tokens or more hit the prefix cache
 DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
 # the fields where vLLM's None means our default (max_model_len's and kvcache_block_size's None are resolved later)
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",

@@ -1,5 +1,4 @@
-"""vLLM's prompt types, plain dicts (``generate`` also takes strings and token-id lists), and the check of a
-prompt against an engine."""
+"""vLLM's prompt types (plain dicts) and the check of a prompt against an engine."""
 from __future__ import annotations
 
 from typing import TypedDict
@@ -22,8 +21,7 @@ def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | No
     """Prompt ``i``'s token ids, checked against the engine's ``config``, and its text (None for token ids)."""
     if isinstance(prompt, dict):
         if unknown := sorted(set(prompt) - {"prompt", "prompt_token_ids"}):
-            raise ValueError(f"prompt {i} has keys {unknown} that nanovllm does not support (it reads "
-                             "'prompt' or 'prompt_token_ids')")
+            raise ValueError(f"prompt {i} has unsupported keys {unknown}")
         if "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
             if not isinstance(prompt, (list, tuple)):  # a string here is not to be tokenized

@@ -1,6 +1,5 @@
-"""nano-vllm's ``LLMEngine``: every prompt and sampling parameter is checked here, then admitted to
-``core.EngineCore``, whose step loop runs one step at a time under its lock, so that callers in several threads
-(or a ``generate`` inside a ``stream`` loop) take turns. vLLM's extra methods: ``nanovllm.vllm_compat``."""
+"""nano-vllm's ``LLMEngine``: checks every prompt and sampling parameter, then admits them to
+``core.EngineCore``, whose lock lets callers in several threads take turns. vLLM's extras: ``vllm_compat``."""
 from __future__ import annotations
 
 import itertools
@@ -25,9 +24,7 @@ from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.loader import eos_token_ids, load_tokenizer
-from nanovllm.vllm_compat import EngineArgs, ModelConfig, VllmCompatMixin, refuse_unsupported
-
-__all__ = ["EngineArgs", "LLMEngine", "ModelConfig", "prompt_list", "refuse_unsupported"]
+from nanovllm.vllm_compat import VllmCompatMixin, refuse_unsupported
 
 
 def prompt_list(prompts) -> list:
@@ -53,30 +50,30 @@ class LLMEngine(VllmCompatMixin):
         except BaseException as e:
             resources.shut_down_and_raise(e, self._finalizer)
         runner = resources.runner
-        self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.config.hf_config.vocab_size,
-                                                          self.config.eos_token_ids)
-        self.structured_outputs.bind(runner.device, self.config.max_num_seqs,
-                                     resources.workers is None and bool(self.config.async_scheduling))
-        self.core = EngineCore(self.config, resources, self._finalizer, [self.structured_outputs])
+        config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
+        self.config = config
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
+                                                          config.eos_token_ids)
+        self.structured_outputs.bind(runner.device, config.max_num_seqs,
+                                     resources.workers is None and bool(config.async_scheduling))
+        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs])
         self._request_ids = itertools.count()
-        # requests admitted by add_request, reported by step(): {request_id: its Request} (None while admitted)
+        # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}
 
     model_runner = property(lambda self: self._resources.runner, doc="Rank 0's runner (None once shut down).")
-    workers = property(lambda self: self._resources.workers, doc="The tensor-parallel workers, or None.")
+    workers = property(lambda self: self._resources.workers)
     scheduler = property(lambda self: self.core.scheduler)
     requests = property(lambda self: self.core.requests, doc="{seq_id: its Request}, for the admitted requests.")
 
     def is_finished(self) -> bool:
-        """Whether nothing is left to run (nano-vllm's; the opposite of ``has_unfinished_requests``)."""
         return self.core.is_finished()
 
     def exit(self):
-        """Frees the engine's processes, shared memory and device memory (also when it is garbage-collected and
-        at interpreter exit); safe to call twice, and after a failure (dead or stuck workers are killed)."""
+        """Frees the engine's processes and memory, as garbage collection and interpreter exit also do; safe to
+        call twice, and after a failure."""
         if getattr(self, "core", None) is not None:
-            self.core.shutdown()  # a device wait for a bitmask let go, then the finalizer
+            self.core.shutdown()  # lets go of a device wait for a bitmask, then runs the finalizer
         else:
             self._finalizer()
 
@@ -89,8 +86,8 @@ class LLMEngine(VllmCompatMixin):
         self.exit()
 
     def add_request(self, *args, **kwargs) -> Request | None:
-        """Admits one prompt: nano-vllm's ``add_request(prompt, sampling_params)`` (returns its ``Request``) or
-        vLLM's ``add_request(request_id, prompt, params)`` (``step()`` reports it); the parameters are copied."""
+        """nano-vllm's ``add_request(prompt, sampling_params)``, returning the ``Request``, or vLLM's
+        ``add_request(request_id, prompt, params)``; either way ``step()`` reports it."""
         if len(args) >= 2 and isinstance(args[1], SamplingParams) or "sampling_params" in kwargs:
             return self._add_prompt(*args, **kwargs)
         return self._add_request_by_id(*args, **kwargs)
@@ -104,8 +101,8 @@ class LLMEngine(VllmCompatMixin):
 
     def _add(self, prompt_ids: list[int], text: str | None, params: SamplingParams, index: int,
              stream: deque | None, request_id: str | None = None, incremental: bool = False) -> Request:
-        """Admits a checked prompt with checked (``_admitted``) sampling parameters. ``incremental``: its
-        outputs' text comes from an incremental detokenizer (``step()`` reports it again and again)."""
+        """Admits a checked prompt with ``_admitted`` params. ``incremental``: the outputs' text comes from
+        incremental detokenizers (``step()`` reports it again and again)."""
         completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
                        for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
@@ -115,33 +112,33 @@ class LLMEngine(VllmCompatMixin):
         detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                         if stream is not None or params.stop_strings or incremental else None for _ in seqs]
         while request_id is None or request_id in self._step_requests and self._step_requests[request_id] is not None:
-            request_id = str(next(self._request_ids))  # a fresh id, not one that a caller of add_request holds
+            request_id = str(next(self._request_ids))  # not one that a caller of add_request holds
         request = Request(index, prompt_ids, seqs, request_id, text, detokenizers, stream, incremental)
         self.core.add(request, params)
         return request
 
     def _admitted(self, sampling_params: SamplingParams) -> SamplingParams:
-        """A checked copy of ``sampling_params``, with what depends on this engine checked too."""
+        """A verified copy of ``sampling_params``, also checked against this engine."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sp = sampling_params.clone()
         sp.verify()
         vocab_size = self.config.hf_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):  # a top k beyond the vocabulary would fail inside the forward
+        for name in ("logprobs", "prompt_logprobs"):  # a top k beyond the vocabulary would fail in the forward
             if (getattr(sp, name) or 0) > vocab_size:
                 raise ValueError(f"{name} must be <= the vocabulary size {vocab_size}, got {getattr(sp, name)}")
         if bad := [t for t in sp.stop_token_ids if t >= vocab_size]:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if sp.stop_strings:
-            self._require_tokenizer("stop strings")
+            require_tokenizer(self.tokenizer, "stop strings")
         if sp.structured_outputs is not None:
-            self._require_tokenizer("structured outputs")
+            require_tokenizer(self.tokenizer, "structured outputs")
             self.structured_outputs.compile(sp.structured_outputs)  # a ValueError now if it does not compile
         return sp
 
     def abort_request(self, request: Request | str | Iterable[str]):
-        """Ends a request's unfinished completions (finish_reason "abort") and forgets it: a ``Request``
-        (nano-vllm's ``add_request``) or request ids (vLLM's); ``step()`` does not report it."""
+        """Ends a ``Request``'s or request ids' unfinished completions (finish_reason "abort"); ``step()`` does not
+        report them."""
         targets = [request] if isinstance(request, (str, Request)) else list(request)
         with self.core.lock:
             for target in targets:
@@ -174,8 +171,8 @@ class LLMEngine(VllmCompatMixin):
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
                  ) -> list[RequestOutput]:
-        """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in prompt order, as
-        ``RequestOutput``s; ``sampling_params``: one for all, one per prompt, or None for the model's defaults."""
+        """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in order;
+        ``sampling_params``: one for all, one per prompt, or None for the model's defaults."""
         refuse_unsupported(priority, lora_request=lora_request)
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
@@ -196,10 +193,9 @@ class LLMEngine(VllmCompatMixin):
         return [request_output(r, self.tokenizer) for r in requests]
 
     def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[dict]:
-        """Yields new text as it is produced: dicts with ``index`` (the prompt's), ``output_index`` (which of its
-        n completions), ``text`` (the new text; a token that ends inside a UTF-8 character, or text that may begin
-        a stop string, waits for the next), ``token_ids`` (the new token), and ``finished`` / ``finish_reason`` on
-        a completion's last piece. Leaving the loop early aborts the requests that have not finished."""
+        """Yields dicts of new text: ``index`` (the prompt's), ``output_index``, ``text`` (held back while it may
+        end inside a UTF-8 character or begin a stop string), ``token_ids``, and ``finished`` / ``finish_reason``
+        on a completion's last piece. Leaving the loop early aborts the unfinished requests."""
         queue: deque = deque()
         requests = self._add_requests(prompts, sampling_params, stream=queue)
         try:
@@ -214,8 +210,8 @@ class LLMEngine(VllmCompatMixin):
 
     def _add_requests(self, prompts, sampling_params, stream: deque | None = None,
                       texts: list[str] | None = None) -> list[Request]:
-        """Checks every prompt and every sampling parameter before admitting any. ``texts``: the prompts'
-        text where they are token ids of a known text (chat's rendered conversations)."""
+        """Checks every prompt and sampling parameter before admitting any. ``texts``: the text of token-id
+        prompts (chat's rendered conversations)."""
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -225,15 +221,11 @@ class LLMEngine(VllmCompatMixin):
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         if stream is not None:
-            self._require_tokenizer("streaming")
+            require_tokenizer(self.tokenizer, "streaming")
         admitted = [self._admitted(sp) for sp in sampling_params]
         checked = [self._parse_prompt(i, p) for i, p in enumerate(prompts)]
         return [self._add(ids, texts[i] if texts else text, sp, i, stream)
                 for i, ((ids, text), sp) in enumerate(zip(checked, admitted))]
 
     def _parse_prompt(self, i: int, prompt) -> tuple[list[int], str | None]:
-        """Prompt ``i``'s token ids, checked against the engine, and its text (None for token ids)."""
         return parse_prompt(i, prompt, self.tokenizer, self.config)
-
-    def _require_tokenizer(self, what: str):
-        require_tokenizer(self.tokenizer, what)
