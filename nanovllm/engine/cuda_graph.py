@@ -1,7 +1,5 @@
-"""Decode under CUDA graphs: one graph per batch-size bucket (1, 2, 4, 8, then every 16 up to
-min(max_num_seqs, 512); a bucket always covers max_num_seqs), captured largest first into one memory
-pool. A step copies its inputs into the captured buffers (padding rows get slot -1 and context length
-0) and replays the smallest graph that covers its batch."""
+"""Decode under CUDA graphs, one per batch-size bucket, captured largest first into one memory pool; a step
+replays the smallest that covers its batch, its padding rows at slot -1 and context length 0."""
 from __future__ import annotations
 
 import torch
@@ -11,22 +9,20 @@ from nanovllm.utils.context import Context, set_context
 
 
 def bucket_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 below ``max_bs``, and ``max_bs``."""
     return sorted({bs for bs in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if bs < max_bs} | {max_bs})
 
 
 class DecodeGraphs:
-    """Captured on construction (on the device and in the dtype the caller has made the defaults)."""
+    """Captured on construction, on the default device and dtype."""
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int):
         self.batch_sizes = bucket_sizes(max_bs)
-        self.buffers = dict(input_ids=torch.zeros(max_bs, dtype=torch.int64),
-                            positions=torch.zeros(max_bs, dtype=torch.int64),
-                            slot_mapping=torch.zeros(max_bs, dtype=torch.int32),
-                            context_lens=torch.zeros(max_bs, dtype=torch.int32),
-                            block_tables=torch.zeros(max_bs, max_num_blocks, dtype=torch.int32),
-                            outputs=torch.zeros(max_bs, hidden_size))
-        b = self.buffers
+        ints = dict(input_ids=torch.int64, positions=torch.int64, slot_mapping=torch.int32, context_lens=torch.int32)
+        b = self.buffers = {name: torch.zeros(max_bs, dtype=dtype) for name, dtype in ints.items()}
+        b["block_tables"] = torch.zeros(max_bs, max_num_blocks, dtype=torch.int32)
+        b["outputs"] = torch.zeros(max_bs, hidden_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         for bs in reversed(self.batch_sizes):

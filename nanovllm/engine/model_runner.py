@@ -1,6 +1,5 @@
-"""Runs the model on one device, one per tensor-parallel rank: loading, the warmup forward that sizes
-the KV cache, the one preallocated KV tensor with per-layer views, a ``batch.StepInput``'s tensors, the
-forward (decode through ``cuda_graph.DecodeGraphs`` on CUDA), and, on rank 0, sampling."""
+"""One rank's model on its device: loading, the warmup that sizes the KV cache, the cache itself, a step's
+forward (decode through CUDA graphs) and, on rank 0, sampling."""
 from __future__ import annotations
 
 import gc
@@ -36,19 +35,18 @@ class ModelRunner:
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
         self.is_cuda = config.device == "cuda"
-        self.prev_sampled: torch.Tensor | None = None   # the last forward's sampled tokens, on the device
-        self.graphs: DecodeGraphs | None = None   # captured at the end of start-up (CUDA, not eager)
+        self.prev_sampled: torch.Tensor | None = None  # the last step's sampled tokens (async scheduling)
+        self.graphs: DecodeGraphs | None = None
         if self.is_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
-        self.dtype = config.torch_dtype
-        self.kv_dtype = config.kv_cache_torch_dtype or self.dtype  # the KV cache's (fp8: one byte a value)
+        self.kv_dtype = config.kv_cache_torch_dtype
         self.head_dim = head_dim_of(hf_config)
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
             // config.tensor_parallel_size
         with _BUILD_LOCK:
             default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)
+            torch.set_default_dtype(config.torch_dtype)
             try:
                 with torch.device(self.device):
                     self._load_and_prepare(hf_config)
@@ -71,8 +69,8 @@ class ModelRunner:
             layer.backend = self.attention_backend
         scaled = sum(layer.k_scale != 1.0 or layer.v_scale != 1.0 for layer in self.attention_layers)
         if scaled and self.kv_dtype != torch.float8_e4m3fn and self.rank == 0:
-            logger.info("the checkpoint's KV-cache scales (%d layers) apply to an fp8 cache only: unused with "
-                        "kv_cache_dtype=%r", scaled, self.config.kv_cache_dtype)
+            logger.info("the KV-cache scales of %d layers are unused: kv_cache_dtype=%r is not fp8", scaled,
+                        self.config.kv_cache_dtype)
         if self.is_cuda:
             self.warmup_model()
         self.allocate_kv_cache()
@@ -80,16 +78,14 @@ class ModelRunner:
             self.capture_cudagraph()
 
     def capture_cudagraph(self):
-        """Decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... (``cuda_graph.DecodeGraphs``)."""
         max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
                                    self.config.hf_config.hidden_size)
 
     def exit(self):
-        """Frees what the device holds for this runner, now rather than when the engine object goes: its graphs,
-        the KV cache and the weights (the runner is unusable after), so that another engine of this process
-        sizes its cache from a free device."""
-        if self.is_cuda:  # a step may still be in flight (async scheduling): let it end before freeing graphs
+        """Frees this runner's graphs, KV cache and weights now (it is unusable after), so that another engine
+        of this process sizes its cache from a free device."""
+        if self.is_cuda:  # a step may still be in flight (async scheduling)
             torch.cuda.synchronize()
         self.graphs = None
         for layer in self.attention_layers:
@@ -101,21 +97,21 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def warmup_model(self):
-        """One prefill at the largest batch, so that the KV sizing sees the peak activations: a step like
-        any other, whose slots of -1 store nothing into a throwaway cache of one block."""
+        """A prefill at the largest batch, so that the KV sizing sees the peak activations; its slots of -1
+        store nothing into a throwaway one-block cache."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        max_num_batched_tokens, max_model_len = self.config.max_num_batched_tokens, self.config.max_model_len
-        seq_len = min(max_num_batched_tokens, max_model_len)
-        num_seqs = max(1, min(max_num_batched_tokens // seq_len, self.config.max_num_seqs))
+        max_tokens = self.config.max_num_batched_tokens
+        seq_len = min(max_tokens, self.config.max_model_len)
+        num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
-            seq.num_scheduled_tokens = seq_len  # no block tables: slots of -1
+            seq.num_scheduled_tokens = seq_len
         dummy = torch.zeros(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.kv_dtype)
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = dummy
-        batch = SchedulerOutput(seqs, True)
-        self.run(prepare_prefill(seqs, self.block_size), self.prepare_sample(batch) if self.rank == 0 else None)
+        sampling = self.prepare_sample(SchedulerOutput(seqs, True)) if self.rank == 0 else None
+        self.run(prepare_prefill(seqs, self.block_size), sampling)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -128,13 +124,12 @@ class ModelRunner:
         if config.num_kvcache_blocks > 0:
             return config.num_kvcache_blocks
         block_bytes = self._block_bytes()
-        if self.is_cuda:  # nano-vllm's formula: what is left under the utilization cap after the warmup peak
+        if self.is_cuda:  # what is left under the utilization cap after the warmup's peak
             free, total = torch.cuda.mem_get_info()
-            used = total - free
             stats = torch.cuda.memory_stats()
             peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-            return int(total * config.gpu_memory_utilization - used - peak + current) // block_bytes
-        # CPU: a budget of cpu_kvcache_space GiB, but no more than max_num_seqs full-length sequences
+            return int(total * config.gpu_memory_utilization - (total - free) - peak + current) // block_bytes
+        # CPU: cpu_kvcache_space GiB, but no more than max_num_seqs full-length sequences
         budget = int(config.cpu_kvcache_space * 2 ** 30) // block_bytes
         blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         return min(budget, config.max_num_seqs * blocks_per_seq)
@@ -145,34 +140,29 @@ class ModelRunner:
             t = torch.tensor([num_blocks], device=self.device)
             num_blocks = int(self.group.all_reduce(t, dist.ReduceOp.MIN).item())
         if num_blocks <= 0:
-            remedy = "lower max_num_batched_tokens or raise gpu_memory_utilization" if self.is_cuda else \
-                "raise cpu_kvcache_space"
-            raise ValueError(f"no memory left for the KV cache (it needs {self._block_bytes()} bytes per block "
-                             f"of {self.block_size} tokens, got {num_blocks} blocks): {remedy}, or set "
-                             "num_kvcache_blocks")
+            remedy = "gpu_memory_utilization" if self.is_cuda else "cpu_kvcache_space"
+            raise ValueError(f"no memory left for the KV cache ({self._block_bytes()} bytes per block, got "
+                             f"{num_blocks} blocks): raise {remedy} or set num_kvcache_blocks")
         self.num_kvcache_blocks = num_blocks
         self.max_model_len = min(self.config.max_model_len, num_blocks * self.block_size)
-        if self.max_model_len < self.config.max_model_len and self.rank == 0:  # a sequence never outgrows the cache
-            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens "
-                           "(raise num_kvcache_blocks, cpu_kvcache_space or gpu_memory_utilization for more)",
+        if self.max_model_len < self.config.max_model_len and self.rank == 0:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens",
                            self.config.max_model_len, self.max_model_len, num_blocks, self.block_size)
-        # zeros, not empty: masked-out positions must not hold NaN bit patterns
-        try:
+        try:  # zeros: masked-out positions must not hold NaN bit patterns
             self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
                                         self.num_kv_heads, self.head_dim, dtype=self.kv_dtype, device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks ({num_blocks * self._block_bytes()} "
-                             f"bytes on {self.device}): lower num_kvcache_blocks (or leave it at -1)") from e
+            raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks on {self.device}: "
+                             "lower num_kvcache_blocks") from e
         for layer_id, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, layer_id], self.kv_cache[1, layer_id]
 
-    def _to_device(self, values, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """Host values (a list or an array) on the device, without waiting (``SamplingPreparer.to_device``)."""
-        return None if values is None else self.sampling.to_device(values, dtype)
+    def _to_device(self, values) -> torch.Tensor | None:
+        return None if values is None else self.sampling.to_device(values)
 
     def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(input ids, positions, the attention context's fields) of a step. A decode input still on the
-        device (``prev_rows`` >= 0) is gathered from the last forward's sampled tokens."""
+        """(input ids, positions, the attention context's fields). A decode input still on the device
+        (``prev_rows`` >= 0) comes from the last step's sampled tokens."""
         arrays = ("slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_indices", "context_lens")
         context = {name: self._to_device(getattr(step, name)) for name in arrays}
         context.update(max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k)
@@ -183,7 +173,6 @@ class ModelRunner:
         return input_ids, self._to_device(step.positions), context
 
     def prepare_sample(self, batch: SchedulerOutput) -> SamplingInputs:
-        """Rank 0's inputs for sampling ``batch`` (``sampling.SamplingPreparer``)."""
         return self.sampling.prepare(batch)
 
     @torch.inference_mode()
@@ -192,40 +181,35 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, positions))
         return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
 
-    @torch.inference_mode()
     def run(self, step: StepInput, sampling: SamplingInputs | None = None):
-        """Launches one forward and, on rank 0, its sampling (``sampling``: ``prepare_sample``'s).
-        Returns rank 0's ``ModelRunnerOutput`` (read them with ``result()``); None elsewhere. With async
-        scheduling the sampled tokens stay on every rank's device as the next forward's inputs (TP:
-        broadcast from rank 0)."""
+        """One forward and, on rank 0, its sampling: rank 0 gets a ``ModelRunnerOutput``, the others None."""
         return self.sample(step, self.forward(step, sampling), sampling)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, sampling: SamplingInputs | None = None) -> tuple | None:
-        """The first half of ``run``: launches the forward; on rank 0 returns (the logits of the rows to sample,
-        the prompt logprobs or None) for ``sample``, None elsewhere. Apart, so that rank 0 can build what
-        sampling needs (a structured-output bitmask) while the device runs the forward."""
+        """Launches the forward; rank 0 gets (the logits to sample, the prompt logprobs or None). Apart from
+        ``sample`` so that rank 0 can build a grammar bitmask while the device runs."""
         input_ids, positions, context = self.step_tensors(step)
         with set_context(step.is_prefill, **context):
             logits = self.run_model(input_ids, positions, step.is_prefill)
         if self.rank != 0:
             return None
         prompt, prompt_lps = sampling.prompt, None
-        if prompt is not None:  # logits of every position of some sequences: theirs, then the last ones
+        if prompt is not None:  # every position of some sequences' logits: theirs, then the last ones
             prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
             logits = logits[prompt.sample_rows]
         return logits, prompt_lps
 
     @torch.inference_mode()
     def sample(self, step: StepInput, forward: tuple | None, sampling: SamplingInputs | None = None):
-        """The second half of ``run``: rank 0 samples ``forward``'s logits (``sampling.token_bitmask`` applied);
-        with async scheduling every rank keeps the sampled tokens."""
+        """Rank 0 samples ``forward``'s logits; with async scheduling every rank keeps the sampled tokens
+        (TP: broadcast from rank 0)."""
         token_ids = logprobs = prompt_lps = None
         if self.rank == 0:
             logits, prompt_lps = forward
-            bitmask = sampling.token_bitmask
-            if bitmask is not None:
-                sampling.batch.token_bitmask = bitmask if bitmask.device == self.device else self._to_device(bitmask)
+            if (bitmask := sampling.token_bitmask) is not None:
+                on_device = bitmask.device == self.device
+                sampling.batch.token_bitmask = bitmask if on_device else self.sampling.to_device(bitmask)
             token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
         if self.config.async_scheduling:
             if self.group is not None:

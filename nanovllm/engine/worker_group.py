@@ -1,6 +1,5 @@
-"""Tensor parallelism's processes: rank 0's ``WorkerGroup`` spawns a worker per rank > 0, sends it each call,
-watches it and shuts it down; ``worker_main`` is the loop a worker runs. Every wait on a peer ends when it dies: a
-worker whose rank 0 is gone reads EOF, and rank 0 ringing a dead worker gets a broken pipe (``WorkerDiedError``)."""
+"""Tensor parallelism's processes: rank 0's ``WorkerGroup`` spawns, calls, watches and ends a worker per rank > 0,
+which runs ``worker_main``. A wait on a peer ends when the peer dies (EOF, a broken pipe, ``WorkerDiedError``)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,19 +20,19 @@ from nanovllm.config import Config
 from nanovllm.utils.distributed import TPGroup, free_port
 
 SEGMENT_PREFIX = "nanovllm-"
-SEGMENT_SIZE = 2 ** 20       # the first segment; a larger call moves to a larger one
-JOIN_TIMEOUT_S = 5.0         # a worker told to exit gets this long before it is killed
-MAIN_GUARD_HINT = ("workers are started with multiprocessing's 'spawn' method, which imports your main script again: "
-                   "if the script creates the LLM at import time, put that code under `if __name__ == \"__main__\":`")
+SEGMENT_SIZE = 2 ** 20  # the first segment; a larger call moves to a larger one
+JOIN_TIMEOUT_S = 5.0  # a worker told to exit gets this long before it is killed
+MAIN_GUARD_HINT = ("workers start by 'spawn', which imports the main script again: create the LLM under "
+                   "`if __name__ == \"__main__\":`")
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process ended while the engine needed it."""
+    """A tensor-parallel worker ended while the engine needed it."""
 
 
 def create_segment(name: str, size: int) -> SharedMemory:
-    """A new segment whose memory is reserved now: with /dev/shm full this raises a clear error, where
-    a plain ``SharedMemory(create=True)`` succeeds and the first write to it kills the process (SIGBUS)."""
+    """A segment whose memory is reserved now: on a full /dev/shm, a plain ``SharedMemory(create=True)``
+    would succeed and its first write kill the process (SIGBUS)."""
     if not os.path.isdir("/dev/shm"):
         return SharedMemory(name=name, create=True, size=size)
     fd = os.open(path := f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -41,32 +40,30 @@ def create_segment(name: str, size: int) -> SharedMemory:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         os.unlink(path)
-        raise RuntimeError(f"cannot reserve {size} bytes of shared memory in /dev/shm for tensor parallelism "
-                           f"({e.strerror}): free space there (df -h /dev/shm) or enlarge it") from None
+        raise RuntimeError(f"cannot reserve {size} bytes of shared memory in /dev/shm ({e.strerror})") from None
     finally:
         os.close(fd)
     return SharedMemory(name=name)
 
 
 class CallChannel:
-    """The shared-memory segment calls (pickled) travel in, announced by a doorbell byte on a pipe per worker: rank 0
-    creates it and writes, each worker attaches and reads. Header: the payload's length, then per worker rank the
-    number of calls it has read; rank 0 writes a call only once every worker has read the one before."""
+    """Pickled calls in shared memory, each announced on a doorbell pipe per worker. Header: the payload's length,
+    then each worker's count of calls read; rank 0 writes once every worker has read the call before."""
 
     def __init__(self, name: str, world_size: int, rank: int):
         self.name, self.rank, self.header = name, rank, 8 * (world_size + 1)
-        self.slots = [slice(8 * r, 8 * r + 8) for r in range(world_size)]  # 0: the length; r: worker r's count
+        self.slots = [slice(8 * r, 8 * r + 8) for r in range(world_size)]  # 0: the length; r: rank r's count
         self.shm = create_segment(name, max(SEGMENT_SIZE, self.header + 1)) if rank == 0 else SharedMemory(name=name)
         self.num_calls = self.moves = 0
 
     def write(self, payload: bytes, death_error) -> bytes:
-        """Writes the next call; returns what the doorbells must carry (the new segment's name, if it moved)."""
+        """Writes the next call; returns the doorbells' message (the new segment's name, if it moved)."""
         while any(int.from_bytes(self.shm.buf[slot], "little") != self.num_calls for slot in self.slots[1:]):
-            if error := death_error():  # normally never reached: a worker reads a call right after it is rung
+            if error := death_error():
                 raise error
             time.sleep(1e-4)
         moved = b""
-        if self.header + len(payload) > self.shm.size:  # to a larger segment (every worker has read this one)
+        if self.header + len(payload) > self.shm.size:  # every worker has read this one: move
             self.close()
             self.moves += 1
             self.shm = create_segment(f"{self.name}-{self.moves}", 1 << (self.header + len(payload) - 1).bit_length())
@@ -77,12 +74,12 @@ class CallChannel:
         return moved
 
     def read(self, doorbell) -> tuple[str, tuple] | None:
-        """A worker's next call as (method name, args), once its doorbell rings; None once rank 0 is gone."""
+        """A worker's next (method name, args); None once rank 0 is gone."""
         try:
             moved = doorbell.recv_bytes()
         except EOFError:
             return None
-        if moved:  # the call did not fit: it is in a new, larger segment
+        if moved:
             self.shm.close()
             self.shm = SharedMemory(name=moved.decode())
         size = int.from_bytes(self.shm.buf[self.slots[0]], "little")
@@ -98,11 +95,9 @@ class CallChannel:
 
 
 class WorkerGroup:
-    """Rank 0's handle on ranks 1..tp-1."""
-
     def __init__(self, config: Config):
         self.config, self.world_size = config, config.tensor_parallel_size
-        for path in glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*"):  # left by engines killed before they unlinked them
+        for path in glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*"):  # left by killed engines
             pid = os.path.basename(path).split("-")[1]
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 with contextlib.suppress(FileNotFoundError):
@@ -112,52 +107,47 @@ class WorkerGroup:
         self.group: TPGroup | None = None
         self.closed = False
         ctx = multiprocessing.get_context("spawn")
-        # the parent-death signal fires when the spawning THREAD ends: only safe from the main thread
+        # the parent-death signal fires when the spawning *thread* ends
         pdeathsig = threading.current_thread() is threading.main_thread()
-        self.processes: list[multiprocessing.Process] = []
-        self.doorbells: list[multiprocessing.connection.Connection] = []
+        self.processes, self.doorbells = [], []
         try:
             for rank in range(1, self.world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 self.doorbells.append(writer)
                 process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
                                       args=(config, rank, reader, self.channel.name, self.port, pdeathsig))
-                process.start()  # fails in a process that is itself being spawned (no __main__ guard)
-                reader.close()  # the worker holds the read end: when it dies, ringing it fails at once
+                process.start()
+                reader.close()  # so that ringing a dead worker fails at once
                 self.processes.append(process)
         except BaseException as e:
             self.close(graceful=False)
-            if isinstance(e, RuntimeError) and "bootstrapping phase" in str(e):
-                raise RuntimeError(f"cannot start tensor-parallel workers from a process that is itself being "
-                                   f"started: {MAIN_GUARD_HINT}") from e
+            if isinstance(e, RuntimeError) and "bootstrapping phase" in str(e):  # no __main__ guard
+                raise RuntimeError(f"cannot start workers from a spawned process: {MAIN_GUARD_HINT}") from e
             raise
         threading.Thread(target=self._watch, name="nanovllm-worker-watch", daemon=True).start()
 
     def connect(self) -> TPGroup:
-        """Rank 0's end of the group; a worker that dies before it connects is named at once."""
         self.group = TPGroup(0, self.world_size, self.port, self.config.device, waiting=self._check_starting)
         return self.group
 
     def _check_starting(self):
         if dead := self.dead():
             rank, code = dead[0]
-            raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited (exit code {code}) before it connected "
-                                  f"to rank 0; its error is printed above. If it failed while importing: "
-                                  f"{MAIN_GUARD_HINT}")
+            raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited (exit code {code}) before connecting "
+                                  f"(its error is above); if it failed while importing: {MAIN_GUARD_HINT}")
 
     def _watch(self):
-        """With NCCL a collective waits forever for a dead rank: abort the group once one dies (gloo raises)."""
+        """Aborts an NCCL group once a worker dies: its collectives would wait forever (gloo's raise)."""
         multiprocessing.connection.wait([p.sentinel for p in self.processes])
         if not self.closed and self.group is not None and self.config.device == "cuda":
             self.group.abort()
 
     def call(self, method: str, *args):
-        """Sends ``method(*args)`` to every worker (rank 0 runs it itself)."""
         moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL), self.death_error)
         for doorbell in self.doorbells:
             try:
                 doorbell.send_bytes(moved)
-            except OSError:  # a broken pipe: the worker is gone
+            except OSError:  # a broken pipe
                 if error := self.death_error(JOIN_TIMEOUT_S):
                     raise error from None
                 raise
@@ -166,22 +156,21 @@ class WorkerGroup:
         return [(rank, p.exitcode) for rank, p in enumerate(self.processes, 1) if not p.is_alive()]
 
     def death_error(self, wait_s: float = 0.0) -> WorkerDiedError | None:
-        """The error naming a dead worker, or None. Waits up to ``wait_s`` for one to die: a peer's sockets
-        close (and collectives fail), and its sentinel is ready, a moment before its exit status can be read."""
+        """The error naming a dead worker, or None, after waiting up to ``wait_s`` for one: a dying peer's
+        sockets close a moment before its exit status can be read."""
         deadline = time.monotonic() + wait_s
         while not (dead := self.dead()) and (left := deadline - time.monotonic()) > 0:
             if not multiprocessing.connection.wait([p.sentinel for p in self.processes], left):
-                break  # none ended within the time
-            time.sleep(0.005)  # one has ended: its exit status follows within moments
+                break
+            time.sleep(0.005)  # one has ended: its exit status follows
         if not dead:
             return None
         rank, code = dead[0]
-        return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code}); the engine "
-                               "has been shut down")
+        return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code})")
 
     def close(self, graceful: bool):
-        """Ends the workers: told to exit and joined (``graceful``, after a clean run), else killed at once
-        (after a failure or Ctrl-C their state is unknown, and waiting for them could take forever)."""
+        """Ends the workers: ``graceful`` (after a clean run) asks them to exit first; else they are killed at
+        once, as waiting on a worker of unknown state could take forever."""
         if self.closed:
             return
         self.closed = True
@@ -192,7 +181,7 @@ class WorkerGroup:
             for p in self.processes:
                 p.join(max(0.0, deadline - time.monotonic()))
         for p in self.processes:
-            p.kill()  # a no-op on one that has exited
+            p.kill()
         for p in self.processes:
             p.join()
         if self.group is not None and self.config.device == "cuda":
@@ -204,30 +193,31 @@ class WorkerGroup:
 
 
 def _exit_with_parent(pdeathsig: bool):
-    """Ends this worker when rank 0's process ends, whatever its main thread is doing: Linux's parent-death
-    signal (a kernel SIGKILL: even a main thread stuck in C code dies), and a thread on the parent's sentinel."""
-    parent = multiprocessing.parent_process()
+    """Ends this worker with rank 0's process, even when stuck in C code: Linux's parent-death SIGKILL, and a
+    thread on the parent's sentinel."""
     if pdeathsig and sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(1)  # rank 0 died before the signal was armed (while this process was still starting)
-    if parent is not None:
-        def watch():
-            parent.join()
-            os._exit(1)
-        threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
+    if (parent := multiprocessing.parent_process()) is None:
+        return
+    if os.getppid() != parent.pid:
+        os._exit(1)  # rank 0 died before the signal was armed
+
+    def watch():
+        parent.join()
+        os._exit(1)
+    threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
 def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pdeathsig: bool):
-    """A worker process: join the group, build this rank's ModelRunner, then run rank 0's calls until
-    "exit". It leaves by ``os._exit`` (no interpreter teardown that could wait on a broken group)."""
+    """A worker: builds its ModelRunner and runs rank 0's calls until "exit"; leaves by ``os._exit``, as an
+    interpreter teardown could wait on a broken group."""
     _exit_with_parent(pdeathsig)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it shuts the workers down
-    code = 1  # unless rank 0 says "exit": an error, or rank 0 is gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    code = 1
     try:
         from nanovllm.engine.model_runner import ModelRunner
-        # attached before joining the group: rank 0 sends nothing (nor moves the segment) before every rank joined
+        # attached before joining the group: rank 0 writes nothing before every rank joined
         channel = CallChannel(segment, config.tensor_parallel_size, rank)
         runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
         while (call := channel.read(doorbell)) is not None:

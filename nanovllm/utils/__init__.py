@@ -1,1 +1,1 @@
-"""Helpers of the model side: the attention context, tensor-parallel groups, checkpoint loading."""
+"""Model-side helpers: the attention context, tensor-parallel groups, checkpoint loading."""

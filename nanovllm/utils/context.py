@@ -1,5 +1,5 @@
-"""The attention context: what one forward's attention layers need besides the activations, set per thread by the
-``set_context`` block around the forward and read with ``get_context()``."""
+"""The attention context: what a forward's attention layers need besides the activations, set per thread by
+``set_context`` around the forward and read with ``get_context()``."""
 from __future__ import annotations
 
 import threading
@@ -12,19 +12,18 @@ import torch
 @dataclass
 class Context:
     is_prefill: bool = False
-    cu_seqlens_q: torch.Tensor | None = None    # [num_seqs + 1] int32, prefill
-    cu_seqlens_k: torch.Tensor | None = None    # [num_seqs + 1] int32, prefill
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32, prefill
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    slot_mapping: torch.Tensor | None = None    # [num_new_tokens] int32, -1 = do not store
-    # prefill: the rows the LM head projects (each sequence's last; all of one computing prompt logprobs)
-    logits_indices: torch.Tensor | None = None  # [num_logits] int64
-    context_lens: torch.Tensor | None = None    # [num_seqs] int32, decode
-    block_tables: torch.Tensor | None = None    # [num_seqs, max_num_blocks] int32, -1 padded
+    slot_mapping: torch.Tensor | None = None  # [num_new_tokens] int32, -1 = do not store
+    logits_indices: torch.Tensor | None = None  # [num_logits] int64, prefill: the rows the LM head projects
+    context_lens: torch.Tensor | None = None  # [num_seqs] int32, decode
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks] int32, -1 padded
 
 
 _EMPTY = Context()
-_STATE = threading.local()  # .context: this thread's, while a set_context block runs
+_STATE = threading.local()
 
 
 def get_context() -> Context:

@@ -1,6 +1,5 @@
-"""Tensor-parallel process groups, and the rank, size and group layers read while a model is built (inside
-``tensor_parallel``). Each engine has its own group, never torch.distributed's default one, which a process can
-create only once."""
+"""Tensor-parallel process groups (each engine its own: torch.distributed's default one exists once a process),
+and the rank, size and group that layers read while built inside ``tensor_parallel``."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-# A collective waits this long for a peer that is alive but stuck (a dead peer is noticed within seconds).
+# how long a collective waits for a peer alive but stuck (a dead one is noticed within seconds)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
@@ -24,11 +23,11 @@ def free_port() -> int:
 
 
 class TPGroup:
-    """The collectives tensor parallelism needs, on a process group of its own (a TCP store, gloo or NCCL). Rank 0
-    waits for every rank to connect, calling ``waiting()`` between checks (it raises if a worker died)."""
+    """Gloo or NCCL collectives over a TCP store; rank 0 waits for every rank, calling ``waiting()`` between
+    checks (it raises when a worker died)."""
 
     def __init__(self, rank: int, size: int, port: int, device: str, waiting: Callable[[], None] | None = None):
-        self.rank, self.size, self.device = rank, size, device
+        self.rank, self.size = rank, size
         self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT,
                                    wait_for_workers=False)
         if rank > 0:
@@ -58,8 +57,8 @@ class TPGroup:
         return parts[0] if self.rank == dst else None
 
     def abort(self):
-        """Ends the operations in flight without waiting for them (NCCL waits forever for a dead rank)."""
-        for name in ("abort", "_abort", "shutdown"):  # the first this torch has that works; best effort
+        """Ends the operations in flight without waiting (NCCL's would wait forever for a dead rank)."""
+        for name in ("abort", "_abort", "shutdown"):  # the first that this torch has and that works
             with contextlib.suppress(Exception):
                 getattr(self.backend, name)()
                 return
@@ -73,12 +72,12 @@ _TP = _TPState()
 
 
 def get_tp() -> tuple[int, int]:
-    """(rank, world_size) of the model under construction (in this thread)."""
+    """(rank, world_size) of the model this thread builds."""
     return _TP.rank, _TP.size
 
 
 def get_tp_group() -> TPGroup | None:
-    """The group of the model under construction (None without tensor parallelism)."""
+    """The group of the model this thread builds (None without tensor parallelism)."""
     return _TP.group
 
 
