@@ -32,7 +32,6 @@ class Request:
 
 
 class OutputProcessor:
-
     def __init__(self, eos_token_ids, max_model_len: int):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None  # the model's own
@@ -53,7 +52,7 @@ class OutputProcessor:
             reason, stop_reason = "stop", None if token_id == self.eos_token_id else token_id
         elif num_out >= sp.min_tokens and token_id in sp.stop_token_ids:
             reason, stop_reason = "stop", token_id
-        # a stop token's own text is not part of the output unless include_stop_str_in_output (vLLM's)
+        # a stop token's text is output only with include_stop_str_in_output (vLLM's)
         counts = detok is not None and (reason != "stop" or sp.include_stop_str_in_output)
         delta = detok.add(token_id) if counts else ""
         if stops and reason != "stop" and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):

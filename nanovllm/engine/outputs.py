@@ -38,8 +38,8 @@ def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float
 
 
 class ModelRunnerOutput:
-    """One forward's sampled tokens (and logprobs), copied to pinned memory at once; ``result`` waits for them.
-    ``host_work``: host work the device waits for (a grammar bitmask's fill)."""
+    """One forward's sampled tokens (and logprobs), copied to pinned memory at once; ``result`` waits for them,
+    so the host can launch the next forward first. ``host_work``: host work the device waits for."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
                  prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None, host_work=()):
