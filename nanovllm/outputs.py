@@ -1,12 +1,12 @@
-"""What ``generate`` and ``chat`` return: vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``; the
-outputs also answer nano-vllm's dict keys (``out["text"]``), and a ``Logprob`` is a float too."""
+"""vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``, as ``generate`` and ``chat`` return them; the
+outputs also answer nano-vllm's dict keys (``out["text"]``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
 
 class Logprob(float):
-    """A token's log probability with vLLM's ``rank`` (1: the most likely token) and ``decoded_token``."""
+    """A token's log probability (a float) with vLLM's ``rank`` (1: the most likely) and ``decoded_token``."""
 
     __slots__ = ("rank", "decoded_token")
 
@@ -65,8 +65,8 @@ class DictLike:
 
 @dataclass
 class CompletionOutput(DictLike):
-    """One completion of a request, as vLLM's: ``finish_reason`` is "stop", "length", "abort" or "error";
-    ``stop_reason`` the stop string or token id that ended it (None for EOS, length, abort)."""
+    """``finish_reason``: "stop", "length", "abort" or "error"; ``stop_reason``: the stop string or token id
+    that ended it (None for EOS, length, abort)."""
 
     index: int
     text: str
@@ -84,7 +84,7 @@ class CompletionOutput(DictLike):
 
 @dataclass
 class RequestMetrics(DictLike):
-    """Timings of a request, in seconds (``time.perf_counter`` values)."""
+    """In seconds (``time.perf_counter`` values)."""
 
     arrival_time: float
     first_token_time: float | None
@@ -95,8 +95,8 @@ class RequestMetrics(DictLike):
 
 @dataclass
 class RequestOutput(DictLike):
-    """One request's result, as vLLM's (``prompt`` is None for token prompts); its keys add completion 0's
-    ``text``, ``token_ids``, ``finish_reason`` and ``logprobs``."""
+    """``prompt`` is None for token prompts; the keys add completion 0's ``text``, ``token_ids``,
+    ``finish_reason`` and ``logprobs``."""
 
     request_id: str
     prompt: str | None

@@ -1,10 +1,6 @@
-"""Paged KV-cache blocks: allocation, reference counts, and the xxhash prefix cache.
-
-A full block is registered in the prefix cache only once the forward that writes its K/V has been
-launched and its token ids are known (``hash_blocks``): a hit is used by a later forward, which the
-device runs after that one, so it never reads K/V that is still to be written.
-Its hash chains the previous block's hash with its token ids; a hit also compares the ids.
-"""
+"""Paged KV-cache blocks: allocation, reference counts, and the prefix cache. A full block is
+registered once the forward writing its K/V is launched and its ids are known, so a hit (used by a
+later forward, which the device runs after) never reads K/V still to be written."""
 from __future__ import annotations
 
 from collections import deque
@@ -30,7 +26,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
-        self.num_cache_hits = 0  # blocks reused from the prefix cache, over the engine's life
+        self.num_cache_hits = 0  # over the engine's life
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -45,8 +41,7 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block (vLLM's ``reset_prefix_cache``); refused (False) while a sequence holds
-        blocks, whose hashes later ones may rely on."""
+        """Forgets every cached block; refused (False) while a sequence holds blocks."""
         if self.used_block_ids:
             return False
         self.hash_to_block_id.clear()
@@ -57,27 +52,17 @@ class BlockManager:
     def _allocate_block(self) -> int:
         block = self.blocks[self.free_block_ids.popleft()]
         assert block.ref_count == 0
-        if self.hash_to_block_id.get(block.hash) == block.block_id:  # its old contents get overwritten
+        if self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids, block.ref_count = -1, [], 1
         self.used_block_ids.add(block.block_id)
         return block.block_id
 
-    def _reuse_block(self, block_id: int):
-        block = self.blocks[block_id]
-        if block.ref_count == 0:  # a freed block whose K/V is still intact
-            self.free_block_ids.remove(block_id)
-            self.used_block_ids.add(block_id)
-        block.ref_count += 1
-
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """The blocks holding ``seq``'s leading full blocks in the prefix cache (a hit also compares the
-        token ids). The block holding the last token is never taken from the cache: at least one token
-        must go through the forward to produce logits."""
+        """The cached blocks of ``seq``'s leading full blocks, never the last token's (the forward needs
+        one token for logits)."""
         hits, h = [], -1
-        for i in range(seq.num_blocks):
-            if (i + 1) * self.block_size >= seq.num_tokens:
-                break
+        for i in range((seq.num_tokens - 1) // self.block_size):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
             block_id = self.hash_to_block_id.get(h, -1)
@@ -87,15 +72,18 @@ class BlockManager:
         return hits
 
     def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
-        """Gives ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix, if the free
-        blocks cover what it needs beyond the cached blocks other sequences hold (a cached block that is
-        free still takes a free block). Returns whether it did."""
+        """Gives ``seq`` blocks for all its tokens, reusing cached prefix blocks, if enough are free (a
+        free cached block takes one of them); returns whether it did."""
         assert not seq.block_table
         hits = self.cached_prefix(seq) if use_prefix_cache else []
         if self.num_free_blocks < seq.num_blocks - sum(1 for block_id in hits if self.blocks[block_id].ref_count):
             return False
         for block_id in hits:
-            self._reuse_block(block_id)
+            block = self.blocks[block_id]
+            if block.ref_count == 0:  # a freed block whose K/V is still intact
+                self.free_block_ids.remove(block_id)
+                self.used_block_ids.add(block_id)
+            block.ref_count += 1
             seq.block_table.append(block_id)
         seq.num_cached_tokens += len(hits) * self.block_size
         seq.num_hashed_blocks += len(hits)
@@ -115,7 +103,7 @@ class BlockManager:
         seq.block_table.clear()
 
     def allocate_slot(self, seq: Sequence) -> bool:
-        """Makes sure the token that ``seq``'s next forward computes has a slot; False when no block is free."""
+        """A slot for the token ``seq``'s next forward computes; False when no block is free."""
         if len(seq.block_table) < seq.num_blocks:
             if not self.num_free_blocks:
                 return False
@@ -123,8 +111,7 @@ class BlockManager:
         return True
 
     def hash_blocks(self, seq: Sequence):
-        """Register the blocks that are full, computed (or being computed) and whose token ids are
-        all known (no token still pending on the device)."""
+        """Registers the full blocks that are computed (or being computed) and have no pending token."""
         first = seq.num_hashed_blocks
         last = min(seq.num_cached_tokens, len(seq.token_ids)) // self.block_size
         if last <= first:

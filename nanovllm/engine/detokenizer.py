@@ -1,8 +1,8 @@
-"""Incremental detokenization: the text of a growing completion, a few tokens at a time, holding
-back bytes that end inside a UTF-8 character; used for stop strings and streaming."""
+"""Incremental detokenization of a growing completion, holding back a token that ends inside a UTF-8
+character; for stop strings and streaming."""
 from __future__ import annotations
 
-CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the completion, so that the first word's spacing is right
+CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the completion, for the first word's spacing
 
 
 class IncrementalDetokenizer:
@@ -15,7 +15,7 @@ class IncrementalDetokenizer:
         self.sent = 0  # how much of text take() has handed out
 
     def _unread(self) -> str:
-        """The text of the tokens from read_offset on (decoded after those from prefix_offset, for spacing)."""
+        """The text of the tokens from read_offset on (decoded after those from prefix_offset)."""
         start, decode = self.prefix_offset, self.tokenizer.decode
         before = decode(self.tokens[start:self.read_offset], skip_special_tokens=self.skip_special_tokens)
         return decode(self.tokens[start:], skip_special_tokens=self.skip_special_tokens)[len(before):]
@@ -31,21 +31,20 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end: whatever is still held back (an unfinished character decodes as U+FFFD)."""
+        """At the end: whatever is still held back."""
         rest = self._unread()
         self.prefix_offset = self.read_offset = len(self.tokens)
         self.text += rest
         return rest
 
     def take(self, holdback: int = 0) -> str:
-        """The text not handed out yet, less its last ``holdback`` characters (a stream holds back what
-        could still turn out to begin a stop string, which the final text will not contain)."""
+        """The text not handed out yet, less its last ``holdback`` characters."""
         end = max(self.sent, len(self.text) - holdback)
         piece, self.sent = self.text[self.sent:end], end
         return piece
 
     def find_stop(self, stops: tuple[str, ...], delta: str) -> tuple[int, str] | None:
-        """(where in ``text`` it begins, which) of the earliest stop string that ``delta`` completed."""
+        """(where in ``text``, which) of the earliest stop string that ``delta`` completed."""
         if not delta:
             return None
         start = max(0, len(self.text) - len(delta) - max(len(s) for s in stops) + 1)

@@ -1,5 +1,4 @@
-"""Stop conditions and detokenization: whether a token just appended ends its sequence, in vLLM's order, and
-the text a stream may show of it."""
+"""Stop conditions: whether a token just appended ends its sequence, and the text a stream may show of it."""
 from __future__ import annotations
 
 from collections import deque
@@ -11,17 +10,17 @@ from nanovllm.engine.sequence import Sequence
 
 @dataclass
 class Request:
-    """One prompt and its ``n`` completions (sequences), as the engine core tracks them."""
+    """One prompt and its ``n`` completions."""
 
     index: int
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     request_id: str = ""
-    prompt: str | None = None        # the prompt's text, when it was given as text
+    prompt: str | None = None        # when it was given as text
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per completion
     stream: deque | None = None      # the pieces its stream() call has not yielded yet
-    incremental_text: bool = False   # its outputs' text is its detokenizers' (add_request's: step() reports it often)
-    num_reported: int = 0            # completion tokens step() has reported (add_request's requests)
+    incremental_text: bool = False   # its outputs' text is its detokenizers' (step() reports it often)
+    num_reported: int = 0            # completion tokens step() has reported
     error: str | None = None         # why a completion ended with finish_reason "error"
 
     def __post_init__(self):
@@ -33,8 +32,6 @@ class Request:
 
 
 class OutputProcessor:
-    """Decides on each appended token whether its sequence stops, and queues the new text for a stream."""
-
     def __init__(self, eos_token_ids, max_model_len: int):
         self.eos_token_ids = frozenset(eos_token_ids)
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None  # the model's own
@@ -42,9 +39,8 @@ class OutputProcessor:
 
     def check_stop(self, request: Request, seq: Sequence, token_id: int) -> tuple[str, int | str | None] | None:
         """(finish reason, stop reason) if ``token_id``, just appended, ends ``seq``, else None, in vLLM's order:
-        ``max_tokens`` or ``max_model_len`` ("length"); a stop token once ``min_tokens`` are out; a stop string the
-        new text completes (the text is cut there). Then queues the text a stream may show (all but what could
-        still begin a stop string)."""
+        length, a stop token once ``min_tokens`` are out, a stop string (the text is cut there). Queues the text
+        a stream may show (all but what could still begin a stop string)."""
         sp, detok = seq.sampling_params, request.detokenizers[request.seqs.index(seq)]
         num_out = len(seq.token_ids) - seq.num_prompt_tokens
         stops = sp.stop_strings
@@ -56,7 +52,7 @@ class OutputProcessor:
             reason, stop_reason = "stop", None if token_id == self.eos_token_id else token_id
         elif num_out >= sp.min_tokens and token_id in sp.stop_token_ids:
             reason, stop_reason = "stop", token_id
-        # a stop token's own text is not part of the output unless include_stop_str_in_output (vLLM's)
+        # a stop token's text is output only with include_stop_str_in_output (vLLM's)
         counts = detok is not None and (reason != "stop" or sp.include_stop_str_in_output)
         delta = detok.add(token_id) if counts else ""
         if stops and reason != "stop" and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
@@ -72,7 +68,6 @@ class OutputProcessor:
 
     @staticmethod
     def stream_piece(request: Request, seq: Sequence, text: str, token_ids: list[int], reason: str | None = None):
-        """Queues a piece for the stream() call that owns ``request``, if one does."""
         if request.stream is not None:
             request.stream.append({"index": request.index, "output_index": request.seqs.index(seq), "text": text,
                                    "token_ids": token_ids, "finished": reason is not None or seq.is_finished,

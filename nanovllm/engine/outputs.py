@@ -1,5 +1,5 @@
-"""Output assembly: a forward's sampled tokens on their way to the host (``ModelRunnerOutput``), vLLM's logprob
-entries, and the ``RequestOutput`` objects (``nanovllm.outputs``) that ``generate`` returns."""
+"""Output assembly: a forward's sampled tokens on their way to the host, vLLM's logprob entries, and the
+``RequestOutput`` objects that ``generate`` returns."""
 from __future__ import annotations
 
 import time
@@ -14,34 +14,32 @@ from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestO
 
 def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,
                    rank: int) -> dict[int, Logprob]:
-    """vLLM's logprobs entry: {token id: Logprob} of the chosen (or actual) token, then the top k (ranks 1..k)."""
+    """vLLM's logprobs entry: the chosen (or actual) token first (its top-k rank if a tie), then the top k."""
     top = list(zip(top_ids[:k], top_values[:k]))
     entry = {token: Logprob(logprob, next((r for r, (t, _) in enumerate(top, 1) if t == token), rank))}
-    for r, (t, v) in enumerate(top, 1):  # the chosen token first, as vLLM orders them (its top-k rank if a tie)
+    for r, (t, v) in enumerate(top, 1):
         entry.setdefault(t, Logprob(v, r))
     return entry
 
 
 def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
                    check_every_s: float = 0.05) -> None:
-    """Returns once ``event`` (a ``torch.cuda.Event``, or anything with ``query``/``synchronize``) has completed.
-    With ``alive`` (tensor parallelism on CUDA) it polls instead of blocking and raises as soon as ``alive()`` is
-    False: a forward whose collectives wait for a dead NCCL rank never ends, nor would a blocked ``synchronize``."""
+    """Returns once ``event`` has completed. With ``alive`` it polls, raising once ``alive()`` is False: a
+    forward whose collectives wait for a dead NCCL rank never ends."""
     if alive is None:
         return event.synchronize()
     next_check = time.monotonic() + check_every_s
     while not event.query():
         if time.monotonic() >= next_check:
             if not alive():
-                raise RuntimeError("a tensor-parallel worker died while a forward was in flight")
+                raise RuntimeError("a tensor-parallel worker died during a forward")
             next_check = time.monotonic() + check_every_s
         time.sleep(poll_s)
 
 
 class ModelRunnerOutput:
-    """What the runner hands back: one forward's sampled tokens (and logprobs) on their way to the host. The copies
-    into pinned memory start at once; ``result`` waits for them, so the host can launch the next forward first.
-    ``host_work``: host work the device waits for (a grammar bitmask's fill): joined before the device is."""
+    """One forward's sampled tokens (and logprobs), copied to pinned memory at once; ``result`` waits for them,
+    so the host can launch the next forward first. ``host_work``: host work the device waits for."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
                  prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None, host_work=()):
@@ -56,8 +54,8 @@ class ModelRunnerOutput:
 
     def result(self, alive: Callable[[], bool] | None = None
                ) -> tuple[list[int], list[dict[int, float] | None], list[tuple[int, list[dict]] | None]]:
-        """(the token ids; per sequence, {token id: Logprob} of the sampled token and its top k, or None; per
-        sequence, (its first prompt position, such an entry for each prompt token this forward computed), or None)."""
+        """(token ids; per sequence, a logprobs entry or None; per sequence, (first prompt position, entries) or
+        None)."""
         for work in self.host_work:  # first: the device may be waiting for it
             work.wait()
         if self.event is not None:
@@ -83,8 +81,7 @@ class ModelRunnerOutput:
 
 
 def _decode_entries(entries: list | None, tokenizer) -> None:
-    """Fills in each Logprob's ``decoded_token`` (the token's text; "" for an id past the tokenizer's
-    vocabulary, which models pad) where it is not yet."""
+    """Fills in each Logprob's ``decoded_token`` ("" for an id past the tokenizer's vocabulary)."""
     for entry in entries or ():
         for token, lp in (entry or {}).items():
             if lp.decoded_token is None:
@@ -94,22 +91,22 @@ def _decode_entries(entries: list | None, tokenizer) -> None:
 
 def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
                       incremental: bool = False) -> CompletionOutput:
-    """Completion ``index`` of its request: the text (cut at a stop string; without a stop token's text; with
-    ``incremental``, its detokenizer's so far, in O(1) a report), the cumulative logprob of the chosen tokens
-    (with logprobs), why it ended."""
+    """Completion ``index`` of its request. Its text leaves out a stop token's (vLLM's) and ends at a stop
+    string; with ``incremental`` it is the detokenizer's so far."""
     sp = seq.sampling_params
     if tokenizer is None:
         text = ""
     elif detokenizer is not None and (incremental or seq.finish_reason == "stop" and sp.stop_strings):
-        text = detokenizer.text  # (cut at the stop string)
-    else:  # without the stop token's text unless include_stop_str_in_output (vLLM's)
+        text = detokenizer.text  # cut at the stop string
+    else:
         by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        ids = seq.completion_token_ids[:-1] if by_token and not sp.include_stop_str_in_output else \
-            seq.completion_token_ids
+        ids = seq.completion_token_ids
+        if by_token and not sp.include_stop_str_in_output:
+            ids = ids[:-1]
         text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
-    logprobs = list(seq.logprobs) if sp.logprobs is not None else None  # a copy: the sequence's list grows
-    cumulative = None
-    if logprobs is not None:
+    logprobs = cumulative = None
+    if sp.logprobs is not None:
+        logprobs = list(seq.logprobs)  # a copy: the sequence's list grows
         if tokenizer is not None:
             _decode_entries(logprobs, tokenizer)
         cumulative = float(sum(entry[token] for entry, token in zip(logprobs, seq.completion_token_ids)))
@@ -120,14 +117,15 @@ def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
 def request_output(request, tokenizer) -> RequestOutput:
     """vLLM's ``RequestOutput`` of a request (its n completions so far; ``finished`` once all have ended)."""
     first = request.seqs[0]
-    first_tokens = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+    arrival = first.arrival_time
+    first_token = min((s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None)
     finished = all(s.finish_time is not None for s in request.seqs)
     finish_time = max(s.finish_time for s in request.seqs) if finished else None
-    metrics = RequestMetrics(first.arrival_time, min(first_tokens) if first_tokens else None, finish_time,
-                             min(first_tokens) - first.arrival_time if first_tokens else None,
-                             finish_time - first.arrival_time if finished else None)
+    metrics = RequestMetrics(arrival, first_token, finish_time,
+                             None if first_token is None else first_token - arrival,
+                             None if finish_time is None else finish_time - arrival)
     prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
-    if prompt_logprobs is not None and tokenizer is not None:
+    if tokenizer is not None:
         _decode_entries(prompt_logprobs, tokenizer)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
                          [completion_output(seq, i, tokenizer, request.detokenizers[i], request.incremental_text)

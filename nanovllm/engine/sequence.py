@@ -16,15 +16,14 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """``token_ids`` are the known tokens; ``num_pending_tokens`` more have been sampled by launched
-    forwards but not read back yet (async scheduling: at most two, the in-flight step's and, briefly, the
-    one launched after it), and count in ``num_tokens``. Tokens ``[0, num_cached_tokens)`` have their K/V
-    in the cache (or being written by a launched forward); the next forward computes
-    ``num_scheduled_tokens`` more. ``block_table[i]`` is the physical block of logical block i."""
+    """``num_pending_tokens`` tokens were sampled by launched forwards but not read back yet (at most two);
+    they count in ``num_tokens``, not in ``token_ids``. Tokens ``[0, num_cached_tokens)`` have their K/V in
+    the cache (or being written); the next forward computes ``num_scheduled_tokens`` more."""
 
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 256):
+    # 64: Config's default kvcache_block_size (the Triton and torch backends')
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 64):
         self.seq_id = next(Sequence.counter)
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
@@ -33,15 +32,14 @@ class Sequence:
         self.num_pending_tokens = 0
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
-        self.num_hashed_blocks = 0         # blocks registered in the prefix cache (BlockManager.hash_blocks)
-        self.num_prefix_cached_tokens: int | None = None  # prompt tokens found in the prefix cache
+        self.num_hashed_blocks = 0  # blocks registered in the prefix cache
+        self.num_prefix_cached_tokens: int | None = None
         self.block_table: list[int] = []
         self.sampling_params = sampling_params or SamplingParams()
-        self.finish_reason: str | None = None   # "stop", "length", "abort" or "error"
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, float]] = []
-        # the one completion of a request that computes prompt logprobs: entry p for prompt token p (None for
-        # the first); it never reads the prefix cache
+        # entry p for prompt token p (None for the first); only on the completion that computes them
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
@@ -50,9 +48,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens
-
-    def __len__(self):
-        return self.num_tokens
 
     @property
     def is_finished(self):
@@ -76,7 +71,7 @@ class Sequence:
         return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
 
     def resolve(self, token_id: int):
-        """The oldest pending token's value, read back from the device."""
+        """Appends the oldest pending token, read back from the device."""
         self.token_ids.append(token_id)
         self.num_pending_tokens -= 1
         if self.first_token_time is None:
@@ -84,13 +79,11 @@ class Sequence:
 
     @property
     def scheduled_token_ids(self) -> list[int]:
-        """The tokens the next forward computes: positions [num_cached_tokens, +num_scheduled_tokens)."""
         return self.token_ids[self.num_cached_tokens:self.num_cached_tokens + self.num_scheduled_tokens]
 
     @property
     def num_prompt_logprob_rows(self) -> int:
-        """How many of the next forward's positions give a prompt logprob (their next token is a prompt
-        token), on the sequence that computes them."""
+        """How many of the next forward's positions give a prompt logprob (their next token is a prompt token)."""
         if self.prompt_logprobs is None:
             return 0
         start = self.num_cached_tokens
