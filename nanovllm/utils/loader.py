@@ -84,8 +84,7 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The files the safetensors index names (a repository may ship the weights twice), else every
-    ``*.safetensors`` file."""
+    """The files the index names (a repository may ship the weights twice), else every ``*.safetensors``."""
     index = os.path.join(path, INDEX_FILE)
     if not os.path.exists(index):
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -197,8 +196,7 @@ def load_tokenizer(path: str):
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
-    """Every EOS id of a checkpoint (generation_config.json's, else config.json's), the model's own (the
-    tokenizer's, else config.json's) first."""
+    """generation_config.json's EOS ids (else config.json's), the model's own (the tokenizer's, else config's) first."""
     own = getattr(hf_config, "eos_token_id", None)
     eos = own
     if os.path.isfile(path := os.path.join(model_dir, "generation_config.json")):
