@@ -1,5 +1,5 @@
-"""Per-request sampling parameters with vLLM's names and meanings (nano-vllm's defaults ``temperature=1.0``,
-``max_tokens=64``), and the structured-output constraint. The engine verifies and clones them at admission."""
+"""Per-request sampling parameters with vLLM's names and meanings (but nano-vllm's defaults ``temperature=1.0``,
+``max_tokens=64``), and the structured-output constraint."""
 from __future__ import annotations
 
 import copy
@@ -8,16 +8,15 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-SAMPLING_EPS = 1e-5  # temperatures below it are greedy (as in vLLM): 1 / T would overflow the logits
+SAMPLING_EPS = 1e-5  # temperatures below it are greedy: 1 / T would overflow the logits
 MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # a request sets one
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
 class StructuredOutputsParams:
-    """vLLM's structured-output constraint: exactly one of ``json`` (a schema, dict or string), ``regex``,
-    ``choice``, ``grammar`` (xgrammar's EBNF) or ``json_object=True``, compiled by xgrammar. ``structural_tag``
-    and ``whitespace_pattern`` are refused; ``disable_additional_properties`` is xgrammar's behaviour already."""
+    """vLLM's structured-output constraint, compiled by xgrammar: exactly one of ``json`` (a schema, dict or
+    string), ``regex``, ``choice``, ``grammar`` (EBNF) or ``json_object=True``."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -25,7 +24,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = False  # xgrammar's behaviour already
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
@@ -33,15 +32,13 @@ class StructuredOutputsParams:
         self.verify()
 
     def verify(self) -> None:
-        """Raises ``ValueError``/``TypeError`` naming the field: exactly one constraint, of its type."""
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs takes exactly one of {', '.join(CONSTRAINTS)}; got "
-                             f"{', '.join(given) if given else 'none'}")
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(CONSTRAINTS)}; "
+                             f"got {', '.join(given) or 'none'}")
         for name in ("structural_tag", "whitespace_pattern"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"structured_outputs.{name} is not supported by nanovllm (json, regex, choice, "
-                                 f"grammar and json_object are), got {getattr(self, name)!r:.60}")
+            if (value := getattr(self, name)) is not None:
+                raise ValueError(f"structured_outputs.{name} is not supported, got {value!r:.60}")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             check_bool(f"structured_outputs.{name}", getattr(self, name))
         if self.json is not None:
@@ -50,42 +47,39 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
-        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
-                                            and all(isinstance(c, str) and c for c in self.choice)):
-            raise TypeError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
-                            f"{self.choice!r:.80}")
+        choice = self.choice
+        if choice is not None and not (isinstance(choice, (list, tuple)) and choice
+                                       and all(isinstance(c, str) and c for c in choice)):
+            raise TypeError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                            f"got {choice!r:.80}")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be True when given, got {self.json_object!r}")
 
     def _check_json(self) -> None:
-        if isinstance(self.json, str):
+        schema = self.json
+        if isinstance(schema, str):
             try:
-                schema = _json.loads(self.json)
+                schema = _json.loads(schema)
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
-        elif isinstance(self.json, dict):
-            schema = self.json
-        else:
-            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or a string), got "
-                            f"{self.json!r:.80}")
+        elif not isinstance(schema, dict):
+            raise TypeError(f"structured_outputs.json must be a JSON schema dict or string, got {schema!r:.80}")
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
         try:
-            _json.dumps(schema)
-        except (TypeError, ValueError) as e:  # what the compiler is given is its JSON text
+            _json.dumps(schema)  # the compiler is given its JSON text
+        except (TypeError, ValueError) as e:
             raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
 
     @property
     def kind(self) -> str:
-        """Which constraint it is: one of CONSTRAINTS."""
         return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
 
 
 @dataclass
 class SamplingParams:
-    """vLLM's sampling parameters (``temperature=0`` is greedy). ``logprobs``/``prompt_logprobs`` come from the
-    raw model distribution, before temperature and penalties; completion i of ``n`` with a ``seed`` uses
-    (seed + i) mod 2**64."""
+    """vLLM's sampling parameters (``temperature=0`` is greedy). Logprobs come from the raw model distribution,
+    before temperature and penalties; completion i of ``n`` with a ``seed`` uses (seed + i) mod 2**64."""
 
     n: int = 1
     temperature: float = 1.0
@@ -109,12 +103,11 @@ class SamplingParams:
 
     def __setattr__(self, name: str, value):
         super().__setattr__(name, value)
-        for derived in _DERIVED:  # read again from the fields on next use (the sampler reads them every step)
+        for derived in _DERIVED:  # recomputed from the fields on next use
             self.__dict__.pop(derived, None)
 
     def verify(self) -> None:
-        """Raises ``ValueError``/``TypeError`` naming the first bad field; normalizes ``stop_token_ids``
-        to a list and ``temperature`` to a float."""
+        """Raises naming the first bad field; makes ``stop_token_ids`` a list and ``temperature`` a float."""
         check_number("temperature", self.temperature, lo=0.0)
         check_number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         check_number("min_p", self.min_p, lo=0.0, hi=1.0)
@@ -128,14 +121,23 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name, hi in (("seed", MAX_SEED - 1), ("logprobs", None), ("prompt_logprobs", None)):
-            if getattr(self, name) is not None:  # None: unset
+            if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=0, hi=hi)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             check_bool(name, getattr(self, name))
         self._verify_stops()
         self.temperature = float(self.temperature)
-        if self.structured_outputs is not None:
-            self._verify_structured_outputs()
+        constraint = self.structured_outputs
+        if constraint is None:
+            return
+        if not isinstance(constraint, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams, got {constraint!r:.80}")
+        constraint.verify()
+        # the grammar decides where the output ends (EOS is allowed exactly where it is complete)
+        if self.ignore_eos:
+            raise ValueError("ignore_eos=True cannot be honoured with structured_outputs")
+        if self.min_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} cannot be honoured with structured_outputs")
 
     __post_init__ = verify  # at construction, and again when a request is admitted
 
@@ -149,19 +151,6 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
-
-    def _verify_structured_outputs(self) -> None:
-        if not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise TypeError("structured_outputs must be a StructuredOutputsParams, got "
-                            f"{self.structured_outputs!r:.80}")
-        self.structured_outputs.verify()
-        # the grammar decides where the output ends: EOS is allowed exactly where it is complete
-        if self.ignore_eos:
-            raise ValueError("ignore_eos=True cannot be honoured with structured_outputs: the output ends "
-                             "with EOS where its grammar is complete")
-        if self.min_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} cannot be honoured with structured_outputs: the "
-                             "grammar decides where the output ends")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -1,5 +1,5 @@
-"""The demo model shipped in the package (a tiny Qwen3 trained on the standard library's source, with its
-tokenizer and held-out files), and the resolution of ``"nanovllm:<name>"`` model names."""
+"""The shipped demo model (a tiny Qwen3 trained on the standard library's source, with its tokenizer and
+held-out files), and the resolution of ``"nanovllm:<name>"`` model names."""
 from __future__ import annotations
 
 import os
@@ -12,13 +12,10 @@ PREFIX = "nanovllm:"
 
 
 def builtin_model_path(model: str) -> str:
-    """``model`` itself, or the directory of a built-in ``nanovllm:<name>`` model."""
-    if not model.startswith(PREFIX):
-        return model
+    """The directory of a built-in ``nanovllm:<name>`` model."""
     if model not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {model!r}; known: {sorted(BUILTIN_MODELS)}")
     path = BUILTIN_MODELS[model]
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"the files of built-in model {model!r} are missing from {path} (an installation "
-                         "without the package data?)")
+        raise ValueError(f"the files of built-in model {model!r} are missing from {path}")
     return path

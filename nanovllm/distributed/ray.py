@@ -1,5 +1,5 @@
-"""Data parallelism on Ray: ``DataParallelLLM`` spreads prompts in chunks over engine actors (retrying a dead
-actor's chunk on another), ``LLMPredictor`` serves Ray Data's ``Dataset.map_batches``."""
+"""Data parallelism on Ray: ``DataParallelLLM`` spreads prompts in chunks over engine actors (a dead actor's
+chunk retried on another); ``LLMPredictor`` serves Ray Data's ``Dataset.map_batches``."""
 from __future__ import annotations
 
 import ray
@@ -10,7 +10,7 @@ from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-EngineActor = ray.remote(LLM)  # one engine per actor
+EngineActor = ray.remote(LLM)
 
 
 class DataParallelLLM:
@@ -28,7 +28,7 @@ class DataParallelLLM:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
         options = {"num_gpus": tp} if on_gpu else {"num_cpus": 1}
         self.actors = [EngineActor.options(**options).remote(model, **engine_kwargs) for _ in range(num_replicas)]
-        self.retries = 0  # chunks retried after their actor died, over this object's life
+        self.retries = 0  # chunks retried after their actor died
 
     def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chunk_size: int = 256, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -36,8 +36,8 @@ class DataParallelLLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        chunks = [range(i, min(i + chunk_size, len(prompts))) for i in range(0, len(prompts), chunk_size)]
-        todo, idle, running = list(reversed(chunks)), list(self.actors), {}
+        todo = [range(i, min(i + chunk_size, len(prompts))) for i in range(0, len(prompts), chunk_size)][::-1]
+        idle, running = list(self.actors), {}
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as pbar:
             while todo or running:
@@ -46,12 +46,12 @@ class DataParallelLLM:
                     ref = actor.generate.remote([prompts[i] for i in chunk], [params[i] for i in chunk], use_tqdm=False)
                     running[ref] = (actor, chunk)
                 if not running:
-                    raise RuntimeError("every engine actor has died; nothing left to run the remaining prompts")
+                    raise RuntimeError("every engine actor has died")
                 [ref], _ = ray.wait(list(running), num_returns=1)
                 actor, chunk = running.pop(ref)
                 try:
                     outputs[chunk.start:chunk.stop] = ray.get(ref)
-                except RayActorError:  # the actor is gone: its chunk goes back to the queue for another
+                except RayActorError:  # its chunk goes back to the queue for another actor
                     self.actors.remove(actor)
                     todo.append(chunk)
                     self.retries += 1
@@ -67,8 +67,7 @@ class DataParallelLLM:
 
 
 class LLMPredictor:
-    """A ``Dataset.map_batches`` callable: reads the "prompt" column, adds "generated_text" and
-    "generated_token_ids"."""
+    """A ``Dataset.map_batches`` callable: reads "prompt", adds "generated_text" and "generated_token_ids"."""
 
     def __init__(self, model: str, sampling_params: SamplingParams | None = None, **engine_kwargs):
         self.llm = LLM(model, **engine_kwargs)

@@ -1,5 +1,5 @@
-"""Finds a checkpoint (a directory, a built-in model or a Hub snapshot) and loads its safetensors into a model through
-each parameter's ``weight_loader``, or random weights instead (``load_format="dummy"``); also its tokenizer and EOS."""
+"""Finds a checkpoint (a directory, a built-in model or a Hub snapshot) and loads it into a model through each
+parameter's ``weight_loader``, or random weights (``load_format="dummy"``); also its tokenizer and EOS ids."""
 from __future__ import annotations
 
 import glob
@@ -16,50 +16,46 @@ from torch import nn
 from nanovllm.layers.linear import check_shape
 
 INDEX_FILE = "model.safetensors.index.json"
-# buffers that old checkpoints saved (Llama's rotary tables); the model computes its own
+# buffers old checkpoints saved (Llama's rotary tables); the model computes its own
 SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-# files that hold a vocabulary
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
                    "vocab.txt", "*.tiktoken")
-# what a download from the Hub fetches besides the files a caller needs
-HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")  # downloaded besides the ones needed
 TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # huggingface_hub's, for HF_HUB_OFFLINE
 
 logger = logging.getLogger("nanovllm")
-# fp8 KV-cache scales as checkpoints name them (as vLLM reads them)
+# fp8 KV-cache scales as checkpoints name them
 KV_SCALE = re.compile(r"(?P<layer>.*\.self_attn)\.(?:[kvq]_proj\.|attn\.)?(?P<which>k_scale|v_scale|kv_scale|"
                       r"q_scale|prob_scale)")
 
 
 def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
                   token: bool | str | None = None) -> str:
-    """The local directory a model (or tokenizer) name stands for; a directory, a preset or a name that is none of
-    these comes back as is."""
+    """The local directory a model or tokenizer name stands for; a directory, a preset or a non-Hub name as is."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from nanovllm.demo import PREFIX
-    from nanovllm.demo import builtin_model_path as builtin_model
+    from nanovllm.demo import PREFIX, builtin_model_path
     from nanovllm.models.presets import PRESETS
     if name.startswith(PREFIX):
-        return builtin_model(name)
+        return builtin_model_path(name)
     if os.path.isdir(name) or name in PRESETS:
         return name
     try:
         validate_repo_id(name)
-    except HFValidationError:  # e.g. an absolute path: not a Hub id
+    except HFValidationError:
         return name
     return hub_snapshot(name, needs, revision, cache_dir, token)
 
 
 def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
                  token: bool | str | None = None) -> str:
-    """The directory of ``repo_id``'s Hub snapshot with a file for each glob of ``needs``: the local cache's, else a
-    download unless HF_HUB_OFFLINE is set, else a ValueError that says how to get it."""
+    """``repo_id``'s snapshot with a file for each glob of ``needs``: the cache's, else a download unless
+    HF_HUB_OFFLINE is set, else a ValueError saying how to get it."""
     from huggingface_hub import constants, snapshot_download
     kwargs = dict(revision=revision, cache_dir=cache_dir, token=token, allow_patterns=[*HUB_FILES, *needs])
     try:
         path = snapshot_download(repo_id, local_files_only=True, **kwargs)
-    except OSError:  # not cached (LocalEntryNotFoundError), or a snapshot known to be incomplete
+    except OSError:  # not cached, or a snapshot known to be incomplete
         problem = "is not in the local cache"
     else:
         if not (missing := [p for p in needs if not has_file(path, p)]):
@@ -71,12 +67,11 @@ def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None
         logger.info("downloading %s from the Hugging Face Hub", repo_id)
         try:
             return snapshot_download(repo_id, **kwargs)
-        except OSError as e:  # not found, gated, no connection...
+        except OSError as e:
             problem = f"could not be downloaded ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
     at, option = (f" at revision {revision!r}", f" --revision {revision}") if revision else ("", "")
-    raise ValueError(f"{repo_id!r} is not a local directory, and the Hugging Face Hub model {repo_id!r}{at} {problem}: "
-                     f"download it with `hf download {repo_id}{option}` (`huggingface-cli download` before "
-                     "huggingface_hub 1.0), or pass the path of a local checkpoint") from None
+    raise ValueError(f"{repo_id!r} is not a local directory, and the Hugging Face Hub model{at} {problem}: "
+                     f"run `hf download {repo_id}{option}` or pass a local checkpoint's path") from None
 
 
 def has_file(directory: str, pattern: str) -> bool:
@@ -89,8 +84,7 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The files the safetensors index maps tensors to (a repository may ship the weights twice, e.g. Mistral's
-    consolidated.safetensors), else every ``*.safetensors`` file."""
+    """The files the index names (a repository may ship the weights twice), else every ``*.safetensors``."""
     index = os.path.join(path, INDEX_FILE)
     if not os.path.exists(index):
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -103,14 +97,13 @@ def checkpoint_files(path: str) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{index!r} is not a safetensors index with a weight_map ({e!r})") from None
     files = [os.path.join(path, name) for name in names]
-    missing = [name for name, file in zip(names, files) if not os.path.isfile(file)]
-    if missing:
-        raise ValueError(f"{INDEX_FILE} in {path!r} names {missing} but the directory has no such file")
+    if missing := [name for name, file in zip(names, files) if not os.path.isfile(file)]:
+        raise ValueError(f"{INDEX_FILE} in {path!r} names missing files {missing}")
     return files
 
 
 def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
-    """(parameter name, weight_loader's extra arguments) of a tensor: q/k/v and gate/up go to their packed one."""
+    """(parameter name, weight_loader's extra arguments): q/k/v and gate/up go to their packed parameter."""
     for ckpt_name, (packed_name, shard_id) in packed.items():
         if f".{ckpt_name}." in name:
             return name.replace(ckpt_name, packed_name), (shard_id,)
@@ -118,8 +111,7 @@ def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 
 
 def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
-    """Sets a checkpoint's fp8 KV-cache scale on its layer's ``Attention`` (``kv_scale``: both); False when
-    ``name`` is no such tensor."""
+    """Sets an fp8 KV-cache scale on its layer's ``Attention``; False when ``name`` is no such tensor."""
     match = KV_SCALE.fullmatch(name)
     if match is None:
         return False
@@ -133,9 +125,8 @@ def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
     tensor = file.get_tensor(name)
     value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
     if value is None or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"checkpoint tensor {name!r}: a KV-cache scale must be one positive finite value "
-                         f"(per-tensor scales only), got shape {tuple(tensor.shape)}"
-                         f"{'' if value is None else f' value {value}'}")
+        raise ValueError(f"checkpoint tensor {name!r}: a KV-cache scale must be one positive finite value, "
+                         f"got shape {tuple(tensor.shape)}{'' if value is None else f' value {value}'}")
     for which in ("k_scale", "v_scale") if match["which"] == "kv_scale" else (match["which"],):
         setattr(attn, which, value)
     return True
@@ -143,10 +134,10 @@ def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
 
 def load_model(model: nn.Module, path: str):
     packed = getattr(model, "packed_modules_mapping", {})
-    # a model's own names first (a mixture of experts' per-expert tensors), then the packed q/k/v and gate/up
+    # a model's own names first (a mixture of experts' per-expert tensors), then the packed ones
     own_target = getattr(model, "checkpoint_target", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[int] = set()  # ids: a tied parameter counts as loaded under any of its names
+    loaded: set[int] = set()  # ids: a tied parameter is loaded under any of its names
     for file in checkpoint_files(path):
         try:
             with safe_open(file, "pt", "cpu") as f:
@@ -164,10 +155,9 @@ def load_model(model: nn.Module, path: str):
                         raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
                     loaded.add(id(param))
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file (truncated or an "
-                             f"interrupted download?): {e}") from None
+            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file: {e}") from None
     missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
-    # a module whose parameters take many tensors (a mixture of experts) names the ones it got no value for
+    # a module whose parameters take many tensors (a mixture of experts) names those it got no value for
     missing += [f"{name} ({', '.join(parts[:4])}{' ...' if len(parts) > 4 else ''})"
                 for name, module in model.named_modules() if (parts := getattr(module, "missing_weights", list)())]
     if missing:
@@ -176,11 +166,11 @@ def load_model(model: nn.Module, path: str):
 
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0):
-    """N(0, 0.02) weights and biases, unit norm weights; ``seed`` is the engine's plus the rank, but parameters
-    marked ``replicated_rank`` (a MoE router) get rank 0's values on every rank."""
+    """N(0, 0.02) weights and biases, unit norm weights; parameters marked ``replicated_rank`` (a MoE router)
+    get rank 0's values on every rank (``seed`` is the engine's plus the rank)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
-    replicated: torch.Generator | None = None  # one stream for all of them, in order: each layer its own values
+    replicated: torch.Generator | None = None  # one stream for all of them, in order
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
@@ -206,8 +196,7 @@ def load_tokenizer(path: str):
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
-    """Every EOS id of a checkpoint (generation_config.json's, else config.json's, and the tokenizer's), the model's
-    own first; vLLM reports the others as stop token ids."""
+    """generation_config.json's EOS ids (else config.json's), the model's own (the tokenizer's, else config's) first."""
     own = getattr(hf_config, "eos_token_id", None)
     eos = own
     if os.path.isfile(path := os.path.join(model_dir, "generation_config.json")):
