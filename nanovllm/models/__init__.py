@@ -10,7 +10,7 @@ from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2 / Qwen2.5: biases on q, k and v (not on o, not in the MLP)."""
+    """Qwen2 / Qwen2.5: biases on q, k and v only."""
 
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
@@ -18,8 +18,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3: RMSNorm over each head of q and k; biases as ``attention_bias``."""
-
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
         bias = getattr(config, "attention_bias", False)
@@ -27,7 +25,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's options; ``sliding_window`` (when set) on every layer."""
+    """Llama's options; ``sliding_window`` (when set) on every layer."""
 
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
