@@ -21,15 +21,16 @@ def _triton_sampler():
 
 @dataclass
 class SamplingBatch:
-    """One batch's sampling parameters on the device; None where no request uses a stage."""
+    """One batch's sampling parameters on the device, [B] float32 unless noted; None where no request uses a
+    stage."""
 
-    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    temperatures: torch.Tensor  # 0 = greedy
     top_k: torch.Tensor | None = None  # [B] int64, vocab size = off
-    top_p: torch.Tensor | None = None  # [B] float32
-    min_p: torch.Tensor | None = None  # [B] float32
-    presence_penalty: torch.Tensor | None = None  # [B] float32
-    frequency_penalty: torch.Tensor | None = None  # [B] float32
-    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
     output_ids: torch.Tensor | None = None  # [B, T] int64 generated tokens, padded with vocab size
     prompt_ids: torch.Tensor | None = None  # [B, P] int64 prompt tokens, padded with vocab size
     banned_ids: torch.Tensor | None = None  # [E] int64 EOS/stop ids some row must not emit yet

@@ -1,5 +1,4 @@
-"""The model registry, keyed by config.json's ``architectures``: each family is the Llama decoder with its own
-``DecoderOptions``."""
+"""The model registry, keyed by config.json's ``architectures``; each family is the Llama decoder with its options."""
 from __future__ import annotations
 
 from torch import nn

@@ -126,9 +126,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(head_dim_of(config), max_model_len, config)
         # a window of max_model_len or more hides nothing
-        windows = [w if w < max_model_len else 0 for w in sliding_windows(config)]
-        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, windows[i])
-                                     for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, w if w < max_model_len else 0)
+                                     for i, w in enumerate(sliding_windows(config))])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
