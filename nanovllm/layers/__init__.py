@@ -1,1 +1,1 @@
-"""The model's layers: attention and its backends, linear, norm, rotary, embedding and mixture-of-experts."""
+"""The model's layers: attention, linear, norm, rotary, embedding and mixture-of-experts."""

@@ -1,5 +1,5 @@
-"""The attention layer and its backends (Triton, flash-attn, the PyTorch reference): ``resolve_backend`` picks
-one at start-up and says why, ``bind_backend`` imports its kernels on each rank."""
+"""The attention layer and its backends: ``resolve_backend`` picks one at start-up, ``bind_backend`` imports its
+kernels on each rank."""
 from __future__ import annotations
 
 import functools
@@ -20,18 +20,15 @@ logger = logging.getLogger("nanovllm")
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """One backend's kernels, bound (their modules imported) when it is chosen."""
-
     name: str
-    store_kvcache: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale): slot -1 is skipped
-    prefill: Callable        # (q, k, v, layer: Attention, ctx) -> [N, num_heads, head_dim]
-    decode: Callable         # (q, layer: Attention, ctx) -> [B, num_heads, head_dim]
-    # optional: q/k RMSNorm, rotary and the KV store in one kernel (``triton_attention.qk_norm_rope_store``)
-    qk_norm_rope_store: Callable | None = None
+    store_kvcache: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale); slot -1 is skipped
+    prefill: Callable  # (q, k, v, layer, ctx) -> [N, num_heads, head_dim]
+    decode: Callable  # (q, layer, ctx) -> [B, num_heads, head_dim]
+    qk_norm_rope_store: Callable | None = None  # optional: q/k RMSNorm, rotary and the KV store in one kernel
 
 
 def _kernel_module_backend(name: str) -> AttentionBackend:
-    """"torch" (``kernels/reference.py``) or "triton" (``kernels/triton_attention.py``, same functions)."""
+    """"torch" (``kernels/reference.py``) or "triton" (``kernels/triton_attention.py``)."""
     module = importlib.import_module("nanovllm.kernels." + ("triton_attention" if name == "triton" else "reference"))
 
     def prefill(q, k, v, layer: Attention, ctx: Context):
@@ -48,11 +45,11 @@ def _kernel_module_backend(name: str) -> AttentionBackend:
 
 
 def _flash_attn_backend() -> AttentionBackend:
-    """flash-attn 2's varlen prefill and paged decode; it has no KV-store kernel, so Triton's writes the cache."""
+    """flash-attn 2 has no KV-store kernel: Triton's writes the cache."""
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
     triton = _kernel_module_backend("triton")
 
-    def window(layer: Attention) -> tuple[int, int]:  # keys (i - w, i]: w - 1 to the left, none to the right
+    def window(layer: Attention) -> tuple[int, int]:  # keys (i - w, i]
         return (layer.sliding_window - 1, 0) if layer.sliding_window else (-1, -1)
 
     def prefill(q, k, v, layer: Attention, ctx: Context):
@@ -72,46 +69,39 @@ def _flash_attn_backend() -> AttentionBackend:
     return AttentionBackend("flash-attn", triton.store_kvcache, prefill, decode, triton.qk_norm_rope_store)
 
 
-TRITON_HEAD_DIMS = (32, 64, 128)
-
-
 def _triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
                         kv_dtype: torch.dtype) -> list[str]:
-    """Why our Triton kernels cannot run a configuration (on CPU they run only under TRITON_INTERPRET=1)."""
     reasons = []
     if importlib.util.find_spec("triton") is None:
         reasons.append("triton is not installed")
     if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        reasons.append(f"device is {device} (Triton runs on CUDA, or anywhere with TRITON_INTERPRET=1)")
+        reasons.append(f"device is {device} (Triton needs CUDA or TRITON_INTERPRET=1)")
     if block_size & (block_size - 1) or not 16 <= block_size <= 256:
         reasons.append(f"kvcache_block_size {block_size} (Triton: powers of two, 16-256)")
-    if head_dim not in TRITON_HEAD_DIMS:
-        reasons.append(f"head_dim {head_dim} (Triton: {', '.join(map(str, TRITON_HEAD_DIMS))})")
+    if head_dim not in (32, 64, 128):
+        reasons.append(f"head_dim {head_dim} (Triton: 32, 64, 128)")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         reasons.append(f"dtype {dtype}")
     if kv_dtype not in (dtype, torch.float8_e4m3fn):
         reasons.append(f"kv_cache_dtype {kv_dtype} (Triton: the model's dtype or fp8 e4m3)")
     elif kv_dtype != dtype and device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        reasons.append("kv_cache_dtype fp8 (Triton's e4m3 needs compute capability 8.9 or newer)")
+        reasons.append("kv_cache_dtype fp8 (Triton needs compute capability 8.9+)")
     return reasons
 
 
 def _flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
                             kv_dtype: torch.dtype) -> list[str]:
-    reasons = []
-    for package in ("flash_attn", "triton"):  # triton: for the KV store
-        if importlib.util.find_spec(package) is None:
-            reasons.append(f"{package} is not installed")
+    reasons = [f"{p} is not installed" for p in ("flash_attn", "triton") if importlib.util.find_spec(p) is None]
     if device != "cuda":
         reasons.append(f"device is {device}")
     if dtype not in (torch.bfloat16, torch.float16):
         reasons.append(f"dtype {dtype} (flash-attn: bf16, fp16)")
     if block_size % 256:
-        reasons.append(f"kvcache_block_size {block_size} (flash-attn paged KV: multiples of 256)")
+        reasons.append(f"kvcache_block_size {block_size} (flash-attn: multiples of 256)")
     if head_dim % 8 or head_dim > 256:
         reasons.append(f"head_dim {head_dim}")
     if kv_dtype != dtype:
-        reasons.append(f"kv_cache_dtype {kv_dtype} (flash-attn 2 reads the cache in the model's dtype)")
+        reasons.append(f"kv_cache_dtype {kv_dtype} (flash-attn: the model's dtype)")
     if not reasons and (error := _flash_attn_probe(dtype, head_dim)):
         reasons.append(f"this flash-attn build has no {dtype} head_dim {head_dim} kernel ({error})")
     return reasons
@@ -119,7 +109,7 @@ def _flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, he
 
 @functools.cache
 def _flash_attn_probe(dtype: torch.dtype, head_dim: int) -> str:
-    """Builds may lack some dtypes and head sizes: the error of the decode kernel on tiny inputs, or ""."""
+    """The decode kernel's error on tiny inputs, or "": builds may lack some dtypes and head sizes."""
     from flash_attn import flash_attn_with_kvcache
     q = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device="cuda")
     cache = torch.zeros(1, 256, 1, head_dim, dtype=dtype, device="cuda")
@@ -131,7 +121,7 @@ def _flash_attn_probe(dtype: torch.dtype, head_dim: int) -> str:
     return ""
 
 
-# name -> (why it cannot run a configuration, what binds its kernels); "auto" tries them in order, fastest first
+# name -> (why it cannot run a configuration, what binds its kernels); "auto" tries them in order
 BACKENDS: dict[str, tuple[Callable[..., list[str]], Callable[[], AttentionBackend]]] = {
     "triton": (_triton_unsupported, functools.partial(_kernel_module_backend, "triton")),
     "flash-attn": (_flash_attn_unsupported, _flash_attn_backend),
@@ -141,9 +131,8 @@ BACKENDS: dict[str, tuple[Callable[..., list[str]], Callable[[], AttentionBacken
 
 def resolve_backend(name: str, device: str, dtype: torch.dtype, block_size: int, head_dim: int,
                     kv_dtype: torch.dtype | None = None) -> str:
-    """``name``, or for "auto" the first of BACKENDS that supports the configuration; logs the choice and why the
-    others were passed over."""
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    """``name``, or for "auto" the first of BACKENDS that supports the configuration; logs why."""
+    kv_dtype = kv_dtype or dtype
     candidates = [name] if name != "auto" else [b for b in BACKENDS if device == "cuda" or b != "triton"]
     skipped = []
     for backend in candidates:
@@ -161,8 +150,8 @@ def bind_backend(name: str) -> AttentionBackend:
 
 
 class Attention(nn.Module):
-    """Paged attention over the layer's K/V cache views. A query at position i sees the keys at
-    (i - sliding_window, i]; an fp8 cache holds K/V divided by ``k_scale``/``v_scale`` (vLLM's names)."""
+    """Paged attention over the layer's K/V cache views; a query at position i sees keys (i - sliding_window, i].
+    An fp8 cache holds K/V divided by ``k_scale``/``v_scale``."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None):
@@ -170,13 +159,13 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.sliding_window = sliding_window or 0
         self.k_scale = self.v_scale = 1.0
-        # set by the model runner: views of its KV-cache tensor, and the bound backend
+        # set by the model runner
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
-        # q [N, num_heads, head_dim]; k, v [N, num_kv_heads, head_dim] -> [N, num_heads, head_dim];
-        # kv_stored: the caller's fused prologue (qk_norm_rope_store) already wrote k, v into the cache
+        """q [N, num_heads, head_dim], k, v [N, num_kv_heads, head_dim] -> [N, num_heads, head_dim];
+        ``kv_stored``: the caller's fused prologue already wrote k, v into the cache."""
         ctx = get_context()
         if not kv_stored:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)

@@ -17,16 +17,16 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = get_tp()
         self.tp_group = get_tp_group()
         self.num_embeddings = num_embeddings
-        self.num_embeddings_per_partition = (num_embeddings + self.tp_size - 1) // self.tp_size
-        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
-        self.vocab_end_idx = min(self.vocab_start_idx + self.num_embeddings_per_partition, num_embeddings)
-        self.weight = nn.Parameter(torch.zeros(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        rows = (num_embeddings + self.tp_size - 1) // self.tp_size
+        self.vocab_start_idx = rows * self.tp_rank
+        self.vocab_end_idx = min(self.vocab_start_idx + rows, num_embeddings)
+        self.weight = nn.Parameter(torch.zeros(rows, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         check_shape(loaded, (self.num_embeddings, param.size(1)))
         shard = loaded[self.vocab_start_idx:self.vocab_end_idx]
-        param.data[:shard.size(0)].copy_(shard)  # rows past the vocab (last rank's padding) stay zero
+        param.data[:shard.size(0)].copy_(shard)  # the last rank's padding rows stay zero
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -1,5 +1,5 @@
-"""A mixture-of-experts layer's experts (vLLM's ``FusedMoE``), packed into ``w13_weight [E, 2 * I/tp, H]`` (gate
-rows, then up rows) and ``w2_weight [E, H, I/tp]``, sharded along the intermediate dimension as vLLM shards them."""
+"""A mixture-of-experts layer's experts (vLLM's ``FusedMoE``): ``w13_weight [E, 2 * I/tp, H]`` (gate rows, then up
+rows) and ``w2_weight [E, H, I/tp]``, sharded along the intermediate dimension as vLLM shards them."""
 from __future__ import annotations
 
 import torch
@@ -9,18 +9,12 @@ from nanovllm.kernels import moe_ops
 from nanovllm.layers.linear import check_shape
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
-# checkpoint shard names (vLLM's): w1 the gate, w3 the up, w2 the down projection; w13 both of a packed tensor
-SHARD_IDS = ("w1", "w3", "w2", "w13")
-
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp()
         self.tp_group = get_tp_group()
-        if intermediate_size % self.tp_size:
-            raise ValueError(f"tensor_parallel_size={self.tp_size} must divide the experts' "
-                             f"intermediate size {intermediate_size}")
         self.num_experts, self.top_k, self.hidden_size, self.renormalize = num_experts, top_k, hidden_size, renormalize
         self.intermediate_size_per_partition = ip = intermediate_size // self.tp_size
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * ip, hidden_size), requires_grad=False)
@@ -38,23 +32,23 @@ class FusedMoE(nn.Module):
             raise ValueError(f"is expert {expert_id} but the model has {e} experts")
         experts = range(e) if expert_id is None else [expert_id]
         target = param.data if expert_id is None else param.data[expert_id:expert_id + 1]
-        if shard_id in ("w1", "w3"):  # this rank's rows of one expert's gate or up
+        if shard_id in ("w1", "w3"):
             check_shape(loaded, (i, h))
             target.narrow(1, 0 if shard_id == "w1" else ip, ip).copy_(loaded.narrow(0, lo, ip))
-        elif shard_id == "w13":  # [E, gate rows; up rows, H]: this rank's rows of each half
+        elif shard_id == "w13":
             check_shape(loaded, (e, 2 * i, h))
             target.narrow(1, 0, ip).copy_(loaded.narrow(1, lo, ip))
             target.narrow(1, ip, ip).copy_(loaded.narrow(1, i + lo, ip))
-        elif shard_id == "w2":  # this rank's columns of the down projection
+        elif shard_id == "w2":
             check_shape(loaded, (h, i) if expert_id is not None else (e, h, i))
             target.copy_(loaded.narrow(-1, lo, ip).expand_as(target))
         else:
-            raise ValueError(f"unknown expert shard {shard_id!r} (one of {SHARD_IDS})")
+            raise ValueError(f"unknown expert shard {shard_id!r}")
         shards = ("w1", "w3") if shard_id == "w13" else (shard_id,)
         self._loaded.update((expert, shard) for expert in experts for shard in shards)
 
     def missing_weights(self) -> list[str]:
-        """The experts' tensors a checkpoint that gave some of them left out ([] when it gave none or all)."""
+        """The expert tensors a checkpoint that gave some of them left out ([] when it gave none)."""
         if not self._loaded:
             return []
         return [f"expert {e} {s}" for e in range(self.num_experts) for s in ("w1", "w3", "w2")

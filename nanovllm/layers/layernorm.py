@@ -1,4 +1,4 @@
-"""RMSNorm; the residual add before it runs in the previous projection (``linear``'s ``residual``)."""
+"""RMSNorm; the residual add before it runs in the previous projection."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-"""Linear layers sharded for tensor parallelism: column-parallel ones split the output features (q/k/v and gate/up
-packed into one matmul), row-parallel ones the input features, all-reducing their output."""
+"""Tensor-parallel linear layers: column-parallel ones split the output features (q/k/v or gate/up packed into one
+matmul), row-parallel ones the input features, all-reducing their output."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,7 @@ from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
 def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
-    """Checks a whole checkpoint tensor's shape, before a rank takes its shard (the loader adds the name)."""
+    """Checks a whole checkpoint tensor's shape (the loader adds its name to the error)."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)}")
 
@@ -29,7 +29,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...]) -> torch.Tensor:
-        """This rank's slice along ``dim`` (None: all of it) of a checkpoint tensor of ``full_shape``."""
+        """This rank's slice along ``dim`` (None: all) of a checkpoint tensor of ``full_shape``."""
         check_shape(loaded, full_shape)
         if dim is None or self.tp_size == 1:
             return loaded
@@ -41,18 +41,16 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    """The whole layer on every rank (vLLM's; a mixture-of-experts router)."""
-
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias)
-        self.weight.replicated_rank = self.tp_rank  # dummy weights: the same on every rank (load_dummy_weights)
+        self.weight.replicated_rank = self.tp_rank  # dummy weights: the same on every rank
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         param.data.copy_(self._shard(loaded, None, param.shape))
 
 
 class MergedColumnParallelLinear(LinearBase):
-    """Column-parallel ``output_sizes`` in one matmul (gate and up); checkpoint part ``shard_id`` at its offset."""
+    """Column-parallel ``output_sizes`` in one matmul; checkpoint part ``shard_id`` goes at its offset."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
@@ -65,12 +63,12 @@ class MergedColumnParallelLinear(LinearBase):
         param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """With ``silu_mul``, SiLU(gate) * up of the two parts (in the projection's kernel where it can)."""
+        """With ``silu_mul``, SiLU(gate) * up of the two parts."""
         return dense_ops(x).linear(x, self.weight, self.bias, silu_mul=silu_mul)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections in one matmul (shard ids "q", "k", "v"); each rank holds its heads of each."""
+    """q, k and v in one matmul (shard ids "q", "k", "v"); each rank holds its heads of each."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp_size = get_tp()[1]
@@ -91,7 +89,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(self._shard(loaded, dim, full))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T + bias, added in place to ``residual``; both on rank 0 only, before the sum over ranks."""
+        """x @ weight.T + bias, added in place to ``residual``; both on rank 0 only, before the all-reduce."""
         first = self.tp_rank == 0
         y = dense_ops(x).linear(x, self.weight, self.bias if first else None, residual=residual if first else None)
         return all_reduce(y, self.tp_group)

@@ -1,5 +1,4 @@
-"""Rotary position embedding (Hugging Face's rotate-half layout) with the ``linear``, ``llama3`` and ``yarn``
-frequency scalings."""
+"""Rotary position embedding (Hugging Face's rotate-half layout) with the linear, llama3 and yarn scalings."""
 from __future__ import annotations
 
 import math
@@ -34,7 +33,7 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "yarn":
             inv_freq, attention_factor = yarn(inv_freq, head_dim, base, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        # [max_position, head_dim]: cos then sin, each for half of the head (YaRN scales both)
+        # [max_position, head_dim]: cos, then sin
         self.register_buffer("cos_sin_cache", attention_factor * torch.cat((freqs.cos(), freqs.sin()), dim=-1),
                              persistent=False)
 
@@ -45,11 +44,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def yarn(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
-    """YaRN's (arXiv 2309.00071) frequencies and attention factor, as transformers computes them: slow ones divided
-    by ``factor``, fast ones kept, a linear ramp between."""
+    """YaRN's frequencies and attention factor, as transformers computes them."""
     factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
 
-    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns ``rotations`` times over old_len
+    def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over old_len
         return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
@@ -70,13 +68,12 @@ def yarn(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> t
 
 
 def get_rope(head_dim: int, max_position: int, hf_config) -> RotaryEmbedding:
-    """The table for positions below ``max_position`` from a transformers config (``rope_parameters``, or the
-    older ``rope_theta``/``rope_scaling``)."""
+    """The table for positions below ``max_position``, from ``rope_parameters`` or ``rope_theta``/``rope_scaling``."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
     if params["rope_type"] not in SUPPORTED_ROPE:
         raise ValueError(f"rope_type {params['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
     base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    if params["rope_type"] == "yarn" and params.get("factor") is None:  # as transformers: the ratio of the lengths
+    if params["rope_type"] == "yarn" and params.get("factor") is None:  # transformers': the ratio of the lengths
         params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
     return RotaryEmbedding(head_dim, max_position, base, params)

@@ -1,14 +1,5 @@
-"""Sampling on rank 0, vectorized over a batch in which every request has its own parameters.
-
-Order (vLLM's): a structured-output bitmask is applied to the logits first (disallowed tokens at -inf,
-so logprobs are those of the constrained distribution, as vLLM's); then raw logprobs are taken; then
-penalties, the min_tokens ban, greedy argmax, temperature, top-k / top-p / min-p, and a Gumbel-max draw
-(argmax p / E with E ~ Exp(1)). Each optional stage runs only when a request in the batch asks for it,
-so a plain batch pays for none. Seeded requests draw their noise from their own generator: the same seed
-gives the same tokens whatever else is in the batch. On CUDA a plain batch (temperatures only, bench.py's;
-a bitmask keeps it plain) takes one Triton pass over the logits instead (``kernels/triton_sampler.py``,
-keyed by a seed and a draw counter), and the bitmask is applied by one Triton kernel.
-"""
+"""Sampling on rank 0, vectorized over a batch in which each request has its own parameters; each optional stage
+runs only when a request in the batch asks for it. On CUDA a plain batch takes one Triton pass instead."""
 from __future__ import annotations
 
 import functools
@@ -20,8 +11,7 @@ from torch import nn
 
 @functools.cache
 def _triton_sampler():
-    """The Triton sampler module, or None where triton is missing (it ships for Linux only);
-    imported on the first CUDA batch, so CPU runs never load triton."""
+    """The Triton sampler module, or None without triton; imported lazily, so CPU runs never load triton."""
     try:
         from nanovllm.kernels import triton_sampler
     except ImportError:
@@ -31,22 +21,23 @@ def _triton_sampler():
 
 @dataclass
 class SamplingBatch:
-    """One batch's sampling parameters on the device; ``None`` where no request uses a stage."""
+    """One batch's sampling parameters on the device, [B] float32 unless noted; None where no request uses a
+    stage."""
 
-    temperatures: torch.Tensor                       # [B] float32, 0 = greedy
-    top_k: torch.Tensor | None = None                # [B] int64, vocab size = off
-    top_p: torch.Tensor | None = None                # [B] float32
-    min_p: torch.Tensor | None = None                # [B] float32
-    presence_penalty: torch.Tensor | None = None     # [B] float32
-    frequency_penalty: torch.Tensor | None = None    # [B] float32
-    repetition_penalty: torch.Tensor | None = None   # [B] float32
-    output_ids: torch.Tensor | None = None           # [B, T] int64 generated tokens, padded with vocab size
-    prompt_ids: torch.Tensor | None = None           # [B, P] int64 prompt tokens, padded with vocab size
-    banned_ids: torch.Tensor | None = None           # [E] int64 EOS/stop ids some row must not emit yet
-    banned_rows: torch.Tensor | None = None          # [B, E] bool: row b is under min_tokens and bans id e
-    generators: list[torch.Generator | None] | None = None  # per row; None = the engine's generator
-    num_logprobs: int = -1                           # max top-k logprobs asked for in the batch; -1 = none
-    token_bitmask: torch.Tensor | None = None        # [B, ceil(V / 32)] int32: bit t of row b allows token t
+    temperatures: torch.Tensor  # 0 = greedy
+    top_k: torch.Tensor | None = None  # [B] int64, vocab size = off
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    output_ids: torch.Tensor | None = None  # [B, T] int64 generated tokens, padded with vocab size
+    prompt_ids: torch.Tensor | None = None  # [B, P] int64 prompt tokens, padded with vocab size
+    banned_ids: torch.Tensor | None = None  # [E] int64 EOS/stop ids some row must not emit yet
+    banned_rows: torch.Tensor | None = None  # [B, E] bool: row b is under min_tokens and bans id e
+    generators: list[torch.Generator | None] | None = None  # per row; None: the engine's generator
+    num_logprobs: int = -1  # max top-k logprobs asked for in the batch; -1 = none
+    token_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32: bit t of row b allows token t
 
     @property
     def is_plain(self) -> bool:
@@ -54,14 +45,12 @@ class SamplingBatch:
             "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators"))
 
 
-BITMASK_CHUNK_ROWS = 16  # rows unpacked at a time: ~9 bytes a logit of temporaries (22 MB at Qwen3's vocabulary)
+BITMASK_CHUNK_ROWS = 16  # rows unpacked at a time: ~9 bytes a logit of temporaries
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Sets the logits of disallowed tokens to -inf, in place: token t of row b is allowed when bit t % 32 of
-    ``bitmask[b, t // 32]`` is set (xgrammar's layout; a free row is all ones). A few elementwise kernels per
-    chunk of BITMASK_CHUNK_ROWS rows, on whatever device the logits are: the unpacked mask's temporaries stay
-    small whatever the batch (the KV sizing's warmup has no bitmask to measure them)."""
+    """Sets disallowed tokens' logits to -inf in place: token t of row b is allowed when bit t % 32 of
+    ``bitmask[b, t // 32]`` is set (xgrammar's layout). Chunked: the KV sizing cannot measure the temporaries."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     for start in range(0, logits.size(0), BITMASK_CHUNK_ROWS):
         rows = slice(start, start + BITMASK_CHUNK_ROWS)
@@ -110,13 +99,12 @@ class Sampler(nn.Module):
         self.num_draws = 0
 
     def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
-        """Returns (token ids [B], logprobs): logprobs is None unless asked for, else ``logprobs_of``'s
-        (the sampled tokens' logprobs and ranks, the top k) from the raw distribution (after the bitmask).
-        The bitmask leaves a plain batch plain: the fast path samples the masked logits."""
+        """(token ids [B], ``logprobs_of``'s tuple or None). vLLM's order: the bitmask, raw logprobs, penalties,
+        the min_tokens ban, temperature, top-k/top-p/min-p, a Gumbel-max draw; seeded rows use their own noise."""
         if b.token_bitmask is not None:
             kernels = _triton_sampler() if logits.is_cuda and logits.stride(1) == 1 else None
-            logits = (kernels.apply_token_bitmask if kernels is not None else apply_token_bitmask)(
-                logits, b.token_bitmask)
+            mask = kernels.apply_token_bitmask if kernels is not None else apply_token_bitmask
+            logits = mask(logits, b.token_bitmask)
         fast = _triton_sampler() if b.is_plain and logits.is_cuda else None
         if fast is not None:
             self.num_draws += 1
@@ -144,8 +132,8 @@ class Sampler(nn.Module):
 
 
 def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """(the logprobs of ``token_ids`` [R] in rows of ``logprobs`` [R, V], their ranks (1 + how many tokens are
-    more likely: vLLM's), top ids [R, K], top logprobs [R, K]), K = max(k, 1) (the host cuts to each row's k)."""
+    """(logprobs of ``token_ids`` [R] in ``logprobs`` [R, V], their ranks (1 + the number more likely), top ids
+    [R, K], top logprobs [R, K]), K = max(k, 1)."""
     chosen = logprobs.gather(1, token_ids[:, None])
     top = logprobs.topk(max(k, 1), dim=-1)
     return chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1, top.indices, top.values
@@ -153,9 +141,8 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> tupl
 
 def prompt_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, num_top: int,
                     slice_rows: int = 1024) -> tuple[torch.Tensor, ...]:
-    """Logprobs of prompt tokens from the raw distribution: for each of ``rows`` (logits rows, [R]),
-    ``logprobs_of`` its next prompt token ``targets`` [R]. Taken ``slice_rows`` rows at a time, so that the
-    float32 copy of a long prompt's logits stays small."""
+    """``logprobs_of`` the next prompt tokens ``targets`` [R] at logits ``rows`` [R], ``slice_rows`` rows at a time
+    to bound the float32 copy."""
     parts = [logprobs_of(torch.log_softmax(logits[rows[start:start + slice_rows]].float(), dim=-1),
                          targets[start:start + slice_rows], num_top) for start in range(0, rows.numel(), slice_rows)]
     return tuple(torch.cat(p) for p in zip(*parts))

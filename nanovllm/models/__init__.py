@@ -1,5 +1,4 @@
-"""The model registry, keyed by config.json's ``architectures``: each family is the Llama decoder with its own
-``DecoderOptions``."""
+"""The model registry, keyed by config.json's ``architectures``; each family is the Llama decoder with its options."""
 from __future__ import annotations
 
 from torch import nn
@@ -10,7 +9,7 @@ from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2 / Qwen2.5: biases on q, k and v (not on o, not in the MLP)."""
+    """Qwen2 / Qwen2.5: biases on q, k and v only."""
 
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
@@ -18,8 +17,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3: RMSNorm over each head of q and k; biases as ``attention_bias``."""
-
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
         bias = getattr(config, "attention_bias", False)
@@ -27,7 +24,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's options; ``sliding_window`` (when set) on every layer."""
+    """Llama's options; ``sliding_window`` (when set) on every layer."""
 
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

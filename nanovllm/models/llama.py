@@ -1,5 +1,4 @@
-"""The tensor-parallel Llama-style decoder that every supported family shares; what differs between them is
-``DecoderOptions`` (biases, Qwen3's per-head q/k RMSNorm, a mixture-of-experts MLP)."""
+"""The tensor-parallel Llama decoder that every supported family shares, with its ``DecoderOptions``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -27,17 +26,17 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 def sliding_windows(config: PretrainedConfig) -> list[int]:
-    """Each layer's sliding window (0: full attention), as transformers reads the config: from ``layer_types``,
-    else for Qwen2/Qwen3 the layers from ``max_window_layers`` on, else every layer."""
+    """Each layer's sliding window (0: none), as transformers reads them: ``layer_types``, else for Qwen2/Qwen3
+    the layers from ``max_window_layers`` on, else every layer."""
     window, n = getattr(config, "sliding_window", None) or 0, config.num_hidden_layers
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"the model's sliding_window={window!r} is not a positive int")
+        raise ValueError(f"the model's sliding_window must be a positive int, got {window!r}")
     types = getattr(config, "layer_types", None)
     if types is not None:
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown or len(types) != n:
-            raise ValueError(f"the model's layer_types {unknown or types} are not supported "
-                             f"(one of 'full_attention', 'sliding_attention' per layer)")
+            raise ValueError(f"layer_types {unknown or types} are not supported (one of 'full_attention', "
+                             f"'sliding_attention' per layer)")
         return [window if t == "sliding_attention" else 0 for t in types]
     if not getattr(config, "use_sliding_window", True):
         return [0] * n
@@ -51,7 +50,7 @@ class DecoderOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # (config, options, layer i) -> layer i's MLP, when not DecoderMLP; its forward(x, residual) adds to residual
+    # (config, options, layer i) -> layer i's MLP if not DecoderMLP; forward(x, residual) adds to residual
     mlp: Callable[[PretrainedConfig, DecoderOptions, int], nn.Module] | None = None
 
 
@@ -66,17 +65,17 @@ class DecoderAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=options.o_bias)
-        self.rotary_emb = rotary_emb  # the model's one table, shared by every layer
+        self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, sliding_window)
-        if options.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before the rotary embedding
+        if options.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the attention block of hidden_states (the add in o_proj's kernel)."""
+        """residual + the attention block of hidden_states."""
         qkv = self.qkv_proj(hidden_states)
         norm = hasattr(self, "q_norm")
-        fused = self.attn.backend.qk_norm_rope_store  # the backend's optional prologue
+        fused = self.attn.backend.qk_norm_rope_store
         if fused is not None and self.head_dim & (self.head_dim - 1) == 0:  # one kernel: norm, rotary, KV store
             q, k, v = fused(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight if norm else None,
                             self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
@@ -102,7 +101,7 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the MLP of x (SiLU-and-mul in gate_up's kernel, the add in down's, where they can)."""
+        """residual + the MLP of x."""
         return self.down_proj(self.gate_up_proj(x, silu_mul=True), residual)
 
 
@@ -116,7 +115,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The residual stream through one layer; each block adds its output in its last projection's kernel."""
+        """The residual stream through one layer; each block adds its output in its last projection."""
         hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), hidden_states)
         return self.mlp(self.post_attention_layernorm(hidden_states), hidden_states)
 
@@ -125,12 +124,10 @@ class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, options: DecoderOptions, max_model_len: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        # one cos/sin table for all layers, of max_model_len rows: positions stay below max_model_len
         self.rotary_emb = get_rope(head_dim_of(config), max_model_len, config)
-        # a window of max_model_len or more hides nothing: those layers run the unwindowed kernels
-        windows = [w if w < max_model_len else 0 for w in sliding_windows(config)]
-        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, windows[i])
-                                     for i in range(config.num_hidden_layers)])
+        # a window of max_model_len or more hides nothing
+        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, w if w < max_model_len else 0)
+                                     for i, w in enumerate(sliding_windows(config))])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -141,7 +138,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama 2 / 3.x (``attention_bias`` on q/k/v/o, ``mlp_bias``); the other families override ``options``."""
+    """Llama 2 / 3.x; the other families override ``options``."""
 
     # checkpoint name -> (packed parameter name, shard id)
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -154,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def check_config(config: PretrainedConfig, max_model_len: int):
-        """Refuses, before anything is loaded, what the decoder cannot build."""
+        """Refuses what the decoder cannot build, before anything is loaded."""
         sliding_windows(config)
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):

@@ -1,5 +1,4 @@
-"""Architecture presets: the config.json values of real models, so that benchmarks run without a checkpoint
-(``LLM("qwen3-0.6b", load_format="dummy")``)."""
+"""Real models' config.json values, so that benchmarks run without a checkpoint (``load_format="dummy"``)."""
 from __future__ import annotations
 
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
@@ -29,7 +28,7 @@ PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
                                      intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                                      num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False,
                                      use_sliding_window=False)),
-    # 48 sparse layers of 128 experts (8 a token, 768 wide); intermediate_size is the unused dense MLP's
+    # intermediate_size: the unused dense MLP's
     "qwen3-30b-a3b": (Qwen3MoeConfig, dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], num_key_value_heads=4,
                                            hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
                                            num_attention_heads=32, tie_word_embeddings=False, num_experts=128,

@@ -1,5 +1,5 @@
-"""Qwen3-MoE: Qwen3's decoder whose MLPs are mixture-of-experts blocks (a router and the experts, no shared
-expert), except the dense layers transformers' rule picks."""
+"""Qwen3-MoE: Qwen3's decoder with mixture-of-experts MLPs (no shared expert) except where transformers' rule
+keeps a dense one."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.models.llama import DecoderMLP, DecoderOptions, LlamaForCausalLM, check_silu
 
-# checkpoint tensors of the experts: one per expert and projection (the Hub's), or packed per layer
+# the experts' checkpoint tensors: one per expert and projection (the Hub's), or packed per layer
 _PER_EXPERT = re.compile(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _PACKED = re.compile(r"(.*\.experts\.)(gate_up_proj|down_proj)")
 _SHARDS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"), "down_proj": ("w2_weight", "w2"),
@@ -20,8 +20,6 @@ _SHARDS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"), "
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    """The router (``gate``, replicated on every rank) and the experts."""
-
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         check_silu(config)
@@ -34,7 +32,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 def is_sparse_layer(config: PretrainedConfig, layer_idx: int) -> bool:
-    """transformers' rule: sparse unless mlp_only_layers lists it; then every decoder_sparse_step-th layer."""
+    """transformers' rule: unless mlp_only_layers lists it, every decoder_sparse_step-th layer."""
     return (layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and getattr(config, "num_experts", 0) > 0
             and (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
 
@@ -44,8 +42,6 @@ def qwen3_moe_mlp(config: PretrainedConfig, options: DecoderOptions, layer_idx: 
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    """Qwen3's attention; MLPs as ``qwen3_moe_mlp`` builds them."""
-
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
         bias = getattr(config, "attention_bias", False)
@@ -63,7 +59,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def checkpoint_target(name: str) -> tuple[str, tuple] | None:
-        """(parameter, weight_loader's arguments) of an expert's checkpoint tensor; None for any other tensor."""
+        """(parameter, weight_loader's arguments) of an expert's checkpoint tensor, else None."""
         if match := _PER_EXPERT.fullmatch(name):
             param, shard = _SHARDS[match[3]]
             return match[1] + param, (int(match[2]), shard)
