@@ -1,15 +1,13 @@
-"""The engine core: the step loop (schedule -> forward -> logits processors -> sample -> the scheduler's update)
-and what it owns: the requests, the step in flight, the ranks' resources. With async scheduling a step's update
-runs after the next step is launched; run synchronously, each step is read back at once. Every step runs under the
-core's lock, so the API's calls from several threads take turns."""
+"""The engine core: the step loop (schedule -> forward -> logits processors -> sample -> postprocess) under a lock,
+the requests, the step in flight (async scheduling reads it back after launching the next) and the resources."""
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.engine import batch as step_inputs
-from nanovllm.engine.batch import StepInput
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import ModelRunnerOutput
@@ -19,18 +17,18 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
 
 logger = logging.getLogger("nanovllm")
-DEATH_GRACE_S = 3.0  # a peer's sockets close (and a collective fails) a moment before its exit status is known
+DEATH_GRACE_S = 3.0  # a collective fails a moment before the dead peer's exit status is known
 
 
+@dataclass(eq=False)
 class EngineResources:
-    """The worker processes, their shared memory, the model runner and its device memory: apart from the engine,
-    so that the finalizer that frees them does not keep the engine alive."""
+    """The workers, their shared memory and the model runner, apart from the engine so that their finalizer does
+    not keep it alive."""
 
-    def __init__(self):
-        self.workers: WorkerGroup | None = None
-        self.runner: ModelRunner | None = None
-        self.healthy = True   # False once a step failed part-way: the ranks may disagree on where they are
-        self.closed = False
+    workers: WorkerGroup | None = None
+    runner: ModelRunner | None = None
+    healthy: bool = True  # False once a step failed part-way: the ranks may disagree on where they are
+    closed: bool = False
 
     def close(self):
         if self.closed:
@@ -45,9 +43,8 @@ class EngineResources:
                 self.workers.close(graceful=self.healthy)
 
     def shut_down_and_raise(self, e: BaseException, shutdown):
-        """After a failure part-way: shuts the engine down and raises ``e``, or the ``WorkerDiedError`` naming a
-        worker that died (or dies within a moment)."""
-        if not self.healthy:  # already shut down by an inner call
+        """Calls ``shutdown()`` and raises ``e``, or the ``WorkerDiedError`` of a worker that died (or soon dies)."""
+        if not self.healthy:  # an inner call shut down already
             raise e
         self.healthy = False
         error = e
@@ -61,19 +58,19 @@ class EngineResources:
 
 class EngineCore:
     def __init__(self, config: Config, resources: EngineResources, shutdown, processors: list[LogitsProcessor]):
-        """``shutdown()`` frees ``resources``; ``processors``: the logits processors beside the penalties."""
+        """``shutdown()`` frees ``resources``; ``processors`` run after the penalties."""
         self.config, self.resources, self._free = config, resources, shutdown
         self.scheduler = Scheduler(config)
         self.outputs = OutputProcessor(config.eos_token_ids, config.max_model_len)
         self.processors: list[LogitsProcessor] = [Penalties(), *processors]
-        self.requests: dict[int, Request] = {}   # the unfinished requests, by the seq_id of each sequence
+        self.requests: dict[int, Request] = {}  # the unfinished requests, by seq_id
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # launched, not yet read back
-        self.lock = threading.Lock()  # one step (or request admission) at a time
+        self.lock = threading.Lock()
 
     def step(self) -> tuple[list[Sequence], int]:
-        """One step. Returns the sequences read back (or ended) and the tokens launched (positive: prefill
-        tokens; negative: decoded sequences)."""
-        self._check_open()
+        """One step: the sequences read back (or ended), and the prefill tokens (or minus the decodes) launched."""
+        if self.resources.closed:
+            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
         batch, done = self.scheduler.schedule(), []
         if batch.seqs and self.inflight is not None and any(p.needs_known_tokens(batch) for p in self.processors):
             done += self.read_back()
@@ -97,14 +94,15 @@ class EngineCore:
         return done, num_tokens
 
     def read_back(self, after_accept=None) -> list[Sequence]:
-        """Reads the step in flight's tokens back and appends them (``Scheduler.postprocess``); the logits processors
-        follow them (``after_accept(refused)`` runs then), and the sequences they stop end. Returns the step's
-        sequences that had not ended before."""
+        """Appends the step in flight's tokens; the processors follow them, then ``after_accept(refused)`` runs,
+        then the stopped sequences end. Returns the step's sequences not ended before."""
         if self.inflight is None:
             return []
         (batch, output), self.inflight = self.inflight, None
-        running = [seq for seq in batch.seqs if not seq.is_finished]  # an ended one was reported then
-        token_ids, logprobs, prompt_logprobs = self.call_or_shut_down(output.result, self._alive())
+        running = [seq for seq in batch.seqs if not seq.is_finished]
+        workers = self.resources.workers  # with NCCL ranks the read-back polls, so that a dead worker is noticed
+        alive = (lambda: not workers.dead()) if workers is not None and self.config.device == "cuda" else None
+        token_ids, logprobs, prompt_logprobs = self.call_or_shut_down(output.result, alive)
         advanced = self.scheduler.postprocess(batch, token_ids, logprobs, prompt_logprobs)
         errors: dict[Sequence, Exception] = {}
         for processor in self.processors:
@@ -121,27 +119,25 @@ class EngineCore:
             if error is not None:
                 raise error
             stop = self.outputs.check_stop(request, seq, token_id)
-        except Exception as e:  # the sequence's own text failed to decode, or its grammar refused the token
+        except Exception as e:  # its text failed to decode, or its grammar refused the token
             self.end_with_error(seq, e)
             return
         if stop is not None:
             self._end(seq, *stop)
 
-    def _step_input(self, batch: SchedulerOutput) -> StepInput:
+    def _step_input(self, batch: SchedulerOutput) -> step_inputs.StepInput:
         block_size = self.config.kvcache_block_size
         if batch.is_prefill:
             return step_inputs.prepare_prefill(batch.seqs, block_size)
         return step_inputs.prepare_decode(batch.seqs, block_size, self.inflight[0] if self.inflight else None)
 
-    def _forward(self, step: StepInput, sampling: SamplingInputs):
-        """Launches the forward on every rank (the workers also run their half of sampling)."""
+    def _forward(self, step: step_inputs.StepInput, sampling: SamplingInputs):
         if self.resources.workers is not None:
             self.resources.workers.call("run", step)
         return self.resources.runner.forward(step, sampling)
 
     def _prepare_sample(self, batch: SchedulerOutput, done: list[Sequence]):
-        """Rank 0's sampling inputs, built before any rank starts the step: a sequence whose own parameters make
-        this fail is ended alone and the step goes on without it."""
+        """Rank 0's sampling inputs, before any rank starts: a sequence whose own parameters fail is ended alone."""
         if not batch.seqs:
             return batch, None
         runner = self.resources.runner
@@ -162,20 +158,14 @@ class EngineCore:
         batch = batch.without(errors)
         return batch, runner.prepare_sample(batch) if batch.seqs else None
 
-    def _alive(self):  # with NCCL ranks the read-back polls, so that a dead worker is noticed
-        workers = self.resources.workers
-        return (lambda: not workers.dead()) if workers is not None and self.config.device == "cuda" else None
-
     def call_or_shut_down(self, fn, *args):
-        """``fn(*args)`` (a forward on every rank, or reading one's result); a failure part-way (a dead worker,
-        Ctrl-C) shuts the engine down, and a dead worker is named."""
+        """``fn(*args)``; a failure part-way (a dead worker, Ctrl-C) shuts the engine down."""
         try:
             return fn(*args)
         except BaseException as e:
             self.resources.shut_down_and_raise(e, self.shutdown)
 
-    def add(self, request: Request, params):
-        """Admits ``request`` (its checked sampling parameters ``params``)."""
+    def add(self, request: Request, params):  # params: the request's checked SamplingParams
         with self.lock:
             for processor in self.processors:
                 processor.add(request.seqs, params)
@@ -188,7 +178,7 @@ class EngineCore:
             feature.forget(seq)
 
     def end_with_error(self, seq: Sequence, error: Exception):
-        """A failure that is this sequence's own (its text, its sampling inputs) ends it alone."""
+        """Ends ``seq`` alone, for a failure of its own (its text, its sampling inputs)."""
         request = self.requests[seq.seq_id]
         logger.warning("request %s, completion %d failed and was ended: %s: %s", request.request_id,
                        request.seqs.index(seq), type(error).__name__, error)
@@ -197,7 +187,7 @@ class EngineCore:
         self.outputs.stream_piece(request, seq, "", [])
 
     def abort(self, request: Request):
-        """Ends the request's unfinished completions (finish_reason "abort") and forgets it (under the lock)."""
+        """Ends the request's unfinished completions ("abort") and forgets it; the caller holds the lock."""
         for seq in request.seqs:
             if not seq.is_finished:
                 self._end(seq, "abort")
@@ -208,8 +198,7 @@ class EngineCore:
             self.requests.pop(seq.seq_id, None)
 
     def release(self, requests: list[Request]):
-        """The end of a generate/stream call: its requests are forgotten, and those that did not finish (the call
-        was left by an exception or a ``break``) are aborted."""
+        """At the end of a generate/stream call: forgets its requests, aborting the unfinished ones."""
         with self.lock:
             for request in requests:
                 if request.finished or self.resources.closed:
@@ -222,8 +211,7 @@ class EngineCore:
         return self.scheduler.is_finished() and self.inflight is None
 
     def interruptible_step(self) -> tuple[list[Sequence], int]:
-        """``step`` under the lock, unless another thread's step finished all there was to do; Ctrl-C shuts the
-        engine down (processes, shared memory) before it propagates."""
+        """``step`` under the lock, unless another thread's step left nothing to do; Ctrl-C shuts down first."""
         with self.lock:
             if self.is_finished():
                 return [], 0
@@ -234,17 +222,13 @@ class EngineCore:
                 raise
 
     def drain_if_idle(self):
-        """Reads back a step still in flight once nothing else is left to do (async scheduling leaves one)."""
+        """Reads back the step async scheduling leaves in flight once nothing else is left."""
         with self.lock:
             if self.inflight is not None and self.scheduler.is_finished() and not self.resources.closed:
                 self.step()
 
-    def _check_open(self):
-        if self.resources.closed:
-            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
-
     def shutdown(self):
-        """Frees the engine's resources, letting go first of any device wait on the host."""
+        """Frees the resources, first letting go of any device wait on the host."""
         for processor in self.processors:
             processor.shutdown()
         self._free()

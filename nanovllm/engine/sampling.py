@@ -1,5 +1,5 @@
-"""Rank 0's sampling preparation: a step's sampling parameters as device tensors (``SamplingInputs``), and the
-logits processors, the features that shape a step's logits beside the sampler (penalties, grammar bitmasks)."""
+"""Rank 0's sampling inputs as device tensors, and the logits processors: features that shape a step's logits
+beside the sampler (penalties, grammar bitmasks)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,15 +14,15 @@ from nanovllm.layers.sampler import SamplingBatch
 
 @dataclass
 class PromptLogprobsBatch:
-    """Where one prefill's prompt logprobs come from. The LM head projects every scheduled position of a
-    sequence that computes them and the last position of the others, in batch order."""
+    """A prefill's prompt logprobs: the LM head projects every scheduled position of a sequence that computes
+    them and the last position of the others, in batch order."""
 
-    sample_rows: torch.Tensor     # [num_seqs] the logits row of each sequence's last scheduled position
-    rows: torch.Tensor            # [R] the logits rows whose next token is a prompt token
-    target_ids: torch.Tensor      # [R] those prompt tokens
-    targets: list[int]            # the same, on the host
-    spans: list[tuple[int, int, int] | None]  # per sequence: (its first prompt position, how many, k), or None
-    num_top: int                  # the largest k
+    sample_rows: torch.Tensor  # [num_seqs] the logits row of each sequence's last scheduled position
+    rows: torch.Tensor  # [R] the logits rows whose next token is a prompt token
+    target_ids: torch.Tensor  # [R] those prompt tokens
+    targets: list[int]  # the same, on the host
+    spans: list[tuple[int, int, int] | None]  # per sequence: (first prompt position, count, k), or None
+    num_top: int  # the largest k
 
 
 @dataclass
@@ -30,20 +30,20 @@ class SamplingInputs:
     """What rank 0 needs, besides the logits, to sample one step."""
 
     batch: SamplingBatch
-    prompt: PromptLogprobsBatch | None      # prefills whose sequences compute prompt logprobs
-    num_logprobs: list[int | None]          # per sequence: its logprobs k, or None
-    token_bitmask: torch.Tensor | None = None  # the step's grammar bitmask (host or device), or None
+    prompt: PromptLogprobsBatch | None
+    num_logprobs: list[int | None]  # per sequence: its logprobs k, or None
+    token_bitmask: torch.Tensor | None = None  # the grammar bitmask (host or device)
     host_work: list = field(default_factory=list)  # work the device waits for: joined before the read-back
 
 
 class LogitsProcessor:
-    """A feature that shapes a step's logits, called by the engine core at fixed points of every step."""
+    """A feature that shapes a step's logits, through hooks the engine core calls in every step."""
 
     def add(self, seqs: list[Sequence], params) -> None:
         """A request's completions are admitted (``params``: its checked ``SamplingParams``)."""
 
     def needs_known_tokens(self, batch: SchedulerOutput) -> bool:
-        """Whether ``batch`` must wait for the step in flight (its tokens) before its sampling inputs are built."""
+        """Whether ``batch``'s sampling inputs need the step in flight's tokens."""
         return False
 
     def prepare(self, batch: SchedulerOutput, sampling: SamplingInputs,
@@ -56,15 +56,14 @@ class LogitsProcessor:
         return {}
 
     def forget(self, seq: Sequence) -> None:
-        """``seq`` has ended: its state goes."""
+        """``seq`` has ended."""
 
     def shutdown(self) -> None:
         """The engine is shutting down."""
 
 
 class Penalties(LogitsProcessor):
-    """Presence, frequency and repetition penalties (applied by the sampler) read every generated token, so a
-    batch with them waits for the step in flight."""
+    """The sampler's penalties read every generated token."""
 
     def needs_known_tokens(self, batch: SchedulerOutput) -> bool:
         return any(seq.sampling_params.needs_penalties for seq in batch.seqs)
@@ -75,7 +74,7 @@ class SamplingPreparer:
 
     def __init__(self, device: torch.device, vocab_size: int, eos_token_ids):
         self.device, self.vocab_size, self.eos_token_ids = device, vocab_size, set(eos_token_ids)
-        self.generators: dict[int, torch.Generator] = {}  # seq_id -> its own, for a seeded request
+        self.generators: dict[int, torch.Generator] = {}  # by seq_id
 
     def to_device(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Host values on the device, through pinned memory, without waiting."""
@@ -90,16 +89,28 @@ class SamplingPreparer:
                               [seq.sampling_params.logprobs for seq in seqs])
 
     def prepare_sample(self, seqs: list[Sequence], kept_rows: list[int]) -> SamplingBatch:
-        """The batch's sampling parameters; each optional stage only when some request uses it."""
         params = [seq.sampling_params for seq in seqs]
         # a temperature below SAMPLING_EPS is greedy (1 / T would overflow the logits)
         batch = SamplingBatch(self.to_device([0.0 if sp.is_greedy else sp.temperature for sp in params],
                                              torch.float32))
         if all(sp.is_plain for sp in params):
             return batch
-        self._add_filters(batch, params)
+
+        def floats(name: str) -> torch.Tensor:
+            return self.to_device([getattr(sp, name) for sp in params], torch.float32)
+
+        if any(sp.needs_top_k_top_p for sp in params):
+            batch.top_k = self.to_device([sp.top_k if sp.top_k > 0 else self.vocab_size for sp in params],
+                                         torch.int64)
+            batch.top_p = floats("top_p")
+        if any(sp.min_p > 0 for sp in params):
+            batch.min_p = floats("min_p")
         if any(sp.needs_penalties for sp in params):
-            self._add_penalties(batch, seqs, params)
+            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = (
+                floats(name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
+            batch.output_ids = self._padded([seq.completion_token_ids for seq in seqs])
+            batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1
+                                             else [] for seq, sp in zip(seqs, params)])
         kept = set(kept_rows)  # only kept rows use min_tokens and seeds
         banned = [self.eos_token_ids | set(sp.stop_token_ids)
                   if row in kept and seq.num_completion_tokens < sp.min_tokens else set()
@@ -114,22 +125,6 @@ class SamplingPreparer:
         batch.num_logprobs = max(logprobs) if logprobs else -1
         return batch
 
-    def _add_filters(self, batch: SamplingBatch, params: list) -> None:
-        if any(sp.needs_top_k_top_p for sp in params):
-            batch.top_k = self.to_device([sp.top_k if sp.top_k > 0 else self.vocab_size for sp in params],
-                                         torch.int64)
-            batch.top_p = self.to_device([sp.top_p for sp in params], torch.float32)
-        if any(sp.min_p > 0 for sp in params):
-            batch.min_p = self.to_device([sp.min_p for sp in params], torch.float32)
-
-    def _add_penalties(self, batch: SamplingBatch, seqs: list[Sequence], params: list) -> None:
-        batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = (
-            self.to_device([getattr(sp, name) for sp in params], torch.float32)
-            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
-        batch.output_ids = self._padded([seq.completion_token_ids for seq in seqs])
-        batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1
-                                         else [] for seq, sp in zip(seqs, params)])
-
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         seed = seq.sampling_params.seed
         if seed is not None and seq.seq_id not in self.generators:
@@ -140,8 +135,7 @@ class SamplingPreparer:
         self.generators.pop(seq.seq_id, None)
 
     def prepare_prompt_logprobs(self, seqs: list[Sequence]) -> PromptLogprobsBatch | None:
-        """Which logits rows of a prefill give which prompt logprobs; None when no sequence computes them. The
-        logits at position p are the distribution of token p + 1."""
+        """Which logits rows give which prompt logprobs (position p's are token p + 1's), or None if none do."""
         counts = [seq.num_prompt_logprob_rows for seq in seqs]
         if not any(counts):
             return None

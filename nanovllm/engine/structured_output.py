@@ -1,19 +1,17 @@
-"""Structured outputs on rank 0: constraints compiled by xgrammar (vLLM's default backend), a grammar matcher
-per constrained sequence, and each step's token bitmask (one int32 row of ``ceil(vocab / 32)`` words a sequence,
-bit t set where token t is allowed), applied to the logits by the sampler. A matcher has accepted exactly its
-sequence's known completion tokens; its stop tokens are the EOS ids, so EOS is allowed where the output is complete.
-"""
+"""Structured outputs on rank 0 (xgrammar): compiled constraints, a grammar matcher per constrained sequence, and
+each step's token bitmask (an int32 row of ``ceil(vocab / 32)`` words a sequence, bit t set where token t is
+allowed). A matcher's stop tokens are the EOS ids, so EOS is allowed where the output is complete."""
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import re
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -23,13 +21,12 @@ from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import StructuredOutputsParams
 
-logger = logging.getLogger("nanovllm")
 # xgrammar's C++ errors begin with a time and a source location: "[19:07:16] /project/cpp/x.cc:94: "
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 # a step's rows are filled by xgrammar's batch matcher on up to FILL_THREADS threads, FILL_MIN_ROWS rows each
 FILL_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 FILL_MIN_ROWS = 4
-# compiled grammars kept, least recently used dropped first (vLLM bounds xgrammar's cache at 512 MB too)
+# compiled grammars kept, least recently used dropped first
 CACHE_SIZE = 256
 CACHE_BYTES = 512 * 2 ** 20
 
@@ -39,7 +36,7 @@ def import_xgrammar():
         import xgrammar
     except ImportError as e:
         raise ValueError("structured_outputs needs xgrammar, nanovllm's optional extra: pip install -e "
-                         "'.[structured]' (or pip install xgrammar)") from e
+                         "'.[structured]'") from e
     return xgrammar
 
 
@@ -48,46 +45,43 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+@dataclass(eq=False)
 class Matcher:
-    """One sequence's grammar matcher; it has accepted the sequence's known completion tokens, in order."""
+    """A sequence's grammar matcher: it has accepted exactly the sequence's known completion tokens."""
 
-    def __init__(self, matcher):
-        self.matcher = matcher
-        self.num_accepted = 0
+    matcher: object
+    num_accepted: int = 0
 
 
 class StructuredOutputManager(LogitsProcessor):
-    """Rank 0's structured outputs: the compiler, compiled grammars cached per constraint, a matcher per
-    constrained sequence, and each step's bitmask, filled while the device runs the forward (``prepare``)."""
+    """Rank 0's structured outputs: the compiled grammars, a matcher per constrained sequence, and each step's
+    bitmask, filled while the device runs the forward (``prepare``)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        """``vocab_size``: the model's (the logits' width); ids past the tokenizer's are never allowed."""
+        """``vocab_size``: the logits' width; ids past the tokenizer's are never allowed."""
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
-        self.compiler = None
         self.cache: OrderedDict[tuple, object] = OrderedDict()  # (what, spec, any_whitespace) -> CompiledGrammar
         self.cache_bytes = 0
-        self.lock = threading.Lock()           # admissions compile from the callers' threads
-        self.matchers: dict[int, Matcher] = {}  # seq_id -> its matcher
-        self.fill_seconds = 0.0                # in fill_rows (xgrammar), since the engine started
-        self.handoff: BitmaskHandoff | None | bool = None  # made on the first overlapped fill (False: cannot be)
+        self.lock = threading.Lock()  # admissions compile from the callers' threads
+        self.matchers: dict[int, Matcher] = {}  # by seq_id
+        self.fill_seconds = 0.0  # in fill_rows, since the engine started
+        self.handoff: BitmaskHandoff | None | bool = None  # made on the first handoff (False: cannot be)
         self.last_fill: PendingFill | None = None
-        self.device, self.max_rows, self.pin_memory, self.can_hand_off = torch.device("cpu"), 0, False, False
+        self.bind(torch.device("cpu"), 0, False)
 
     def bind(self, device: torch.device, max_rows: int, can_hand_off: bool) -> None:
         """Where the bitmasks go; ``can_hand_off``: one rank with async scheduling (``BitmaskHandoff``)."""
         self.device, self.max_rows, self.can_hand_off = device, max_rows, can_hand_off
-        self.pin_memory = device.type == "cuda"
 
-    def _compiler(self):
-        if self.compiler is None:
-            xgr = import_xgrammar()
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs need a tokenizer, but the engine has skip_tokenizer_init=True")
-            if not self.eos_token_ids:
-                raise ValueError("structured_outputs need an EOS token to end an output, and the model has none")
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-            self.compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # our cache, keyed by the constraint
-        return self.compiler
+    @functools.cached_property
+    def compiler(self):
+        xgr = import_xgrammar()
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
+        if not self.eos_token_ids:
+            raise ValueError("structured_outputs need an EOS token, and the model has none")
+        info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+        return xgr.GrammarCompiler(info, cache_enabled=False)  # our cache is keyed by the constraint
 
     def compile(self, params: StructuredOutputsParams):
         """The constraint's compiled grammar (cached); a ``ValueError`` naming the field if it does not compile."""
@@ -96,16 +90,16 @@ class StructuredOutputManager(LogitsProcessor):
                 "json_object": lambda: '{"type": "object"}', "regex": lambda: params.regex,
                 "grammar": lambda: params.grammar, "choice": lambda: choice_grammar(params.choice)}[kind]()
         if kind == "grammar" and "::=" not in spec:  # vLLM would take it for a Lark grammar
-            raise ValueError("structured_outputs.grammar must be xgrammar's EBNF (rules `name ::= ...`, one of them "
-                             f"`root`); Lark grammars are not supported, got {spec!r:.80}")
-        # keyed by what xgrammar compiles: a choice is the grammar choice_grammar writes, json_object a schema
+            raise ValueError("structured_outputs.grammar must be xgrammar's EBNF (`root ::= ...`); Lark grammars "
+                             f"are not supported, got {spec!r:.80}")
+        # keyed by what xgrammar compiles: a choice is a grammar, json_object a schema
         key = ({"json_object": "json", "choice": "grammar"}.get(kind, kind), spec, not params.disable_any_whitespace)
         with self.lock:
             compiled = self.cache.get(key)
             if compiled is not None:
                 self.cache.move_to_end(key)
                 return compiled
-            compiler = self._compiler()
+            compiler = self.compiler
             try:
                 if key[0] == "json":
                     compiled = compiler.compile_json_schema(spec, any_whitespace=key[2])
@@ -117,13 +111,12 @@ class StructuredOutputManager(LogitsProcessor):
                 reason = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
             self.cache[key] = compiled
-            self.cache_bytes += getattr(compiled, 'memory_size_bytes', 0)
+            self.cache_bytes += getattr(compiled, "memory_size_bytes", 0)
             while len(self.cache) > 1 and (len(self.cache) > CACHE_SIZE or self.cache_bytes > CACHE_BYTES):
-                self.cache_bytes -= getattr(self.cache.popitem(last=False)[1], 'memory_size_bytes', 0)
+                self.cache_bytes -= getattr(self.cache.popitem(last=False)[1], "memory_size_bytes", 0)
             return compiled
 
     def add(self, seqs: list[Sequence], params) -> None:
-        """A fresh matcher of the request's constraint for each of its completions."""
         if params.structured_outputs is None:
             return
         compiled = self.compile(params.structured_outputs)
@@ -135,7 +128,6 @@ class StructuredOutputManager(LogitsProcessor):
         self.matchers.pop(seq.seq_id, None)
 
     def accept(self, advanced: list[tuple[Sequence, int]]) -> dict[Sequence, Exception]:
-        """Advances each constrained sequence's matcher by its new token; a refused token ends the sequence."""
         refused = {}
         for seq, token_id in advanced:
             matcher = self.matchers.get(seq.seq_id)
@@ -143,20 +135,22 @@ class StructuredOutputManager(LogitsProcessor):
                 continue
             if matcher.matcher.accept_token(token_id):
                 matcher.num_accepted += 1
-            else:  # it was sampled under this matcher's mask, so it never should be
+            else:  # sampled under this matcher's mask, it never should be
                 refused[seq] = RuntimeError(f"the grammar refused token {token_id} after {matcher.num_accepted} "
                                             "accepted tokens")
         return refused
 
     def prepare(self, batch: SchedulerOutput, sampling: SamplingInputs, read_back) -> None:
-        """The step's bitmask. It needs every known token: with a constrained row's token in flight, that step is read
-        back first, beside this forward; on one rank the fill then runs in a thread (``BitmaskHandoff``)."""
+        """The step's bitmask needs every known token: with a constrained row's token in flight, that step is read
+        back first, beside this forward; with a handoff the fill then runs in a thread."""
         rows = [row for row in batch.kept_rows if batch.seqs[row].seq_id in self.matchers]
         if not rows:
             return
-        prev, pin = batch.step_input.prev_rows, self.pin_memory
+        prev, pin = batch.step_input.prev_rows, self.device.type == "cuda"
         if read_back is None or prev is None or not any(prev[row] >= 0 for row in rows):
-            self._wait_last_fill()  # one fill at a time: they share xgrammar's threads
+            if self.last_fill is not None:  # one fill at a time: they share xgrammar's threads
+                self.last_fill, last = None, self.last_fill
+                last.wait()
             sampling.token_bitmask = self.grammar_bitmask(batch.seqs, rows, pin)
             return
         handoff = self._bitmask_handoff(len(batch.seqs))
@@ -172,11 +166,6 @@ class StructuredOutputManager(LogitsProcessor):
             self.last_fill = PendingFill(started[0], handoff, ticket)
             sampling.host_work.append(self.last_fill)
 
-    def _wait_last_fill(self):
-        if self.last_fill is not None:
-            self.last_fill, last = None, self.last_fill
-            last.wait()
-
     def _bitmask_handoff(self, num_rows: int) -> BitmaskHandoff | None:
         """The handoff for a step of ``num_rows`` sequences, or None where the sampler must wait for the fill."""
         if not self.can_hand_off:
@@ -185,7 +174,7 @@ class StructuredOutputManager(LogitsProcessor):
             self.handoff = BitmaskHandoff.create(self.max_rows, self.vocab_size, self.device) or False
         return self.handoff if self.handoff and num_rows <= self.handoff.host.size(0) else None
 
-    def shutdown(self) -> None:  # lets go of a device wait for a bitmask
+    def shutdown(self) -> None:
         if self.handoff:
             self.handoff.open()
 
@@ -196,14 +185,14 @@ class StructuredOutputManager(LogitsProcessor):
 
     def grammar_bitmask_async(self, seqs: list[Sequence], rows: list[int], pin_memory: bool = False, skip=(),
                               out: torch.Tensor | None = None, done=None) -> Future | None:
-        """``grammar_bitmask`` filled in a background thread into ``out`` (xgrammar lets go of the GIL): a Future, or
-        None. Rows in ``skip`` are left free; ``done()`` is called once the fill has ended, failed or not."""
+        """``grammar_bitmask`` filled into ``out`` on the fill thread (xgrammar lets go of the GIL), or None; rows in
+        ``skip`` are left free, and ``done()`` is called once the fill has ended, failed or not."""
         prepared = self._prepare_bitmask(seqs, rows, pin_memory, skip, out)
         if prepared is None:
             return None
         try:
             return background().submit(self._fill, *prepared, done)
-        except RuntimeError:  # the interpreter is exiting: concurrent.futures takes no new work, so fill here
+        except RuntimeError:  # the interpreter is exiting and takes no new work: fill here
             result = Future()
             result.set_result(self._fill(*prepared, done))
             return result
@@ -220,7 +209,6 @@ class StructuredOutputManager(LogitsProcessor):
         bitmask = torch.empty(shape, dtype=torch.int32, pin_memory=pin_memory) if out is None else out[:shape[0]]
         for row in set(range(len(seqs))).difference(constrained):
             bitmask[row].fill_(-1)
-        # a matcher has accepted every known completion token, none more
         assert all(matchers[r].num_accepted == len(seqs[r].token_ids) - seqs[r].num_prompt_tokens for r in constrained)
         return bitmask, [(row, matchers[row].matcher) for row in constrained]
 
