@@ -41,8 +41,8 @@ SOURCES = ["csrc/flash_attn/flash_api.cpp"] + [
 INCLUDE_DIRS = ["csrc/flash_attn", "csrc/flash_attn/src", "csrc/cutlass/include"]
 DEFINES = [
     f"-DFLASHATTENTION_DISABLE_{feature}"
-    for feature in ("BACKWARD", "DROPOUT", "ALIBI", "SOFTCAP", "UNEVEN_K", "LOCAL")
-]
+    for feature in ("BACKWARD", "DROPOUT", "ALIBI", "SOFTCAP", "UNEVEN_K")
+]  # local attention stays: sliding-window models (Mistral, Qwen2's windows) need it
 CXX_FLAGS = ["-O3", "-std=c++17", *DEFINES]  # setup.py's "cxx" flags
 # setup.py's nvcc_flags, with only Hopper's arch (sm_90: H100, H200) instead of its 80;90;100;120 list.
 NVCC_FLAGS = [
