@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -177,6 +178,9 @@ class Config:
                              f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model directory {self.model!r} has no config.json")
+        from nanovllm.layers.rotary_embedding import rope_parameters
+        with open(os.path.join(self.model, "config.json")) as f:  # before transformers divides by its fields
+            rope_parameters(json.load(f))
         return AutoConfig.from_pretrained(self.model)
 
     def _resolve_dtype(self) -> torch.dtype:

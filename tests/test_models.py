@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import (
     FAMILIES,
+    LLAMA3_ROPE,
     assert_matches_oracle,
     assert_no_leaks,
     edited_checkpoint,
@@ -105,6 +106,48 @@ def test_unsupported_rope_type_is_named(tmp_path):
                                               short_factor=[1.0] * 16, long_factor=[1.0] * 16))
     with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
         LLM(path, device="cpu", num_kvcache_blocks=16)
+
+
+LLAMA3 = LLAMA3_ROPE
+BAD_ROPE = {  # name: (config.json changes, the field and value the error names)
+    "linear_factor_zero": (dict(rope_type="linear", factor=0), r"rope_parameters\['factor'\].*got 0$"),
+    "yarn_factor_zero": (dict(rope_type="yarn", factor=0, original_max_position_embeddings=32), r"'factor'.*got 0$"),
+    "theta_zero": (dict(rope_theta=0), r"rope_parameters\['rope_theta'\].*got 0$"),
+    "theta_negative": (dict(rope_theta=-1.0), r"'rope_theta'.*got -1.0$"),
+    "yarn_original_zero": (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=0),
+                           r"'original_max_position_embeddings'.*got 0$"),
+    "factor_string": (dict(rope_type="linear", factor="2"), r"'factor'.*got '2'$"),
+    "llama3_low_zero": (dict(LLAMA3, low_freq_factor=0), r"'low_freq_factor'.*got 0$"),
+    "llama3_high_not_above_low": (dict(LLAMA3, high_freq_factor=1.0), r"'high_freq_factor'.*got 1.0 and 1.0$"),
+    "llama3_original_zero": (dict(LLAMA3, original_max_position_embeddings=0), r"'original_max_position_embeddings'"),
+    "llama3_missing_field": ({k: v for k, v in LLAMA3.items() if k != "low_freq_factor"},
+                             r"'low_freq_factor'.*missing"),
+    "legacy_rope_scaling": (dict(rope_parameters=None, rope_theta=10000.0, rope_scaling=dict(type="linear", factor=0)),
+                            r"rope_scaling\['factor'\].*got 0$"),
+    "legacy_theta": (dict(rope_parameters=None, rope_theta=0), r"the model's rope_theta .*got 0$"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ROPE))
+def test_rope_fields_that_make_nan_are_refused_at_load(tiny, tmp_path, name):
+    """A rotary field that is zero, negative, not a number or missing (the table would be NaN: token 0 forever, or a
+    ZeroDivisionError or TypeError) is refused by name when the config is read, before any model or worker."""
+    from transformers import LlamaConfig
+
+    from nanovllm.config import Config
+    changes, message = BAD_ROPE[name]
+    if "rope_parameters" not in changes:
+        changes = dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **changes})
+    path = edited_checkpoint(tiny, tmp_path / name, **changes)
+    with pytest.raises(ValueError, match=message):
+        Config(path, device="cpu")
+    with pytest.raises(ValueError, match=message):
+        LLM(path, device="cpu", num_kvcache_blocks=16)
+    if changes["rope_parameters"] is not None:  # a config changed after loading is checked when the model is built
+        config = LlamaConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=1, vocab_size=32)
+        config.rope_parameters = changes["rope_parameters"]
+        with pytest.raises(ValueError, match=message):
+            get_model_class(LlamaConfig(architectures=["LlamaForCausalLM"])).check_config(config, 16)
 
 
 @pytest.mark.parametrize("yarn", [dict(factor=4.0), dict(factor=8.0, beta_fast=16, beta_slow=2, mscale=0.8,

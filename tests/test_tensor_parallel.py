@@ -3,8 +3,21 @@ for token (Qwen3, Llama and Qwen3-MoE checkpoints, async scheduling, prompt logp
 by side with other engines in one process."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
 import pytest
-from conftest import ENGINE, assert_matches_oracle, assert_no_leaks, assert_prompt_logprobs, random_prompts, run_engine
+from conftest import (
+    CPU_ENGINE,
+    ENGINE,
+    assert_matches_oracle,
+    assert_no_leaks,
+    assert_prompt_logprobs,
+    random_prompts,
+    run_engine,
+)
 from tiny_model import build_tiny_model, build_tiny_qwen3
 
 from nanovllm import LLM, SamplingParams
@@ -88,6 +101,45 @@ def test_prompt_logprobs_tensor_parallel(checkpoints, oracle):
         llm.exit()
     for prompt, out in zip(prompts, outputs):
         assert_prompt_logprobs(oracle.model(path), prompt, out["prompt_logprobs"], 2)
+
+
+def test_a_forked_child_leaves_the_parents_tensor_parallel_engine_working(tiny, tmp_path):
+    """A child forked from rank 0 that exits (``sys.exit``, running multiprocessing's exit handler and the
+    finalizers, or ``os._exit``) neither ends the parent's workers nor unlinks their memory; one that tries the
+    engine is refused. The parent then generates the same greedy tokens as before the fork."""
+    script = tmp_path / "fork.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        from nanovllm import LLM, SamplingParams
+
+        if __name__ == "__main__":
+            llm = LLM(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
+            greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            tokens = lambda: [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], greedy, use_tqdm=False)]
+            segment = "/dev/shm/" + llm.workers.channel.shm.name
+            result = dict(before=tokens(), statuses=[], after=[], segment_kept=[])
+            for how in ("sys.exit", "os._exit", "generate"):
+                if (pid := os.fork()) == 0:
+                    if how == "generate":
+                        try:
+                            llm.generate([[1, 2]], greedy, use_tqdm=False)
+                        except RuntimeError as e:
+                            sys.exit(0 if "belong to the process that forked this one" in str(e) else 3)
+                        sys.exit(4)
+                    sys.exit(0) if how == "sys.exit" else os._exit(0)
+                result["statuses"].append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+                result["segment_kept"].append(os.path.exists(segment))
+                result["after"].append(tokens())
+            llm.exit()
+            print(json.dumps(result))
+    """))
+    proc = subprocess.run([sys.executable, str(script), tiny, json.dumps(CPU_ENGINE)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["statuses"] == [0, 0, 0]
+    assert result["segment_kept"] == [True, True, True]
+    assert result["after"] == [result["before"]] * 3
 
 
 # ---- TP=4 and TP=8 ---------------------------------------------------------------------------------

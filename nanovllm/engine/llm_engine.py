@@ -23,6 +23,7 @@ from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
+from nanovllm.utils.distributed import forget_in_forked_child
 from nanovllm.utils.loader import eos_token_ids, load_tokenizer
 from nanovllm.vllm_compat import VllmCompatMixin, refuse_unsupported
 
@@ -43,6 +44,7 @@ class LLMEngine(VllmCompatMixin):
         config = config.derive(eos_token_ids=eos_token_ids(config.model, config.hf_config, self.tokenizer))
         self._resources = resources = EngineResources()
         self._finalizer = weakref.finalize(self, resources.close)
+        forget_in_forked_child(self, lambda engine: engine._finalizer.detach())  # the parent's to free
         try:
             if config.tensor_parallel_size > 1:
                 resources.workers = WorkerGroup(config)

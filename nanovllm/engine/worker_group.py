@@ -17,7 +17,7 @@ import uuid
 from multiprocessing.shared_memory import SharedMemory
 
 from nanovllm.config import Config
-from nanovllm.utils.distributed import TPGroup, free_port
+from nanovllm.utils.distributed import TPGroup, forget_in_forked_child, free_port
 
 SEGMENT_PREFIX = "nanovllm-"
 SEGMENT_SIZE = 2 ** 20  # the first segment; a larger call moves to a larger one
@@ -125,6 +125,7 @@ class WorkerGroup:
                 raise RuntimeError(f"cannot start workers from a spawned process: {MAIN_GUARD_HINT}") from e
             raise
         threading.Thread(target=self._watch, name="nanovllm-worker-watch", daemon=True).start()
+        forget_in_forked_child(self, WorkerGroup.forget)
 
     def connect(self) -> TPGroup:
         self.group = TPGroup(0, self.world_size, self.port, self.config.device, waiting=self._check_starting)
@@ -143,6 +144,9 @@ class WorkerGroup:
             self.group.abort()
 
     def call(self, method: str, *args):
+        if self.channel is None:
+            raise RuntimeError("this engine's tensor-parallel workers belong to the process that forked this one: "
+                               "build another engine here")
         moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL), self.death_error)
         for doorbell in self.doorbells:
             try:
@@ -190,6 +194,12 @@ class WorkerGroup:
         for doorbell in self.doorbells:
             doorbell.close()
         self.channel.close()
+
+    def forget(self):
+        """In a forked child: the workers, their memory and doorbells are the parent's, not to be called, ended or
+        unlinked from here (multiprocessing's exit handler would terminate the workers that it still lists)."""
+        multiprocessing.process._children.difference_update(self.processes)
+        self.closed, self.processes, self.doorbells, self.channel = True, [], [], None
 
 
 def _exit_with_parent(pdeathsig: bool):

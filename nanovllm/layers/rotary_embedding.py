@@ -69,11 +69,42 @@ def yarn(inv_freq: torch.Tensor, head_dim: int, base: float, scaling: dict) -> t
 
 def get_rope(head_dim: int, max_position: int, hf_config) -> RotaryEmbedding:
     """The table for positions below ``max_position``, from ``rope_parameters`` or ``rope_theta``/``rope_scaling``."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    if params["rope_type"] not in SUPPORTED_ROPE:
-        raise ValueError(f"rope_type {params['rope_type']!r} is not supported; supported: {SUPPORTED_ROPE}")
-    base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = rope_parameters(hf_config)
     if params["rope_type"] == "yarn" and params.get("factor") is None:  # transformers': the ratio of the lengths
         params["factor"] = hf_config.max_position_embeddings / params["original_max_position_embeddings"]
-    return RotaryEmbedding(head_dim, max_position, base, params)
+    return RotaryEmbedding(head_dim, max_position, params["rope_theta"], params)
+
+
+# rope_type -> the fields it needs (yarn's factor defaults to the ratio of the lengths)
+_REQUIRED = {"default": (), "linear": ("factor",), "yarn": ("original_max_position_embeddings",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+             "attention_factor", "original_max_position_embeddings")
+
+
+def rope_parameters(config) -> dict:
+    """A config's (or a config.json dict's) rotary fields with ``rope_type`` and ``rope_theta`` filled in; a field
+    that is missing or not a positive number (it would fill the table with NaN) is refused by name at load."""
+    get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
+    key = "rope_parameters" if get("rope_parameters") else "rope_scaling"
+    params = dict(get(key) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE}")
+    names = {name: f"{key}[{name!r}]" for name in _POSITIVE}
+    if params.get("rope_theta") is None:
+        theta = get("rope_theta")
+        params["rope_theta"], names["rope_theta"] = 10000.0 if theta is None else theta, "rope_theta"
+    for name in _REQUIRED[rope_type]:
+        if params.get(name) is None:
+            raise ValueError(f"the model's {names[name]} is missing: rope_type {rope_type!r} needs it")
+    for name in _POSITIVE:
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ValueError(f"the model's {names[name]} must be a finite number > 0, got {value!r}")
+    if rope_type == "llama3" and not params["high_freq_factor"] > params["low_freq_factor"]:
+        raise ValueError(f"the model's {names['high_freq_factor']} must be greater than its low_freq_factor, got "
+                         f"{params['high_freq_factor']!r} and {params['low_freq_factor']!r}")
+    return params

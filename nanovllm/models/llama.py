@@ -12,7 +12,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
 from nanovllm.utils.context import get_context
 
 
@@ -153,6 +153,7 @@ class LlamaForCausalLM(nn.Module):
     def check_config(config: PretrainedConfig, max_model_len: int):
         """Refuses what the decoder cannot build, before anything is loaded."""
         sliding_windows(config)
+        rope_parameters(config)
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):
         super().__init__()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -14,6 +16,18 @@ import torch.distributed as dist
 
 # how long a collective waits for a peer alive but stuck (a dead one is noticed within seconds)
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+_IN_FORKED_CHILD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forget_in_forked_child(owner, forget: Callable[[object], None]):
+    """Calls ``forget(owner)`` in any child forked from this process while ``owner`` lives: the parent's workers,
+    shared memory and finalizers are not the child's to end when it exits."""
+    _IN_FORKED_CHILD[owner] = forget
+
+
+os.register_at_fork(after_in_child=lambda: [forget(owner) for owner, forget in list(_IN_FORKED_CHILD.items())])
 
 
 def free_port() -> int:
