@@ -2,6 +2,7 @@
 ``logprobs=2 * beam_width``) whose logprob entries are the candidates; the prefix cache shares the prefixes."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
@@ -59,6 +60,19 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
     return cumulative_logprob / (seq_len ** length_penalty)
 
 
+_MAX_LENGTH_FACTOR = 1e280  # len ** |length_penalty| at most this: room left for the cumulative logprob
+
+
+def _check_length_penalty(length_penalty: float, max_model_len: int) -> None:
+    """Refuses a ``length_penalty`` for which vLLM's score overflows (or divides by zero) at a length up to
+    ``max_model_len``; below the bound the score is vLLM's."""
+    if abs(length_penalty) * math.log(max_model_len) > math.log(_MAX_LENGTH_FACTOR):
+        bound = math.log(_MAX_LENGTH_FACTOR) / math.log(max_model_len)
+        raise ValueError(f"length_penalty={length_penalty} makes the beam score cumulative_logprob / "
+                         f"len ** length_penalty overflow at lengths up to max_model_len={max_model_len}: "
+                         f"|length_penalty| must be <= {bound:.4g}")
+
+
 def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                 concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
     """Each prompt's result in prompt order, searching ``concurrency_limit`` prompts at a time (default all)."""
@@ -67,6 +81,7 @@ def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
     params.verify()  # fields may have been assigned since construction
     if concurrency_limit is not None:
         check_int("concurrency_limit", concurrency_limit, lo=1)
+    _check_length_penalty(params.length_penalty, llm.config.max_model_len)
     vocab_size = llm.config.hf_config.vocab_size
     if 2 * params.beam_width > vocab_size:
         raise ValueError(f"beam_width must be <= half the vocabulary size {vocab_size}, got {params.beam_width}")

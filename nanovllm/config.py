@@ -2,11 +2,13 @@
 ``model_class``) in ``__post_init__``; ``derive`` makes the copy holding what start-up measures."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import logging
 import os
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,7 @@ class Config:
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     seed: int | None = 0  # None: 0, as in vLLM V1
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary size
     attention_backend: str = "auto"
     load_format: str = "auto"  # "dummy": random weights
     skip_tokenizer_init: bool = False  # prompts are then token ids, and outputs carry no text
@@ -132,6 +135,7 @@ class Config:
             check_int("max_model_len", self.max_model_len, lo=1)
         check_int("num_kvcache_blocks", self.num_kvcache_blocks, lo=-1)
         check_int("seed", self.seed, lo=0, hi=2 ** 32 - 1)  # vLLM's range (numpy's seeds)
+        check_int("max_logprobs", self.max_logprobs, lo=-1)
         if self.num_kvcache_blocks == 0:
             raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -191,6 +195,15 @@ class Config:
         dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
         dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype  # config.json's is a name
         return dtype if dtype in _DTYPES.values() else torch.bfloat16
+
+
+def set_random_seed(seed: int) -> None:
+    """Seeds Python's, NumPy's (when installed) and torch's global generators, as vLLM does at start-up."""
+    random.seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy
+        numpy.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 # kvcache_block_size's default per backend: flash-attn's paged KV needs multiples of 256; 64 lets a shared prefix

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanovllm.config import Config
+from nanovllm.inputs import encode
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -32,7 +33,6 @@ IGNORED_KEYWORDS = {
     "disable_async_output_proc": "outputs are processed each step",
     "disable_cascade_attn": "no cascade attention",
     "prefix_caching_hash_algo": "prefix blocks are keyed by xxhash",
-    "max_logprobs": "logprobs are bounded by the vocabulary",
     "served_model_name": "no server",
     "use_tqdm_on_load": "no progress bar while loading",
 }
@@ -74,6 +74,7 @@ KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override"
 # generation_config.json's field -> SamplingParams'
 _GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 _GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
+VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 
 
 def config_from_kwargs(cls: type[Config], model: str, kwargs: dict) -> Config:
@@ -102,9 +103,11 @@ def config_from_kwargs(cls: type[Config], model: str, kwargs: dict) -> Config:
     return config
 
 
-def refuse_unsupported(priority=None, **keywords) -> None:
+def refuse_unsupported(priority=None, *, num_prompts: int | None = None, **keywords) -> None:
     """A ValueError for the first of vLLM's per-call keywords (``lora_request``, ...) that is not None, or for a
-    ``priority`` (one, or one per prompt) other than 0."""
+    ``priority`` (one, or a list of one per prompt: ``num_prompts``) of another length or other than 0."""
+    if isinstance(priority, (list, tuple)) and num_prompts is not None and len(priority) != num_prompts:
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and priority ({len(priority)}) must be the same")
     if priority is not None and any(priority if isinstance(priority, (list, tuple)) else [priority]):
         raise ValueError(f"priority={priority!r} is not supported: first come, first served only")
     for name, value in keywords.items():
@@ -187,16 +190,15 @@ class VllmCompatMixin:
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the fields that the ``generation_config`` keyword's generation_config.json sets;
-        what ``generate`` and ``chat`` use when ``sampling_params`` is None."""
-        choice = self.config.generation_config
+        """vLLM's defaults (its ``max_tokens=16``, not nano-vllm's 64) overridden by the fields that the
+        ``generation_config`` keyword's generation_config.json sets; what vLLM's forms use when given no params."""
+        choice, fields = self.config.generation_config, {}
         path = os.path.join(self.config.model if choice == "auto" else choice, "generation_config.json")
-        if choice == "vllm" or not os.path.isfile(path):
-            return SamplingParams()
-        with open(path) as f:
-            fields = json.load(f)
-        return SamplingParams(**{ours: fields[theirs] for theirs, ours in _GENERATION_FIELDS.items()
-                                 if fields.get(theirs) is not None})
+        if choice != "vllm" and os.path.isfile(path):
+            with open(path) as f:
+                fields = json.load(f)
+        return SamplingParams(**{"max_tokens": VLLM_DEFAULT_MAX_TOKENS, **{
+            ours: fields[theirs] for theirs, ours in _GENERATION_FIELDS.items() if fields.get(theirs) is not None}})
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix block; refused (False) while requests are running."""
@@ -246,9 +248,35 @@ class VllmCompatMixin:
                 isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations):
             raise TypeError(f"messages must be a conversation (a list of dicts) or a list of them, "
                             f"got {messages!r:.80}")
+        where = "messages[{1}]" if single else "messages[{0}][{1}]"
+        conversations = [[text_message(where.format(c, i), m) for i, m in enumerate(conversation)]
+                         for c, conversation in enumerate(conversations)]
         options = dict(chat_template=chat_template, tools=tools, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         texts = [self.tokenizer.apply_chat_template(c, tokenize=False, **options) for c in conversations]
         # the template writes the special tokens (BOS and the like) itself
-        prompts = [{"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)} for text in texts]
+        prompts = [{"prompt_token_ids": encode(self.tokenizer, f"conversation {c}", text, add_special_tokens=False)}
+                   for c, text in enumerate(texts)]
         return self._generate(self._add_requests(prompts, sampling_params, texts=texts), use_tqdm)
+
+
+def text_message(where: str, message: dict) -> dict:
+    """``message`` with its content as one string, as vLLM's "string" content format: text parts joined by
+    newlines, None as "". A role that is not a string, other content, or a part other than text is refused naming
+    ``where`` (the engine is text-only)."""
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise ValueError(f"{where}['role'] must be a string, got {role!r:.60}")
+    if content is None or isinstance(content, str):
+        return {**message, "content": content or ""}
+    if not isinstance(content, list):
+        raise ValueError(f"{where}['content'] must be a string or a list of parts, got {content!r:.60}")
+    texts = []
+    for j, part in enumerate(content):
+        text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
+        if not isinstance(text, str) or isinstance(part, dict) and part.get("type", "text") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{where}['content'][{j}] has type {kind!r}: only text parts are supported "
+                             f"(nanovllm is text-only), got {part!r:.60}")
+        texts.append(text)
+    return {**message, "content": "\n".join(texts)}

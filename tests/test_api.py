@@ -10,7 +10,7 @@ import os
 import shutil
 
 import pytest
-from conftest import ENGINE, GREEDY, assert_no_leaks, random_prompts, token_ids_of
+from conftest import CPU_ENGINE, ENGINE, GREEDY, assert_no_leaks, random_prompts, token_ids_of
 
 from nanovllm import LLM, CompletionOutput, EngineArgs, LLMEngine, RequestOutput, SamplingParams
 
@@ -160,14 +160,36 @@ def test_engine_from_engine_args_and_default_sampling_params(tiny, tmp_path):
     finally:
         engine.exit()
     plain = SamplingParams()
-    opted_out = LLMEngine(str(path), generation_config="vllm", **ENGINE)  # vLLM's keyword: SamplingParams' own
+    opted_out = LLMEngine(str(path), generation_config="vllm", **ENGINE)  # vLLM's keyword: vLLM's own defaults
     try:
         sp = opted_out.get_default_sampling_params()
-        assert (sp.temperature, sp.top_k, sp.max_tokens) == (plain.temperature, plain.top_k, plain.max_tokens)
+        assert (sp.temperature, sp.top_k, sp.max_tokens) == (plain.temperature, plain.top_k, 16)
     finally:
         opted_out.exit()
     with pytest.raises(ValueError, match="generation_config"):
         LLM(str(path), generation_config="nowhere", **ENGINE)
+
+
+def test_vllm_forms_without_sampling_params_generate_vllms_16_tokens(tiny, tmp_path):
+    """nano-vllm's SamplingParams() keeps 64 tokens; vLLM's forms without sampling params get vLLM's 16, as
+    get_default_sampling_params gives when generation_config.json sets no max_new_tokens."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))  # greedy, no max_new_tokens
+    engine = LLM(tiny, generation_config=str(tmp_path), **ENGINE)
+    try:
+        assert SamplingParams().max_tokens == 64 and engine.get_default_sampling_params().max_tokens == 16
+        prompt = [1, 2, 3]
+        longer = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=17), use_tqdm=False)
+        expected = longer[0].outputs[0].token_ids[:16]
+        assert len(longer[0].outputs[0].token_ids) == 17  # no EOS before the 17th token
+        assert engine.generate([prompt], use_tqdm=False)[0].outputs[0].token_ids == expected
+        engine.add_request("by-id", prompt, None)
+        while engine.has_unfinished_requests():
+            finished = [o for o in engine.step() if o.finished]
+        assert finished[0].outputs[0].token_ids == expected
+        chat = engine.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0].outputs[0]
+        assert len(chat.token_ids) == 16 or chat.finish_reason == "stop" and len(chat.token_ids) < 16
+    finally:
+        engine.exit()
 
 
 def test_engine_args_as_command_line_flags():
@@ -315,6 +337,29 @@ def test_chat_keywords_keep_their_meaning(llm):
         llm.chat(messages, lora_request=object())
 
 
+def test_chat_joins_text_parts_and_refuses_malformed_messages(llm):
+    """vLLM's text parts are joined by newlines; a message without a string role, content that is neither a
+    string nor a list of parts, or a part other than text (the engine is text-only) is refused by index."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    assert _chat_prompt(llm, parts) == "<user>hi\nthere<assistant>"
+    assert _chat_prompt(llm, [{"role": "user", "content": None}]) == "<user><assistant>"  # vLLM's: no text
+    ok = {"role": "user", "content": "hi"}
+    image = {"role": "user", "content": [{"type": "text", "text": "see"},
+                                         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+    cases = [([{"content": "hi"}], r"messages\[0\]\['role'\] must be a string, got None"),
+             ([ok, {"role": None, "content": "hi"}], r"messages\[1\]\['role'\] must be a string"),
+             ([{"role": 3, "content": "hi"}], r"messages\[0\]\['role'\]"),
+             ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] must be a string or a list"),
+             ([{"role": "user", "content": {"text": "hi"}}], r"messages\[0\]\['content'\]"),
+             ([image], r"messages\[0\]\['content'\]\[1\] has type 'image_url'.*text-only"),
+             ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"messages\[0\]\['content'\]\[0\]"),
+             ([[ok], [ok, image]], r"messages\[1\]\[1\]\['content'\]\[1\] has type 'image_url'")]
+    for messages, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=TEMPLATE)
+    assert llm.is_finished()
+
+
 # ---- life cycle ----------------------------------------------------------------------------------
 def test_context_manager_shutdown_alias_and_idempotent_exit(tiny):
     with LLM(tiny, **ENGINE) as llm:
@@ -387,6 +432,55 @@ def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
         engine.exit()
 
 
+def test_seed_seeds_pythons_numpys_and_torchs_global_generators(tiny):
+    """As vLLM's set_random_seed: LLM(seed=...) seeds random, numpy.random and torch."""
+    import random
+
+    import numpy as np
+    import torch
+
+    def draws(seed):
+        random.seed(), np.random.seed(), torch.seed()  # unpredictable states first
+        LLM(tiny, seed=seed, **CPU_ENGINE).exit()
+        return random.random(), float(np.random.random()), float(torch.rand(1))
+
+    first = draws(5)
+    assert draws(5) == first
+    assert all(a != b for a, b in zip(draws(6), first))
+
+
+def test_max_logprobs_bounds_the_requested_logprobs_at_admission(llm, tiny):
+    """vLLM's max_logprobs (20; -1: no limit but the vocabulary) refuses a request asking for more, in vLLM's
+    words."""
+    assert llm.config.max_logprobs == 20
+    with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate(["a"], SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate(["a"], SamplingParams(prompt_logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="sample logprobs of 21"):
+        llm.add_request("too-many", [1, 2], SamplingParams(logprobs=21))
+    assert llm.is_finished() and not llm.has_unfinished_requests()
+    out = llm.generate(["ab"], SamplingParams(max_tokens=1, logprobs=20, prompt_logprobs=20), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) >= 20 and len(out.prompt_logprobs[1]) >= 20
+    with LLM(tiny, max_logprobs=2, **CPU_ENGINE) as few, LLM(tiny, max_logprobs=-1, **CPU_ENGINE) as unlimited:
+        with pytest.raises(ValueError, match="sample logprobs of 3, which is greater than max allowed: 2"):
+            few.generate([[1, 2]], SamplingParams(logprobs=3), use_tqdm=False)
+        out = unlimited.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=320), use_tqdm=False)[0]
+        assert len(out.outputs[0].logprobs[0]) == 320
+        with pytest.raises(ValueError, match="sample logprobs of 321, which is greater than max allowed: 320"):
+            unlimited.generate([[1, 2]], SamplingParams(logprobs=321), use_tqdm=False)
+    for bad, error in ((-2, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="max_logprobs"):
+            LLM(tiny, max_logprobs=bad, **CPU_ENGINE)
+
+
+def test_priority_list_of_the_wrong_length_is_refused(llm):
+    with pytest.raises(ValueError, match=r"prompts \(2\) and priority \(1\)"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])
+    assert llm.is_finished()
+    assert len(llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0, 0])) == 2
+
+
 def test_unknown_keyword_is_named(tiny):
     with pytest.raises(TypeError, match="max_num_seq'"):
         LLM(tiny, max_num_seq=4)
@@ -453,15 +547,20 @@ def test_prompt_larger_than_the_kv_cache(tiny, caplog):
 
 # ---- bad prompts and arguments -------------------------------------------------------------------
 @pytest.mark.parametrize("prompts, params, match", [
-    ([[]], None, "empty"),
-    ([[1, 2, 999]], None, "outside the vocabulary"),
-    ([[1, -2]], None, "outside the vocabulary"),
+    ([[]], None, "prompt 0: the decoder prompt cannot be empty"),
+    (["ok", ""], None, "prompt 1: the decoder prompt cannot be empty"),
+    ([[1, 2, 999]], None, r"prompt 0: token id 999 is out of vocabulary \(ids \[999\] outside \[0, 320\)\)"),
+    ([[1, -2]], None, r"token id -2 is out of vocabulary \(ids \[-2\] outside \[0, 320\)"),
     ([[1, 2.5]], None, "list of ints"),
-    ([[7] * 600], None, "max_model_len"),
+    ([[7] * 600], None, r"prompt 0 \(length 600\) plus at least 1 output token is longer than the maximum "
+                        r"context length: max_model_len=512"),
+    ([[7] * 512], None, r"prompt 0 \(length 512\) plus .* maximum context length"),
+    (["\ud800"], None, "prompt 0 is not valid Unicode text"),
+    ([{"prompt": "a\udfffb"}], None, "prompt 0 is not valid Unicode text"),
     (["a", "b"], [SamplingParams()], "2 prompts but 1"),
     ([1.5], None, "a string, a list of ints or a dict"),
-    (["a"], SamplingParams(logprobs=321), "logprobs must be <= the vocabulary size 320, got 321"),
-    (["a"], SamplingParams(prompt_logprobs=10_000), "prompt_logprobs must be <= the vocabulary size 320"),
+    (["a"], SamplingParams(logprobs=321), "Requested sample logprobs of 321, which is greater than max allowed: 20"),
+    (["a"], SamplingParams(prompt_logprobs=10_000), "Requested prompt logprobs of 10000, which is greater than"),
 ])
 def test_bad_prompts_leave_engine_usable(llm, prompts, params, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -303,6 +303,24 @@ def test_bad_params(kwargs, error, name):
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kwargs})
 
 
+def test_length_penalty_whose_score_would_overflow_is_refused_by_name():
+    """The score divides by len ** length_penalty: a value for which that overflows or vanishes at a length up to
+    max_model_len is refused before any step; the values below the bound run to max_model_len with vLLM's score."""
+    for bad in (500.0, -1e6, 160, -160):
+        engine = FakeEngine(max_model_len=64, eos=None)
+        with pytest.raises(ValueError, match=f"length_penalty={bad} .*max_model_len=64"):
+            beam_search(engine, [[0]], BeamSearchParams(beam_width=2, max_tokens=70, length_penalty=bad))
+        assert not engine.calls
+    for ok in (150.0, -150.0, 2.0):
+        engine = FakeEngine(max_model_len=64, eos=None)
+        params = BeamSearchParams(beam_width=2, max_tokens=70, length_penalty=ok)
+        (out,) = beam_search(engine, [[0]], params)
+        assert all(len(s.tokens) == 64 and math.isfinite(get_beam_search_score(s.tokens, s.cum_logprob, None, ok))
+                   for s in out.sequences)
+        assert_same_beams(out, reference_beam_search(engine.next_logprobs, [0], 2, 63, eos=None, length_penalty=ok),
+                          tol=1e-12)
+
+
 def test_bad_calls(llm):
     ok = BeamSearchParams(beam_width=2, max_tokens=2)
     assigned = BeamSearchParams(beam_width=2, max_tokens=2)
@@ -315,8 +333,9 @@ def test_bad_calls(llm):
         (([{"prompt": "a", "images": []}], ok), ValueError, "images"),
         (([{"prompt": 5}], ok), TypeError, "prompt 0"),
         (([{"text": "a"}], ok), ValueError, "prompt 0"),
-        (([[1, 2], []], ok), ValueError, "prompt 1 is empty"),
-        (([[1, 2], [1, vocab]], ok), ValueError, "prompt 1 has token ids"),
+        (([[1, 2], []], ok), ValueError, "prompt 1: the decoder prompt cannot be empty"),
+        (([[1, 2], [1, vocab]], ok), ValueError, f"prompt 1: token id {vocab} is out of vocabulary"),
+        ((["\ud800"], ok), ValueError, "prompt 0 is not valid Unicode text"),
         (([[1] * llm.config.max_model_len], ok), ValueError, "max_model_len"),
         (([1.5], ok), TypeError, "prompt 0"),
         ((42, ok), TypeError, "prompts"),

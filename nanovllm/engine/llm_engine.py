@@ -11,7 +11,7 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config
+from nanovllm.config import Config, set_random_seed
 from nanovllm.engine.core import EngineCore, EngineResources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
@@ -40,6 +40,7 @@ def prompt_list(prompts) -> list:
 class LLMEngine(VllmCompatMixin):
     def __init__(self, model: str, **kwargs):
         config = Config.from_kwargs(model, **kwargs)
+        set_random_seed(config.seed)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         config = config.derive(eos_token_ids=eos_token_ids(config.model, config.hf_config, self.tokenizer))
         self._resources = resources = EngineResources()
@@ -125,10 +126,12 @@ class LLMEngine(VllmCompatMixin):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         sp = sampling_params.clone()
         sp.verify()
-        vocab_size = self.config.hf_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):  # a top k beyond the vocabulary would fail in the forward
-            if (getattr(sp, name) or 0) > vocab_size:
-                raise ValueError(f"{name} must be <= the vocabulary size {vocab_size}, got {getattr(sp, name)}")
+        vocab_size, most = self.config.hf_config.vocab_size, self.config.max_logprobs
+        limit = vocab_size if most == -1 else min(most, vocab_size)  # a top k beyond the vocabulary would fail
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):  # vLLM's wording, then ours
+            if (getattr(sp, name) or 0) > limit:
+                raise ValueError(f"Requested {kind} logprobs of {getattr(sp, name)}, which is greater than max "
+                                 f"allowed: {limit} ({name}; max_logprobs={most}, vocabulary size {vocab_size})")
         if bad := [t for t in sp.stop_token_ids if t >= vocab_size]:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if sp.stop_strings:
@@ -175,7 +178,8 @@ class LLMEngine(VllmCompatMixin):
                  ) -> list[RequestOutput]:
         """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in order;
         ``sampling_params``: one for all, one per prompt, or None for the model's defaults."""
-        refuse_unsupported(priority, lora_request=lora_request)
+        prompts = prompt_list(prompts)
+        refuse_unsupported(priority, num_prompts=len(prompts), lora_request=lora_request)
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
     def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
