@@ -1,29 +1,10 @@
-"""vLLM's ``RequestOutput``, ``CompletionOutput`` and ``Logprob``, as ``generate`` and ``chat`` return them; the
-outputs also answer nano-vllm's dict keys (``out["text"]``)."""
+"""vLLM's ``RequestOutput`` and ``CompletionOutput`` (their ``Logprob`` entries: ``logprobs``), as ``generate`` and
+``chat`` return them; the outputs also answer nano-vllm's dict keys (``out["text"]``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-
-class Logprob(float):
-    """A token's log probability (a float) with vLLM's ``rank`` (1: the most likely) and ``decoded_token``."""
-
-    __slots__ = ("rank", "decoded_token")
-
-    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
-        self = super().__new__(cls, logprob)
-        self.rank, self.decoded_token = rank, decoded_token
-        return self
-
-    @property
-    def logprob(self) -> float:
-        return float(self)
-
-    def __repr__(self) -> str:
-        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
-
-    def __reduce__(self):
-        return Logprob, (float(self), self.rank, self.decoded_token)
+from nanovllm.logprobs import Logprob
 
 
 class DictLike:

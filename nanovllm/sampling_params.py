@@ -6,6 +6,7 @@ import copy
 import json as _json
 import math
 from dataclasses import dataclass
+from enum import Enum
 from functools import cached_property
 
 SAMPLING_EPS = 1e-5  # temperatures below it are greedy: 1 / T would overflow the logits
@@ -76,6 +77,14 @@ class StructuredOutputsParams:
         return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
 
 
+class RequestOutputKind(Enum):
+    """vLLM's: what ``LLMEngine.step`` reports of a request; ``generate`` returns the final output whatever it is."""
+
+    CUMULATIVE = 0  # everything so far, at every report
+    DELTA = 1       # only what is new since the last report
+    FINAL_ONLY = 2  # only the finished output
+
+
 @dataclass
 class SamplingParams:
     """vLLM's sampling parameters (``temperature=0`` is greedy). Logprobs come from the raw model distribution,
@@ -99,6 +108,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: no text ("" as in vLLM), nothing decoded
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    flat_logprobs: bool = False  # True: logprobs in a logprobs.FlatLogprobs
     structured_outputs: StructuredOutputsParams | None = None
 
     def __setattr__(self, name: str, value):
@@ -123,8 +135,10 @@ class SamplingParams:
         for name, hi in (("seed", MAX_SEED - 1), ("logprobs", None), ("prompt_logprobs", None)):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=0, hi=hi)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "flat_logprobs"):
             check_bool(name, getattr(self, name))
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._verify_stops()
         self.temperature = float(self.temperature)
         constraint = self.structured_outputs
@@ -147,6 +161,9 @@ class SamplingParams:
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not all(self.stop_strings):
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
+        if self.stop_strings and not self.detokenize:  # a stop string is found in the text
+            raise ValueError(f"stop strings are only supported when detokenize is True. Set detokenize=True to use "
+                             f"stop (got stop={self.stop!r}, detokenize=False)")
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
         if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")

@@ -462,3 +462,125 @@ def test_stop_string_order_against_length_and_min_tokens(llm, oracle, tiny):
     late = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, stop=stop,
                                                  min_tokens=k), use_tqdm=False)[0]
     assert len(late["token_ids"]) > k and late["token_ids"] == ref_ids[:len(late["token_ids"])]
+
+
+# ---- vLLM's output fields: detokenize, output_kind, flat_logprobs, the logprobs module ----------------
+def _step_until_done(engine) -> dict[str, list]:
+    """Every output step() reports, by request id, until no request is unfinished."""
+    reports: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            reports.setdefault(out.request_id, []).append(out)
+    return reports
+
+
+def _same_entries(got: list, want: list) -> bool:
+    """Logprobs entries alike: the same tokens, ranks and texts, and values up to a batch's rounding."""
+    return len(got) == len(want) and all(
+        (g is None) == (w is None) and list(g or {}) == list(w or {}) and
+        all((lp.rank, lp.decoded_token) == (w[t].rank, w[t].decoded_token) and lp == pytest.approx(w[t], abs=1e-4)
+            for t, lp in (g or {}).items()) for g, w in zip(got, want))
+
+
+def test_detokenize_false_gives_no_text_and_never_decodes(llm, monkeypatch):
+    prompts = random_prompts(2, 5, 20, seed=90)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    reference = llm.generate(prompts, sp, use_tqdm=False)
+    ref_ids = reference[0]["token_ids"]
+    calls = []
+    for name in ("decode", "batch_decode", "convert_ids_to_tokens", "convert_tokens_to_string"):
+        monkeypatch.setattr(llm.tokenizer, name, lambda *a, _name=name, **k: calls.append(_name))
+    quiet = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1,
+                           detokenize=False)
+    outs = llm.generate(prompts + ["a text prompt"], quiet, use_tqdm=False)
+    llm.llm_engine.add_request("quiet", prompts[0], quiet)
+    stepped = _step_until_done(llm.llm_engine)["quiet"]
+    pieces = list(llm.stream(prompts[:1], quiet))
+    assert calls == []  # the detokenizer did no work: not a token decoded, for text, logprobs or a stream
+    assert token_ids_of(outs[:2]) == token_ids_of(reference) and stepped[-1].outputs[0].token_ids == ref_ids
+    for out in outs + stepped:
+        assert out.outputs[0].text == "" and len(out.outputs[0].token_ids) == len(out.outputs[0].logprobs or [])
+        entries = out.outputs[0].logprobs + out.prompt_logprobs[1:]
+        assert all(lp.decoded_token is None for entry in entries for lp in entry.values())  # vLLM's
+    assert [p["text"] for p in pieces] == [""] * len(pieces)
+    assert sum((p["token_ids"] for p in pieces), []) == ref_ids and pieces[-1]["finished"]
+
+
+def test_detokenize_false_refuses_stop_strings_as_vllm(llm):
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize is True"):
+        SamplingParams(detokenize=False, stop=["\n"])
+    for name, bad in (("detokenize", "no"), ("flat_logprobs", 1), ("output_kind", "delta")):
+        with pytest.raises(TypeError, match=f"{name} must be a"):
+            SamplingParams(**{name: bad})
+    late = SamplingParams(max_tokens=2, stop="x")
+    late.detokenize = False  # assigned after construction: refused at admission
+    with pytest.raises(ValueError, match=r"Set detokenize=True to use stop \(got stop='x'"):
+        llm.generate([[1, 2, 3]], late, use_tqdm=False)
+    assert not llm.requests
+
+
+def test_output_kind_shapes_step_outputs_and_not_generate(llm):
+    from nanovllm.sampling_params import RequestOutputKind
+    prompt = random_prompts(1, 10, 10, seed=42)[0]
+    ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                       use_tqdm=False)[0]["token_ids"]
+    start = next(i for i in range(3, 57) if all(t < 128 for t in ids[i:i + 3]))
+    base = dict(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1, prompt_logprobs=1,
+                stop=[bytes(ids[start:start + 3]).decode()])  # a stop string spread over three steps
+    (ref,) = llm.generate([prompt], SamplingParams(**base), use_tqdm=False)
+    assert ref.outputs[0].finish_reason == "stop" and len(ref.outputs[0].token_ids) > 4
+    for kind in RequestOutputKind:  # generate returns the final output, whatever the kind
+        (out,) = llm.generate([prompt], SamplingParams(**base, output_kind=kind), use_tqdm=False)
+        assert (out.outputs[0].text, out.outputs[0].token_ids) == (ref.outputs[0].text, ref.outputs[0].token_ids)
+    for kind in RequestOutputKind:
+        llm.llm_engine.add_request(kind.name, prompt, SamplingParams(**base, output_kind=kind))
+    reports = _step_until_done(llm.llm_engine)
+    (final,) = reports["FINAL_ONLY"]  # only the finished output
+    assert final.finished and final.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert final.outputs[0].text == ref.outputs[0].text and _same_entries(final.prompt_logprobs, ref.prompt_logprobs)
+    cumulative, delta = reports["CUMULATIVE"], reports["DELTA"]
+    assert len(cumulative) == len(delta) > 2 and cumulative[-1].outputs[0].text == ref.outputs[0].text
+    pieces = [d.outputs[0] for d in delta]  # only what each step added, summing to the final output
+    assert "".join(p.text for p in pieces) == ref.outputs[0].text
+    assert sum((p.token_ids for p in pieces), []) == ref.outputs[0].token_ids
+    assert [len(p.token_ids) for p in pieces] == [len(p.logprobs) for p in pieces]
+    assert _same_entries(sum((p.logprobs for p in pieces), []), ref.outputs[0].logprobs)
+    assert pieces[-1].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob, abs=1e-3)
+    assert _same_entries(delta[0].prompt_logprobs, ref.prompt_logprobs)
+    assert all(d.prompt_logprobs is None for d in delta[1:])
+    assert [d.finished for d in delta] == [False] * (len(delta) - 1) + [True]
+
+
+def test_flat_logprobs_read_as_vllms_flat_container(llm):
+    from nanovllm.logprobs import FlatLogprobs, Logprob
+    prompt = random_prompts(1, 12, 12, seed=91)[0]
+    base = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    (ref,) = llm.generate([prompt], SamplingParams(**base), use_tqdm=False)
+    (out,) = llm.generate([prompt], SamplingParams(**base, flat_logprobs=True), use_tqdm=False)
+    flat, prompt_flat = out.outputs[0].logprobs, out.prompt_logprobs
+    assert isinstance(flat, FlatLogprobs) and isinstance(prompt_flat, FlatLogprobs)
+    assert len(flat) == 6 and list(flat) == ref.outputs[0].logprobs and flat[-1] == ref.outputs[0].logprobs[-1]
+    assert prompt_flat[0] == {} and list(prompt_flat)[1:] == ref.prompt_logprobs[1:]  # vLLM's: {} for None
+    for got, want in zip(flat, ref.outputs[0].logprobs):
+        assert all(isinstance(lp, Logprob) for lp in got.values())
+        assert [(lp.rank, lp.decoded_token) for lp in got.values()] == \
+            [(w.rank, w.decoded_token) for w in want.values()]
+    part = flat[2:4]  # a slice is a FlatLogprobs too, its columns indexed from 0
+    assert isinstance(part, FlatLogprobs) and list(part) == ref.outputs[0].logprobs[2:4] and part.start_indices[0] == 0
+    assert flat.token_ids == [t for entry in ref.outputs[0].logprobs for t in entry]
+    assert flat.logprobs == [float(lp) for entry in ref.outputs[0].logprobs for lp in entry.values()]
+    assert out.outputs[0].cumulative_logprob == pytest.approx(ref.outputs[0].cumulative_logprob)
+
+
+def test_logprobs_module_is_vllms():
+    import pickle
+
+    import nanovllm
+    import nanovllm.outputs
+    from nanovllm.logprobs import FlatLogprobs, Logprob, PromptLogprobs, SampleLogprobs
+    assert nanovllm.Logprob is Logprob is nanovllm.outputs.Logprob and Logprob is globals()["Logprob"]
+    lp = Logprob(logprob=-0.5, rank=2, decoded_token="a")  # vLLM's keywords
+    assert (lp.logprob, lp.rank, lp.decoded_token) == (-0.5, 2, "a")
+    back = pickle.loads(pickle.dumps(lp))
+    assert type(back) is Logprob and (back.logprob, back.rank, back.decoded_token) == (-0.5, 2, "a")
+    assert FlatLogprobs in PromptLogprobs.__args__ and FlatLogprobs in SampleLogprobs.__args__

@@ -16,7 +16,7 @@ from nanovllm.engine.core import EngineCore, EngineResources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import Request
-from nanovllm.engine.outputs import request_output
+from nanovllm.engine.outputs import request_output, step_output
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.engine.worker_group import WorkerGroup
@@ -112,8 +112,9 @@ class LLMEngine(VllmCompatMixin):
         if params.prompt_logprobs is not None:  # one completion computes them for the request
             seqs[0].prompt_logprobs = [None] * len(prompt_ids)
         incremental = incremental and self.tokenizer is not None
+        wanted = params.detokenize and (stream is not None or params.stop_strings or incremental)
         detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                        if stream is not None or params.stop_strings or incremental else None for _ in seqs]
+                        if wanted else None for _ in seqs]
         while request_id is None or request_id in self._step_requests and self._step_requests[request_id] is not None:
             request_id = str(next(self._request_ids))  # not one that a caller of add_request holds
         request = Request(index, prompt_ids, seqs, request_id, text, detokenizers, stream, incremental)
@@ -154,8 +155,9 @@ class LLMEngine(VllmCompatMixin):
                     self.core.abort(target)
 
     def step(self) -> list[RequestOutput]:
-        """One forward, if anything is left to run; a cumulative ``RequestOutput`` for each ``add_request`` request
-        that gained tokens since its last report, whoever ran the steps (a finished one once, then forgotten)."""
+        """One forward, if anything is left to run; a ``RequestOutput`` (cumulative, or by its ``output_kind``) for each
+        ``add_request`` request that gained tokens since its last report, whoever ran the steps (a finished one
+        once, then forgotten)."""
         with self.core.lock:
             if not self.core.is_finished():
                 self.core.step()
@@ -163,11 +165,9 @@ class LLMEngine(VllmCompatMixin):
             for request_id, request in list(self._step_requests.items()):
                 if request is None:  # being admitted by another thread
                     continue
-                count = sum(seq.num_completion_tokens for seq in request.seqs)
-                if count == request.num_reported and not request.finished:
+                if (output := step_output(request, self.tokenizer)) is None:  # nothing new, by its output_kind
                     continue
-                outputs.append(request_output(request, self.tokenizer))
-                request.num_reported = count
+                outputs.append(output)
                 if request.finished:
                     self.core.forget(request)
                     del self._step_requests[request_id]

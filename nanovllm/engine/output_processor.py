@@ -21,10 +21,12 @@ class Request:
     stream: deque | None = None      # the pieces its stream() call has not yielded yet
     incremental_text: bool = False   # its outputs' text is its detokenizers' (step() reports it often)
     num_reported: int = 0            # completion tokens step() has reported
+    reported: list = field(default_factory=list)  # per completion, (tokens, characters) step() reported (DELTA)
     error: str | None = None         # why a completion ended with finish_reason "error"
 
     def __post_init__(self):
         self.detokenizers = self.detokenizers or [None] * len(self.seqs)
+        self.reported = self.reported or [(0, 0)] * len(self.seqs)
 
     @property
     def finished(self) -> bool:
@@ -59,11 +61,12 @@ class OutputProcessor:
             at, stop = hit
             detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
             reason, stop_reason = "stop", stop
+        text = ""  # none without a detokenizer (detokenize=False)
         if detok is not None:
             if reason and not hit:
                 detok.flush()
-            holdback = 0 if reason or not stops else max(map(len, stops)) - 1
-            self.stream_piece(request, seq, detok.take(holdback), [token_id], reason)
+            text = detok.take(0 if reason or not stops else max(map(len, stops)) - 1)
+        self.stream_piece(request, seq, text, [token_id], reason)
         return (reason, stop_reason) if reason else None
 
     @staticmethod

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from nanovllm.engine.sampling import PromptLogprobsBatch
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanovllm.logprobs import FlatLogprobs, Logprob
+from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind
 
 
 def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,
@@ -92,8 +95,9 @@ def _decode_entries(entries: list | None, tokenizer) -> None:
 def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
                       incremental: bool = False) -> CompletionOutput:
     """Completion ``index`` of its request. Its text leaves out a stop token's (vLLM's) and ends at a stop
-    string; with ``incremental`` it is the detokenizer's so far."""
+    string; with ``incremental`` it is the detokenizer's so far. ``detokenize=False``: no text, no decoded tokens."""
     sp = seq.sampling_params
+    tokenizer = tokenizer if sp.detokenize else None
     if tokenizer is None:
         text = ""
     elif detokenizer is not None and (incremental or seq.finish_reason == "stop" and sp.stop_strings):
@@ -110,6 +114,7 @@ def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
         if tokenizer is not None:
             _decode_entries(logprobs, tokenizer)
         cumulative = float(sum(entry[token] for entry, token in zip(logprobs, seq.completion_token_ids)))
+        logprobs = FlatLogprobs.of(logprobs) if sp.flat_logprobs else logprobs
     return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs, seq.finish_reason,
                             seq.stop_reason)
 
@@ -124,10 +129,41 @@ def request_output(request, tokenizer) -> RequestOutput:
     metrics = RequestMetrics(arrival, first_token, finish_time,
                              None if first_token is None else first_token - arrival,
                              None if finish_time is None else finish_time - arrival)
-    prompt_logprobs = None if first.prompt_logprobs is None else list(first.prompt_logprobs)
-    if tokenizer is not None:
-        _decode_entries(prompt_logprobs, tokenizer)
+    sp, prompt_logprobs = first.sampling_params, None
+    if first.prompt_logprobs is not None:
+        prompt_logprobs = list(first.prompt_logprobs)
+        if tokenizer is not None and sp.detokenize:
+            _decode_entries(prompt_logprobs, tokenizer)
+        prompt_logprobs = FlatLogprobs.of(prompt_logprobs) if sp.flat_logprobs else prompt_logprobs
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
                          [completion_output(seq, i, tokenizer, request.detokenizers[i], request.incremental_text)
                           for i, seq in enumerate(request.seqs)], finished,
                          first.num_prefix_cached_tokens or 0, metrics, request.error)
+
+
+def step_output(request, tokenizer) -> RequestOutput | None:
+    """What ``LLMEngine.step`` reports of a request, by its ``output_kind`` (vLLM's): None while nothing is new
+    (FINAL_ONLY: until it finishes); DELTA: each completion's tokens, text and logprobs since the last report,
+    the prompt logprobs in the first report only."""
+    kind = request.seqs[0].sampling_params.output_kind
+    count = sum(seq.num_completion_tokens for seq in request.seqs)
+    if not request.finished and (count == request.num_reported or kind is RequestOutputKind.FINAL_ONLY):
+        return None
+    output = request_output(request, tokenizer)
+    if kind is RequestOutputKind.DELTA:
+        output.prompt_logprobs = None if request.num_reported else output.prompt_logprobs
+        output.outputs = [_delta(request, i, out) for i, out in enumerate(output.outputs)]
+    request.num_reported = count
+    return output
+
+
+def _delta(request, i: int, out: CompletionOutput) -> CompletionOutput:
+    """Completion ``i``'s part not reported yet; its text holds back, until it ends, what could still begin a
+    stop string (as a stream's does)."""
+    tokens, chars = request.reported[i]
+    stops = request.seqs[i].sampling_params.stop_strings
+    holdback = 0 if out.finish_reason or not stops else max(map(len, stops)) - 1
+    end = max(chars, len(out.text) - holdback)
+    request.reported[i] = (len(out.token_ids), end)
+    return replace(out, text=out.text[chars:end], token_ids=out.token_ids[tokens:],
+                   logprobs=None if out.logprobs is None else out.logprobs[tokens:])
