@@ -17,6 +17,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import Request
 from nanovllm.engine.outputs import request_output
+from nanovllm.engine.sampling import VllmLogitsProcessors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.engine.worker_group import WorkerGroup
@@ -56,7 +57,8 @@ class LLMEngine(VllmCompatMixin):
                                                           config.eos_token_ids)
         self.structured_outputs.bind(runner.device, config.max_num_seqs,
                                      resources.workers is None and bool(config.async_scheduling))
-        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs])
+        self.logits_processors = VllmLogitsProcessors(config, runner.device)
+        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs, self.logits_processors])
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}
@@ -134,6 +136,7 @@ class LLMEngine(VllmCompatMixin):
         if sp.structured_outputs is not None:
             require_tokenizer(self.tokenizer, "structured outputs")
             self.structured_outputs.compile(sp.structured_outputs)  # a ValueError now if it does not compile
+        self.logits_processors.verify(sp, self.tokenizer)
         return sp
 
     def abort_request(self, request: Request | str | Iterable[str]):
