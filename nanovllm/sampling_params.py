@@ -103,7 +103,7 @@ class SamplingParams:
     extra_args: dict | None = None  # passed through to custom logits processors
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words that may not be generated
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # set at admission
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)  # at admission
 
     def __setattr__(self, name: str, value):
         super().__setattr__(name, value)

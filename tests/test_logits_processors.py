@@ -8,8 +8,13 @@ from conftest import CPU_ENGINE
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import VllmConfig
-from nanovllm.logits_processor import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, bad_words_token_ids,
-                                       process_dict_updates)
+from nanovllm.logits_processor import (
+    AdapterLogitsProcessor,
+    BatchUpdate,
+    LogitsProcessor,
+    bad_words_token_ids,
+    process_dict_updates,
+)
 
 # prompts of different lengths, prefilled in chunks of a small budget beside running decodes, ending at different
 # steps: the batch changes make-up and order from step to step
@@ -137,11 +142,13 @@ def test_bad_words_are_never_completed(tiny, async_scheduling):
     try:
         base = llm.generate([PROMPTS[0]], SamplingParams(**sp), use_tqdm=False)[0].outputs[0].token_ids
         pair, single = chr(base[1]) + chr(base[2]), chr(base[0])
-        out = llm.generate([PROMPTS[0]] * 2, [SamplingParams(**sp, bad_words=[pair]),
-                                              SamplingParams(**sp, bad_words=[single, "zz"])], use_tqdm=False)
+        sampled = SamplingParams(**{**sp, "temperature": 1.0}, n=2, seed=0, bad_words=[single])  # seeds 0 and 1
+        out = llm.generate([PROMPTS[0]] * 3, [SamplingParams(**sp, bad_words=[pair]),
+                                              SamplingParams(**sp, bad_words=[single, "zz"]), sampled], use_tqdm=False)
     finally:
         llm.exit()
-    with_pair, with_single = (o.outputs[0].token_ids for o in out)
+    with_pair, with_single = (o.outputs[0].token_ids for o in out[:2])
+    assert all(base[0] not in c.token_ids for c in out[2].outputs)
     first = next(j for j in range(1, len(base)) if (base[j - 1], base[j]) == (base[1], base[2]))
     assert with_pair[:first] == base[:first] and with_pair[first] != base[first]  # banned after the pair's start
     assert all((a, b) != (base[1], base[2]) for a, b in zip(with_pair, with_pair[1:]))

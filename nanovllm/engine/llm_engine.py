@@ -17,9 +17,9 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import Request
 from nanovllm.engine.outputs import request_output
-from nanovllm.engine.sampling import VllmLogitsProcessors
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
+from nanovllm.engine.vllm_logits import VllmLogitsProcessors
 from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
