@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.logits_processor import load_logits_processors
 from nanovllm.sampling_params import check_bool, check_int
 
 # vLLM's dtype names; their torch dtypes are accepted too
@@ -52,6 +53,8 @@ class Config:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     hf_token: bool | str | None = field(default=None, repr=False)
+    # vLLM's LogitsProcessor subclasses, or their "module.Class" names (None: none), resolved to the classes
+    logits_processors: list | None = field(default_factory=list)
     # resolved in __post_init__
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
@@ -71,6 +74,7 @@ class Config:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         self._set(**{name: defaults[name] for name in _NONE_IS_DEFAULT if getattr(self, name) is None})
         self._check_values()
+        self._set(logits_processors=load_logits_processors(self.logits_processors))
         self._resolve_paths()
         self._set(hf_config=self._load_hf_config())
         if self.device == "auto":
@@ -212,3 +216,5 @@ DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
 # the fields where vLLM's None means our default (max_model_len's and kvcache_block_size's None are resolved later)
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
                     "enable_prefix_caching")
+
+VllmConfig = Config  # the name vLLM's logits processors annotate their first argument with

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json as _json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
@@ -112,6 +112,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     flat_logprobs: bool = False  # True: logprobs in a logprobs.FlatLogprobs
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict | None = None  # passed through to custom logits processors
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words that may not be generated
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)  # at admission
 
     def __setattr__(self, name: str, value):
         super().__setattr__(name, value)
@@ -140,6 +144,7 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._verify_stops()
+        self._verify_processor_fields()
         self.temperature = float(self.temperature)
         constraint = self.structured_outputs
         if constraint is None:
@@ -168,6 +173,21 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
+
+    def _verify_processor_fields(self) -> None:
+        """The fields the built-in and custom logits processors read (the vocabulary is checked at admission)."""
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"extra_args must be a dict, got {self.extra_args!r:.80}")
+        ids = self.allowed_token_ids
+        if ids is not None and not (isinstance(ids, (list, tuple)) and all(type(t) is int and t >= 0 for t in ids)):
+            raise ValueError(f"allowed_token_ids must be a list of non-negative ints, got {ids!r:.80}")
+        if ids is not None and not ids:
+            raise ValueError(f"allowed_token_ids is not None and empty! (None allows every token), got {ids!r}")
+        words = self.bad_words
+        if words is not None and not (isinstance(words, (list, tuple)) and all(isinstance(w, str) for w in words)):
+            raise TypeError(f"bad_words must be a list of strings, got {words!r:.80}")
+        if words and not all(words):
+            raise ValueError(f"bad_words cannot contain an empty string, got {words!r:.80}")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -55,7 +55,6 @@ UNSUPPORTED_KEYWORDS = {
     "num_scheduler_steps": ((1,), "one forward per schedule"),
     "enable_sleep_mode": ((False,), "no sleep mode"),
     "enable_prompt_embeds": ((False,), "prompts are text or token ids"),
-    "logits_processors": ((None, []), "no logits processors"),
     "task": ((None, "auto", "generate"), "text generation only"),
     "runner": (("auto", "generate"), "text generation only"),
     "convert": (("auto", "none"), "text generation only"),

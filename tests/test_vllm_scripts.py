@@ -25,6 +25,7 @@ SCRIPTS = {  # script -> lines its output must hold
     "chat.py": ["Generated text: "],
     "structured_outputs.py": ["choice: 'Positive' (finish_reason='stop')", "parsed: brand=",
                               "grammar: 'SELECT name FROM orders' (finish_reason='stop')"],
+    "custom_logits_processor.py": ["Prompt:    'The capital of France is'", "Output:    'cccccccccccccccc"],
 }
 
 

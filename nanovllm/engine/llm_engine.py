@@ -19,6 +19,7 @@ from nanovllm.engine.output_processor import Request
 from nanovllm.engine.outputs import request_output, step_output
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
+from nanovllm.engine.vllm_logits import VllmLogitsProcessors
 from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
@@ -59,7 +60,8 @@ class LLMEngine(VllmCompatMixin):
                                                           config.eos_token_ids)
         self.structured_outputs.bind(runner.device, config.max_num_seqs,
                                      resources.workers is None and bool(config.async_scheduling))
-        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs])
+        self.logits_processors = VllmLogitsProcessors(config, runner.device)
+        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs, self.logits_processors])
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}
@@ -140,6 +142,7 @@ class LLMEngine(VllmCompatMixin):
         if sp.structured_outputs is not None:
             require_tokenizer(self.tokenizer, "structured outputs")
             self.structured_outputs.compile(sp.structured_outputs)  # a ValueError now if it does not compile
+        self.logits_processors.verify(sp, self.tokenizer)
         return sp
 
     def abort_request(self, request: Request | str | Iterable[str]):

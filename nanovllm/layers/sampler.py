@@ -3,6 +3,7 @@ runs only when a request in the batch asks for it. On CUDA a plain batch takes o
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +39,13 @@ class SamplingBatch:
     generators: list[torch.Generator | None] | None = None  # per row; None: the engine's generator
     num_logprobs: int = -1  # max top-k logprobs asked for in the batch; -1 = none
     token_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32: bit t of row b allows token t
+    logits_transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # vLLM's logits processors' apply
 
     @property
     def is_plain(self) -> bool:
         return self.num_logprobs < 0 and all(getattr(self, f) is None for f in (
-            "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators"))
+            "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators",
+            "logits_transform"))
 
 
 BITMASK_CHUNK_ROWS = 16  # rows unpacked at a time: ~9 bytes a logit of temporaries
@@ -99,8 +102,9 @@ class Sampler(nn.Module):
         self.num_draws = 0
 
     def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
-        """(token ids [B], ``logprobs_of``'s tuple or None). vLLM's order: the bitmask, raw logprobs, penalties,
-        the min_tokens ban, temperature, top-k/top-p/min-p, a Gumbel-max draw; seeded rows use their own noise."""
+        """(token ids [B], ``logprobs_of``'s tuple or None). vLLM's order: the bitmask, raw logprobs, the logits
+        processors, penalties, the min_tokens ban, temperature, top-k/top-p/min-p, a Gumbel-max draw; seeded rows
+        use their own noise."""
         if b.token_bitmask is not None:
             kernels = _triton_sampler() if logits.is_cuda and logits.stride(1) == 1 else None
             mask = kernels.apply_token_bitmask if kernels is not None else apply_token_bitmask
@@ -112,6 +116,8 @@ class Sampler(nn.Module):
         logits = logits.float()
         noise = torch.empty_like(logits).exponential_(1, generator=generator)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs >= 0 else None
+        if b.logits_transform is not None:
+            logits = b.logits_transform(logits)
         if b.presence_penalty is not None:
             logits = apply_penalties(logits, b)
         if b.banned_ids is not None:
