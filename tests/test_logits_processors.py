@@ -228,3 +228,19 @@ def test_logits_processors_by_name_and_not_a_list(tiny):
     assert Config(tiny, device="cpu", logits_processors=None).logits_processors == []
     with pytest.raises(TypeError, match="logits_processors must be a list of LogitsProcessor classes"):
         Config(tiny, device="cpu", logits_processors=DummyLogitsProcessor)
+
+
+def test_a_processor_class_that_cannot_pickle_runs_under_tensor_parallelism(tiny):
+    """Rank 0 alone samples: a class defined in a function (which cannot be pickled to the workers) still works
+    with two ranks."""
+
+    class LocalDummy(DummyLogitsProcessor):
+        pass
+
+    llm = LLM(tiny, tensor_parallel_size=2, logits_processors=[LocalDummy], **CPU_ENGINE)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, extra_args={"target_token": 42})
+        out = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]
+    finally:
+        llm.exit()
+    assert out.outputs[0].token_ids == [42] * 4

@@ -110,12 +110,13 @@ class WorkerGroup:
         # the parent-death signal fires when the spawning *thread* ends
         pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes, self.doorbells = [], []
+        worker_config = config.derive(logits_processors=[])  # rank 0 alone samples; the classes need not pickle
         try:
             for rank in range(1, self.world_size):
                 reader, writer = ctx.Pipe(duplex=False)
                 self.doorbells.append(writer)
                 process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
-                                      args=(config, rank, reader, self.channel.name, self.port, pdeathsig))
+                                      args=(worker_config, rank, reader, self.channel.name, self.port, pdeathsig))
                 process.start()
                 reader.close()  # so that ringing a dead worker fails at once
                 self.processes.append(process)
