@@ -78,10 +78,13 @@ _GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
 
 def config_from_kwargs(cls: type[Config], model: str, kwargs: dict) -> Config:
     """``cls(model, **kwargs)`` with vLLM's aliases renamed and its keywords that change nothing here dropped
-    (and logged); a TypeError names every unknown keyword."""
+    (and logged); a TypeError names every unknown keyword. None counts as not given for an alias and for a
+    field that takes no None (``LLM(**vars(args))`` passes every flag of ``EngineArgs.add_cli_args``)."""
+    no_none = {f.name for f in dataclasses.fields(cls) if "None" not in str(f.type).split(" | ")} | set(KEYWORD_ALIASES)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in no_none}
     for alias, name in KEYWORD_ALIASES.items():
         if alias in kwargs:
-            if name in kwargs:
+            if kwargs.get(name) is not None:
                 raise TypeError(f"pass {name} or its alias {alias}, not both")
             kwargs[name] = kwargs.pop(alias)
     ignored = {name: IGNORED_KEYWORDS[name] for name in kwargs.keys() & IGNORED_KEYWORDS.keys()}

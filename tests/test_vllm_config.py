@@ -3,13 +3,14 @@ one log line, those that would change behaviour are refused by name; dtype alias
 names as users type them (Hugging Face Hub ids, resolved from a local cache laid out in tmp_path, never the network)."""
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 
 import huggingface_hub
 import pytest
 import torch
-from conftest import ENGINE, GREEDY, token_ids_of
+from conftest import CPU_ENGINE, ENGINE, GREEDY, token_ids_of
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -178,3 +179,52 @@ def test_hub_id_downloads_only_after_the_cache_and_when_online(tiny, hub_cache, 
     config = Config.from_kwargs("org/name", revision="main")
     assert config.model == str(hub_cache / "models--org--name" / "snapshots" / COMMIT)
     assert calls == [("org/name", True, "main"), ("org/name", False, "main")]
+
+
+# ---- vLLM's command-line flags and module paths ----------------------------------------------------
+def test_flexible_argument_parser_flags_reach_the_engine_through_llm_of_vars_args(tiny):
+    """vLLM's examples pass every flag of ``EngineArgs.add_cli_args`` to ``LLM(**vars(args))``: the flags left
+    unset (None, both names of an alias pair among them) are defaults; underscores spell dashed flags."""
+    from nanovllm import EngineArgs
+    from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = vars(parser.parse_args([f"--model={tiny}", "--max_model_len", "256", "--block-size", "16",
+                                   "--num_gpu_blocks_override=64", "--device", "cpu"]))
+    assert args["kvcache_block_size"] is None and args["block_size"] == 16
+    engine = LLM(**args)
+    try:
+        c = engine.config
+        assert (c.max_model_len, c.kvcache_block_size, c.num_kvcache_blocks) == (256, 16, 64)
+        assert (c.max_num_seqs, c.gpu_memory_utilization, c.dtype) == (Config(tiny).max_num_seqs, 0.9, "auto")
+        assert len(engine.generate(["a"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    finally:
+        engine.exit()
+    with pytest.raises(TypeError, match="pass kvcache_block_size or its alias block_size, not both"):
+        Config.from_kwargs(tiny, kvcache_block_size=16, block_size=32)
+
+
+def test_beam_search_params_has_vllms_module_path():
+    from nanovllm.beam_search import BeamSearchParams as FromBeamSearch
+    from nanovllm.sampling_params import BeamSearchParams
+    assert BeamSearchParams is FromBeamSearch
+    assert BeamSearchParams(beam_width=2, max_tokens=4).length_penalty == 1.0
+
+
+def test_cleanup_dist_env_and_memory_frees_dropped_engines_and_keeps_live_ones(tiny):
+    from nanovllm.distributed import cleanup_dist_env_and_memory
+    live = LLM(tiny, **CPU_ENGINE)
+    gc.disable()  # the collection is cleanup's to make
+    try:
+        dropped = LLM(tiny, **CPU_ENGINE)
+        dropped.itself, resources = dropped, dropped._resources  # a cycle: only a collection frees it
+        before = token_ids_of(live.generate(PROMPTS, GREEDY, use_tqdm=False))
+        del dropped
+        assert not resources.closed
+        cleanup_dist_env_and_memory()
+        assert resources.closed
+        cleanup_dist_env_and_memory(shutdown_ray=False)
+        assert token_ids_of(live.generate(PROMPTS, GREEDY, use_tqdm=False)) == before
+    finally:
+        gc.enable()
+        live.exit()
