@@ -24,6 +24,8 @@ SCRIPTS = {  # script -> lines its output must hold
     "beam_search.py": ["'def fibonacci(n):"],
     "chat.py": ["Generated text: "],
     "generate.py": ["Prompt: 'Hello, my name is', Generated text: "],
+    "metrics.py": ["vllm:num_requests_running (gauge) = 0", "vllm:prompt_tokens (counter) = ",
+                   "vllm:request_success (counter) = "],
     "structured_outputs.py": ["choice: 'Positive' (finish_reason='stop')", "parsed: brand=",
                               "grammar: 'SELECT name FROM orders' (finish_reason='stop')"],
 }

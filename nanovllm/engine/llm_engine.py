@@ -24,6 +24,7 @@ from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.loader import eos_token_ids, load_tokenizer
+from nanovllm.v1.metrics.reader import EngineStats
 from nanovllm.vllm_compat import VllmCompatMixin, refuse_unsupported
 
 
@@ -56,7 +57,8 @@ class LLMEngine(VllmCompatMixin):
                                                           config.eos_token_ids)
         self.structured_outputs.bind(runner.device, config.max_num_seqs,
                                      resources.workers is None and bool(config.async_scheduling))
-        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs])
+        self.stats = EngineStats()  # get_metrics()'s counters
+        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs, self.stats])
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}

@@ -112,7 +112,7 @@ class WorkerGroup:
         self.processes, self.doorbells = [], []
         try:
             for rank in range(1, self.world_size):
-                reader, writer = ctx.Pipe(duplex=False)
+                reader, writer = ctx.Pipe()  # duplex: collective_rpc's replies come back on it
                 self.doorbells.append(writer)
                 process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
                                       args=(config, rank, reader, self.channel.name, self.port, pdeathsig))
@@ -217,12 +217,16 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
     code = 1
     try:
         from nanovllm.engine.model_runner import ModelRunner
+        from nanovllm.vllm_compat import rpc_reply
         # attached before joining the group: rank 0 writes nothing before every rank joined
         channel = CallChannel(segment, config.tensor_parallel_size, rank)
         runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
         while (call := channel.read(doorbell)) is not None:
             method, args = call
-            getattr(runner, method)(*args)
+            if method == "rpc":  # collective_rpc: (method, args, kwargs), answered on the doorbell
+                doorbell.send_bytes(rpc_reply(runner, *args))
+            else:
+                getattr(runner, method)(*args)
             if method == "exit":
                 code = 0
                 break
