@@ -286,10 +286,19 @@ def test_collective_rpc_and_the_profiler_on_one_rank(tiny, llm, tmp_path):
         llm.start_profile()
 
 
+def max_positions(runner):
+    return runner.config.hf_config.max_position_embeddings
+
+
 def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
     profile = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_use_gzip": False}
-    engine = LLM(tiny, **CPU_ENGINE, tensor_parallel_size=2, profiler_config=profile)
+
+    def extend(hf_config):  # a local function: the workers get the config it made, not the function
+        hf_config.max_position_embeddings = 2048
+        return hf_config
+    engine = LLM(tiny, **CPU_ENGINE, tensor_parallel_size=2, profiler_config=profile, hf_overrides=extend)
     try:
+        assert engine.collective_rpc(max_positions) == [2048, 2048]
         blocks = engine.config.num_kvcache_blocks
         assert engine.collective_rpc(rank_and_scaled_blocks, args=(2,), kwargs={"offset": 1}) == \
             [(0, 2 * blocks + 1), (1, 2 * blocks + 1)]

@@ -110,6 +110,7 @@ class WorkerGroup:
         # the parent-death signal fires when the spawning *thread* ends
         pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes, self.doorbells = [], []
+        config = config.derive(hf_overrides=None)  # applied to hf_config already; a function need not pickle
         try:
             for rank in range(1, self.world_size):
                 reader, writer = ctx.Pipe()  # duplex: collective_rpc's replies come back on it
