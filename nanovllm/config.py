@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,9 @@ class Config:
     hf_token: bool | str | None = field(default=None, repr=False)
     # vLLM's LogitsProcessor subclasses, or their "module.Class" names (None: none), resolved to the classes
     logits_processors: list | None = field(default_factory=list)
+    hf_overrides: dict | Callable | None = None  # merged into config.json's config, or a function of it
+    enable_chunked_prefill: bool | None = None  # False: a prompt is never split (needs max_num_batched_tokens)
+    profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": ...}: start_profile's
     # resolved in __post_init__
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
@@ -95,6 +99,9 @@ class Config:
         # an unsupported architecture fails here, before any process starts
         self._set(model_class=get_model_class(self.hf_config), max_model_len=min(max_model_len, model_len))
         self.model_class.check_config(self.hf_config, self.max_model_len)
+        if self.enable_chunked_prefill is False and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"enable_chunked_prefill=False needs max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens}) >= max_model_len ({self.max_model_len})")
         self._set(torch_dtype=self._resolve_dtype())
         self._check_tensor_parallel_split()
         from nanovllm.layers.attention import resolve_backend
@@ -158,8 +165,11 @@ class Config:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
             check_bool(name, getattr(self, name))
-        if self.async_scheduling is not None:
-            check_bool("async_scheduling", self.async_scheduling)
+        for name in ("async_scheduling", "enable_chunked_prefill"):
+            if getattr(self, name) is not None:
+                check_bool(name, getattr(self, name))
+        from nanovllm.vllm_compat import profiler_options
+        self._set(profiler_config=profiler_options(self.profiler_config))
 
     def _resolve_paths(self):
         """``model`` and ``tokenizer`` as local directories; a Hub id's snapshot must hold config.json, and the
@@ -173,14 +183,16 @@ class Config:
             self._set(tokenizer=resolve_model(os.fspath(self.tokenizer), (), revision, **hub))
 
     def _load_hf_config(self) -> PretrainedConfig:
-        """A checkpoint directory's config.json, or a built-in preset's (random weights only)."""
+        """A checkpoint directory's config.json, or a built-in preset's (random weights only), with
+        ``hf_overrides`` applied."""
         from nanovllm.demo import BUILTIN_MODELS
         from nanovllm.models.presets import PRESETS, preset_config
+        from nanovllm.vllm_compat import apply_hf_overrides
         if self.model in PRESETS and not os.path.isdir(self.model):
             if self.load_format != "dummy" or not self.skip_tokenizer_init:
                 raise ValueError(f"model {self.model!r} is an architecture preset (no weights, no tokenizer): "
                                  "pass load_format='dummy' and skip_tokenizer_init=True")
-            return preset_config(self.model)
+            return apply_hf_overrides(preset_config(self.model), self.hf_overrides)
         if not os.path.isdir(self.model):
             raise ValueError(f"model directory {self.model!r} does not exist (built-in models: "
                              f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
@@ -189,7 +201,7 @@ class Config:
         from nanovllm.layers.rotary_embedding import rope_parameters
         with open(os.path.join(self.model, "config.json")) as f:  # before transformers divides by its fields
             rope_parameters(json.load(f))
-        return AutoConfig.from_pretrained(self.model)
+        return apply_hf_overrides(AutoConfig.from_pretrained(self.model), self.hf_overrides)
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

@@ -2,9 +2,13 @@
 ``chat`` return them; the outputs also answer nano-vllm's dict keys (``out["text"]``)."""
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field, fields
 
 from nanovllm.logprobs import Logprob
+
+logger = logging.getLogger("nanovllm")
 
 
 class DictLike:
@@ -74,6 +78,20 @@ class RequestMetrics(DictLike):
     total_time: float | None
 
 
+def _ignores_unknown_keywords(cls):
+    """vLLM's forward compatibility: keywords of a later vLLM are logged and ignored by the constructor."""
+    init, names = cls.__init__, {f.name for f in fields(cls) if f.init}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if unknown := sorted(kwargs.keys() - names):
+            logger.warning("%s: ignoring extra arguments: %s", cls.__name__, unknown)
+        init(self, *args, **{k: v for k, v in kwargs.items() if k in names})
+    cls.__init__ = __init__
+    return cls
+
+
+@_ignores_unknown_keywords
 @dataclass
 class RequestOutput(DictLike):
     """``prompt`` is None for token prompts; the keys add completion 0's ``text``, ``token_ids``,

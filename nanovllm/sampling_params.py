@@ -236,3 +236,25 @@ def check_int(name: str, value, lo: int, hi: int | None = None):
 def check_bool(name: str, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters; each step's token sampled at ``temperature`` joins the candidates."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def verify(self) -> None:
+        check_int("beam_width", self.beam_width, lo=1)
+        check_int("max_tokens", self.max_tokens, lo=1)
+        check_number("temperature", self.temperature, lo=0.0)
+        check_number("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            check_bool(name, getattr(self, name))
+
+    __post_init__ = verify

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
+import pickle
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from transformers import PretrainedConfig
+
 from nanovllm.config import Config
+from nanovllm.engine.worker_group import JOIN_TIMEOUT_S, WorkerDiedError
 from nanovllm.inputs import encode
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, check_bool, check_number
 
 if TYPE_CHECKING:
     from nanovllm.engine.llm_engine import LLMEngine
@@ -49,7 +55,6 @@ UNSUPPORTED_KEYWORDS = {
     "enable_lora": ((False, None), "no LoRA adapters"),
     "max_lora_rank": ((), "no LoRA adapters"),
     "max_loras": ((), "no LoRA adapters"),
-    "enable_chunked_prefill": ((None, True), "prefills are always chunked"),
     "scheduling_policy": (("fcfs",), "first come, first served only"),
     "preemption_mode": ((None, "recompute"), "preempted sequences are recomputed"),
     "num_scheduler_steps": ((1,), "one forward per schedule"),
@@ -61,7 +66,6 @@ UNSUPPORTED_KEYWORDS = {
     "model_impl": (("auto", "vllm"), "the models are nanovllm's own code"),
     "tokenizer_mode": (("auto", "hf"), "transformers' AutoTokenizer only"),
     "config_format": (("auto", "hf"), "Hugging Face's config.json only"),
-    "hf_overrides": ((None, {}), "config.json is used as it is"),
     "rope_scaling": ((None,), "config.json is used as it is"),
     "rope_theta": ((None,), "config.json is used as it is"),
     "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs use xgrammar"),
@@ -78,10 +82,13 @@ VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 
 def config_from_kwargs(cls: type[Config], model: str, kwargs: dict) -> Config:
     """``cls(model, **kwargs)`` with vLLM's aliases renamed and its keywords that change nothing here dropped
-    (and logged); a TypeError names every unknown keyword."""
+    (and logged); a TypeError names every unknown keyword. None counts as not given for an alias and for a
+    field that takes no None (``LLM(**vars(args))`` passes every flag of ``EngineArgs.add_cli_args``)."""
+    no_none = {f.name for f in dataclasses.fields(cls) if "None" not in str(f.type).split(" | ")} | set(KEYWORD_ALIASES)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in no_none}
     for alias, name in KEYWORD_ALIASES.items():
         if alias in kwargs:
-            if name in kwargs:
+            if kwargs.get(name) is not None:
                 raise TypeError(f"pass {name} or its alias {alias}, not both")
             kwargs[name] = kwargs.pop(alias)
     ignored = {name: IGNORED_KEYWORDS[name] for name in kwargs.keys() & IGNORED_KEYWORDS.keys()}
@@ -100,6 +107,105 @@ def config_from_kwargs(cls: type[Config], model: str, kwargs: dict) -> Config:
         logger.info("ignored vLLM engine argument(s), no effect in nanovllm: %s",
                     "; ".join(f"{name} ({why})" for name, why in sorted(ignored.items())))
     return config
+
+
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
+    """vLLM's ``hf_overrides``: a dict merged into the model's config, or a function taking the config and returning
+    it. Where the config keeps ``rope_theta`` in ``rope_parameters`` (transformers 5), a rope dict or
+    ``rope_theta`` given alone is merged there, so that the other field is kept."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        if not isinstance(hf_config := overrides(hf_config), PretrainedConfig):
+            raise TypeError(f"hf_overrides must return the model's config, got {hf_config!r:.80}")
+        return hf_config
+    if not isinstance(overrides, dict):
+        raise TypeError(f"hf_overrides must be a dict or a callable, got {overrides!r:.80}")
+    overrides, rope = dict(overrides), getattr(hf_config, "rope_parameters", None)
+    if isinstance(rope, dict) and overrides.keys() & {"rope_scaling", "rope_parameters", "rope_theta"}:
+        new = dict(overrides.pop("rope_parameters", None) or overrides.pop("rope_scaling", None) or rope)
+        new.setdefault("rope_theta", overrides.pop("rope_theta", rope.get("rope_theta")))
+        overrides["rope_parameters"] = new
+    hf_config.update(overrides)
+    return hf_config
+
+
+# profiler_config's torch profiler flags: vLLM's name -> (torch.profiler.profile's keyword, vLLM's default)
+_PROFILER_FLAGS = {"torch_profiler_with_stack": ("with_stack", True),
+                   "torch_profiler_with_flops": ("with_flops", False),
+                   "torch_profiler_record_shapes": ("record_shapes", False),
+                   "torch_profiler_with_memory": ("profile_memory", False), "torch_profiler_use_gzip": (None, True)}
+
+
+def profiler_options(config: dict | None) -> dict | None:
+    """``profiler_config`` checked (vLLM's ``ProfilerConfig`` fields for the torch profiler), its directory made
+    absolute; None when nothing is profiled."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise TypeError(f"profiler_config must be a dict, got {config!r:.80}")
+    if unknown := sorted(config.keys() - {"profiler", "torch_profiler_dir", *_PROFILER_FLAGS}):
+        raise ValueError(f"profiler_config keys {unknown} are not supported by nanovllm; supported: profiler, "
+                         f"torch_profiler_dir, {', '.join(_PROFILER_FLAGS)}")
+    profiler, directory = config.get("profiler"), config.get("torch_profiler_dir") or ""
+    if profiler not in (None, "torch"):
+        raise ValueError(f"profiler_config profiler={profiler!r} is not supported by nanovllm: 'torch' only")
+    if directory and profiler != "torch":
+        raise ValueError("torch_profiler_dir is only applicable when profiler is set to 'torch'")
+    if profiler == "torch" and not directory:
+        raise ValueError("torch_profiler_dir must be set when profiler is 'torch'")
+    for name in config.keys() & _PROFILER_FLAGS.keys():
+        check_bool(f"profiler_config {name}", config[name])
+    if profiler is None:
+        return None
+    return {**config, "torch_profiler_dir": os.path.abspath(os.path.expanduser(directory))}
+
+
+def run_method(runner, method, args: tuple, kwargs: dict):
+    """One rank's part of ``collective_rpc``: the runner's method of that name, or ``method(runner, ...)``."""
+    return (getattr(runner, method) if isinstance(method, str) else functools.partial(method, runner))(*args, **kwargs)
+
+
+def rpc_reply(runner, method, args: tuple, kwargs: dict) -> bytes:
+    """A worker's pickled reply to ``collective_rpc``: (True, the result) or (False, its error)."""
+    try:
+        return pickle.dumps((True, run_method(runner, method, args, kwargs)))
+    except Exception as e:  # the method failed, or its result does not pickle
+        return pickle.dumps((False, f"{type(e).__name__}: {e}"))
+
+
+def _rpc_replies(workers, deadline: float | None) -> list[tuple[bool, object]]:
+    """Every worker's reply to the last ``rpc`` call, in rank order."""
+    replies = []
+    for rank, doorbell in enumerate(workers.doorbells, 1):
+        if not doorbell.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"collective_rpc: tensor-parallel worker rank {rank} did not reply in time")
+        try:
+            replies.append(pickle.loads(doorbell.recv_bytes()))
+        except (EOFError, OSError):
+            raise workers.death_error(JOIN_TIMEOUT_S) or WorkerDiedError(f"worker rank {rank} died") from None
+    return replies
+
+
+def _profile(runner, start: bool, options: dict | None = None, prefix: str | None = None) -> None:
+    """Starts this rank's torch profiler, or stops it, which writes the trace (``rank<r>.<time>.pt.trace.json``,
+    gzipped by default) into ``torch_profiler_dir``."""
+    import torch.profiler as tp
+    profiler = getattr(runner, "torch_profiler", None)
+    if not start:
+        if profiler is None:
+            raise RuntimeError("stop_profile() without start_profile()")
+        runner.torch_profiler = None
+        return profiler.stop()
+    if profiler is not None:
+        raise RuntimeError("start_profile(): the profiler is running already")
+    name = f"{prefix}_rank{runner.rank}" if prefix else f"rank{runner.rank}"
+    flags = {ours: options.get(theirs, default) for theirs, (ours, default) in _PROFILER_FLAGS.items() if ours}
+    handler = tp.tensorboard_trace_handler(options["torch_profiler_dir"], name,
+                                           use_gzip=options.get("torch_profiler_use_gzip", True))
+    activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if runner.config.device == "cuda" else [])
+    runner.torch_profiler = tp.profile(activities=activities, on_trace_ready=handler, **flags)
+    runner.torch_profiler.start()
 
 
 def refuse_unsupported(priority=None, *, num_prompts: int | None = None, **keywords) -> None:
@@ -151,8 +257,8 @@ def _cli_fields() -> dict[str, type]:
     """Config's keywords and vLLM's aliases of them, with the type their flag parses."""
     fields = {f.name: str(f.type).split(" | ") for f in dataclasses.fields(Config) if f.init and f.name != "model"}
     fields.update({alias: fields[name] for alias, name in KEYWORD_ALIASES.items()})
-    return {name: str if "str" in parts else next((t for t in (bool, int, float) if t.__name__ in parts), str)
-            for name, parts in fields.items()}
+    return {name: json.loads if "dict" in parts else str if "str" in parts else
+            next((t for t in (bool, int, float) if t.__name__ in parts), str) for name, parts in fields.items()}
 
 
 class VllmCompatMixin:
@@ -199,10 +305,68 @@ class VllmCompatMixin:
         return SamplingParams(**{"max_tokens": VLLM_DEFAULT_MAX_TOKENS, **{
             ours: fields[theirs] for theirs, ours in _GENERATION_FIELDS.items() if fields.get(theirs) is not None}})
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached prefix block; refused (False) while requests are running."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets every cached prefix block; refused (False) while requests hold blocks, unless
+        ``reset_running_requests`` (vLLM's): they are preempted first, and recomputed from their known tokens."""
+        check_bool("reset_running_requests", reset_running_requests)
         with self.core.lock:
-            return self.core.scheduler.block_manager.reset_prefix_cache()
+            scheduler = self.core.scheduler
+            if reset_running_requests:
+                self.core.read_back()  # the step in flight: its tokens become known
+                while scheduler.running:
+                    scheduler.preempt(scheduler.running.pop())
+                for seq in scheduler.waiting:  # a prompt part-way through its chunks holds blocks
+                    scheduler.block_manager.deallocate(seq)
+            return scheduler.block_manager.reset_prefix_cache()
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+                       ) -> list:
+        """vLLM's: ``method`` (a ModelRunner method's name, or a function taking the runner first) with ``args``
+        and ``kwargs`` on every tensor-parallel rank at once; each rank's result, rank 0's (this process) first.
+        ``timeout``: seconds to wait for the workers; a worker that misses it shuts the engine down."""
+        if not (isinstance(method, str) or callable(method)):
+            raise TypeError(f"method must be a method name or a callable, got {method!r:.80}")
+        if timeout is not None:
+            check_number("timeout", timeout, lo=0, lo_open=True)
+        call, deadline = (method, tuple(args), dict(kwargs or {})), timeout and time.monotonic() + timeout
+        with self.core.lock:
+            runner, workers = self._resources.runner, self._resources.workers
+            if runner is None:
+                raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+            if isinstance(method, str) and not callable(getattr(runner, method, None)):
+                raise ValueError(f"method={method!r} is not a method of the workers (nanovllm's ModelRunner)")
+            if workers is not None:
+                try:
+                    pickle.dumps(call)
+                except Exception as e:
+                    raise TypeError(f"collective_rpc sends method, args and kwargs to the workers by pickle: {e}") \
+                        from None
+                self.core.call_or_shut_down(workers.call, "rpc", *call)
+            try:
+                result = run_method(runner, *call)
+            finally:
+                replies = self.core.call_or_shut_down(_rpc_replies, workers, deadline) if workers else []
+        if failed := next((rank for rank, (ok, _) in enumerate(replies, 1) if not ok), None):
+            raise RuntimeError(f"collective_rpc: tensor-parallel worker rank {failed} raised {replies[failed - 1][1]}")
+        return [result, *(value for _, value in replies)]
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Starts the torch profiler on every rank (``profiler_config`` says where the traces go)."""
+        if self.config.profiler_config is None:
+            raise RuntimeError("start_profile(): profiling is not enabled; pass profiler_config="
+                               "{'profiler': 'torch', 'torch_profiler_dir': ...}")
+        self.collective_rpc(_profile, args=(True, self.config.profiler_config, profile_prefix))
+
+    def stop_profile(self) -> None:
+        """Stops every rank's profiler; each writes its trace into ``torch_profiler_dir``."""
+        self.collective_rpc(_profile, args=(False,))
+
+    def get_metrics(self) -> list:
+        """vLLM's metrics (``nanovllm.v1.metrics.reader``): requests running and waiting, KV-cache use,
+        preemptions, prompt and generation tokens, prefix-cache queries and hits, and finished requests by
+        reason, over the engine's life."""
+        with self.core.lock:
+            return self.stats.snapshot(self.core.scheduler, self.config.model)
 
     def _add_request_by_id(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
                            lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:

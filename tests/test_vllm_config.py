@@ -3,17 +3,21 @@ one log line, those that would change behaviour are refused by name; dtype alias
 names as users type them (Hugging Face Hub ids, resolved from a local cache laid out in tmp_path, never the network)."""
 from __future__ import annotations
 
+import gc
+import gzip
+import json
 import logging
 import shutil
+import time
 
 import huggingface_hub
 import pytest
 import torch
-from conftest import ENGINE, GREEDY, token_ids_of
+from conftest import CPU_ENGINE, ENGINE, GREEDY, token_ids_of
 from huggingface_hub import constants
 from huggingface_hub.errors import LocalEntryNotFoundError
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, RequestOutput, SamplingParams
 from nanovllm.config import Config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -24,7 +28,7 @@ PROMPTS = ["Hello, Nano-vLLM.", [1, 2, 3, 4, 5]]
 def test_ignored_keywords_are_logged_once_and_the_engine_runs(tiny, llm, caplog):
     caplog.set_level(logging.INFO, logger="nanovllm")
     ignored = dict(trust_remote_code=True, swap_space=4, disable_log_stats=True, compilation_config={"level": 3},
-                   max_seq_len_to_capture=8192, enable_chunked_prefill=True, quantization=None, cpu_offload_gb=0)
+                   max_seq_len_to_capture=8192, quantization=None, cpu_offload_gb=0)
     engine = LLM(tiny, **ENGINE, **ignored)
     try:
         assert token_ids_of(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == \
@@ -44,7 +48,6 @@ def test_ignored_keywords_are_logged_once_and_the_engine_runs(tiny, llm, caplog)
     (dict(max_lora_rank=16), "max_lora_rank=16"),
     (dict(cpu_offload_gb=4), "cpu_offload_gb=4"),
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype.*'fp8_e5m2'"),
-    (dict(enable_chunked_prefill=False), "enable_chunked_prefill=False"),
     (dict(load_format="gguf"), "load_format.*'gguf'"),
     (dict(guided_decoding_backend="outlines"), "guided_decoding_backend='outlines'.*xgrammar"),
     (dict(structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True}),
@@ -178,3 +181,268 @@ def test_hub_id_downloads_only_after_the_cache_and_when_online(tiny, hub_cache, 
     config = Config.from_kwargs("org/name", revision="main")
     assert config.model == str(hub_cache / "models--org--name" / "snapshots" / COMMIT)
     assert calls == [("org/name", True, "main"), ("org/name", False, "main")]
+
+
+# ---- vLLM's command-line flags and module paths ----------------------------------------------------
+def test_flexible_argument_parser_flags_reach_the_engine_through_llm_of_vars_args(tiny):
+    """vLLM's examples pass every flag of ``EngineArgs.add_cli_args`` to ``LLM(**vars(args))``: the flags left
+    unset (None, both names of an alias pair among them) are defaults; underscores spell dashed flags."""
+    from nanovllm import EngineArgs
+    from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = FlexibleArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = vars(parser.parse_args([f"--model={tiny}", "--max_model_len", "256", "--block-size", "16",
+                                   "--num_gpu_blocks_override=64", "--device", "cpu"]))
+    assert args["kvcache_block_size"] is None and args["block_size"] == 16
+    engine = LLM(**args)
+    try:
+        c = engine.config
+        assert (c.max_model_len, c.kvcache_block_size, c.num_kvcache_blocks) == (256, 16, 64)
+        assert (c.max_num_seqs, c.gpu_memory_utilization, c.dtype) == (Config(tiny).max_num_seqs, 0.9, "auto")
+        assert len(engine.generate(["a"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+    finally:
+        engine.exit()
+    with pytest.raises(TypeError, match="pass kvcache_block_size or its alias block_size, not both"):
+        Config.from_kwargs(tiny, kvcache_block_size=16, block_size=32)
+
+
+def test_beam_search_params_has_vllms_module_path():
+    from nanovllm.beam_search import BeamSearchParams as FromBeamSearch
+    from nanovllm.sampling_params import BeamSearchParams
+    assert BeamSearchParams is FromBeamSearch
+    assert BeamSearchParams(beam_width=2, max_tokens=4).length_penalty == 1.0
+
+
+def test_cleanup_dist_env_and_memory_frees_dropped_engines_and_keeps_live_ones(tiny):
+    from nanovllm.distributed import cleanup_dist_env_and_memory
+    live = LLM(tiny, **CPU_ENGINE)
+    gc.disable()  # the collection is cleanup's to make
+    try:
+        dropped = LLM(tiny, **CPU_ENGINE)
+        dropped.itself, resources = dropped, dropped._resources  # a cycle: only a collection frees it
+        before = token_ids_of(live.generate(PROMPTS, GREEDY, use_tqdm=False))
+        del dropped
+        assert not resources.closed
+        cleanup_dist_env_and_memory()
+        assert resources.closed
+        cleanup_dist_env_and_memory(shutdown_ray=False)
+        assert token_ids_of(live.generate(PROMPTS, GREEDY, use_tqdm=False)) == before
+    finally:
+        gc.enable()
+        live.exit()
+
+
+# ---- vLLM's LLM methods and engine keywords ------------------------------------------------------------
+def rank_and_scaled_blocks(runner, scale, offset=0):
+    return runner.rank, runner.num_kvcache_blocks * scale + offset
+
+
+def all_reduce_ranks(runner):
+    """A collective: it returns only if every rank runs it at once."""
+    t = torch.tensor([float(runner.rank + 1)])
+    return runner.group.all_reduce(t).item() if runner.group is not None else t.item()
+
+
+def fails_on_rank_1(runner):
+    if runner.rank == 1:
+        raise ValueError("rank 1 refuses")
+    return runner.rank
+
+
+def sleeps_on_rank_1(runner, seconds):
+    time.sleep(seconds if runner.rank == 1 else 0)
+
+
+def trace_ranks(directory) -> list[str]:
+    """The ranks of the torch profiler traces in ``directory``, each checked to be a Chrome trace."""
+    ranks = []
+    for path in sorted(directory.iterdir()):
+        with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
+            assert "traceEvents" in json.load(f), path
+        ranks.append(path.name.split(".")[0])
+    return ranks
+
+
+def test_collective_rpc_and_the_profiler_on_one_rank(tiny, llm, tmp_path):
+    engine = LLM(tiny, **CPU_ENGINE, profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
+    try:
+        blocks = engine.config.num_kvcache_blocks
+        assert engine.collective_rpc(rank_and_scaled_blocks, args=(2,), kwargs={"offset": 1}) == [(0, 2 * blocks + 1)]
+        assert engine.collective_rpc(lambda runner: runner.rank) == [0]  # in this process: any callable
+        assert engine.collective_rpc("_block_bytes") == [engine.model_runner._block_bytes()]
+        with pytest.raises(ValueError, match="method='no_such_method'"):
+            engine.collective_rpc("no_such_method")
+        engine.start_profile()
+        with pytest.raises(RuntimeError, match="running already"):
+            engine.start_profile()
+        engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        engine.stop_profile()
+        assert trace_ranks(tmp_path) == ["rank0"] and next(tmp_path.iterdir()).name.endswith(".pt.trace.json.gz")
+        with pytest.raises(RuntimeError, match="stop_profile"):
+            engine.stop_profile()
+    finally:
+        engine.exit()
+    with pytest.raises(RuntimeError, match="profiler_config"):
+        llm.start_profile()
+
+
+def max_positions(runner):
+    return runner.config.hf_config.max_position_embeddings
+
+
+def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
+    profile = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_use_gzip": False}
+
+    def extend(hf_config):  # a local function: the workers get the config it made, not the function
+        hf_config.max_position_embeddings = 2048
+        return hf_config
+    engine = LLM(tiny, **CPU_ENGINE, tensor_parallel_size=2, profiler_config=profile, hf_overrides=extend)
+    try:
+        assert engine.collective_rpc(max_positions) == [2048, 2048]
+        blocks = engine.config.num_kvcache_blocks
+        assert engine.collective_rpc(rank_and_scaled_blocks, args=(2,), kwargs={"offset": 1}) == \
+            [(0, 2 * blocks + 1), (1, 2 * blocks + 1)]
+        assert engine.collective_rpc(all_reduce_ranks) == [3.0, 3.0]
+        with pytest.raises(RuntimeError, match="rank 1 raised ValueError: rank 1 refuses"):
+            engine.collective_rpc(fails_on_rank_1)
+        with pytest.raises(TypeError, match="pickle"):
+            engine.collective_rpc(lambda runner: runner.rank)
+        assert engine.collective_rpc("_block_bytes", timeout=60) == [engine.model_runner._block_bytes()] * 2
+        engine.start_profile(profile_prefix="tp")
+        assert len(engine.generate(PROMPTS, GREEDY, use_tqdm=False)[1].outputs[0].token_ids) == 8
+        engine.stop_profile()
+        assert trace_ranks(tmp_path) == ["tp_rank0", "tp_rank1"]
+        with pytest.raises(TimeoutError, match="rank 1"):  # its reply would come late: the engine shuts down
+            engine.collective_rpc(sleeps_on_rank_1, timeout=0.5, args=(60,))
+        with pytest.raises(RuntimeError, match="shut down"):
+            engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        engine.exit()
+
+
+@pytest.mark.parametrize("profiler_config, error, match", [
+    ({"profiler": "cuda"}, ValueError, "profiler='cuda'"),
+    ({"profiler": "torch"}, ValueError, "torch_profiler_dir must be set when profiler is 'torch'"),
+    ({"torch_profiler_dir": "traces"}, ValueError, "torch_profiler_dir is only applicable"),
+    ({"profiler": "torch", "torch_profiler_dir": "traces", "delay_iterations": 2}, ValueError, "delay_iterations"),
+    ({"profiler": "torch", "torch_profiler_dir": "traces", "torch_profiler_with_stack": "no"}, TypeError,
+     "torch_profiler_with_stack"),
+    ("torch", TypeError, "profiler_config must be a dict"),
+])
+def test_profiler_config_is_checked_by_name(tiny, profiler_config, error, match):
+    with pytest.raises(error, match=match):
+        Config.from_kwargs(tiny, profiler_config=profiler_config)
+
+
+def metric_values(engine) -> dict:
+    return {(m.name, m.labels.get("finished_reason")): m.value for m in engine.get_metrics()}
+
+
+def test_get_metrics_counts_requests_tokens_preemptions_and_the_prefix_cache(tiny):
+    from nanovllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
+    assert all(issubclass(t, Metric) for t in (Counter, Gauge, Histogram, Vector))
+    engine = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=12, device="cpu")
+    prompt = list(range(1, 41))  # two full blocks the prefix cache can share
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+        engine.generate([prompt, prompt[::-1]], sp, use_tqdm=False)  # 4 x 5 blocks in 12: preemptions
+        engine.add_request("live", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        engine.step()
+        live = metric_values(engine)
+        assert live[("vllm:num_requests_running", None)] == 1 and live[("vllm:num_requests_waiting", None)] == 0
+        assert live[("vllm:kv_cache_usage_perc", None)] == 3 / 12
+        assert live[("vllm:generation_tokens", None)] == 4 * 40 + 1
+        engine.add_request("aborted", prompt, SamplingParams(max_tokens=3))
+        engine.abort_request("aborted")
+        while engine.has_unfinished_requests():
+            engine.step()
+        values = metric_values(engine)
+        assert values[("vllm:num_requests_running", None)] == 0 and values[("vllm:kv_cache_usage_perc", None)] == 0
+        assert values[("vllm:generation_tokens", None)] == 4 * 40 + 3
+        assert values[("vllm:prompt_tokens", None)] == 5 * 40  # the aborted request never prefilled
+        assert values[("vllm:num_preemptions", None)] == engine.scheduler.num_preemptions > 0
+        assert values[("vllm:prefix_cache_queries", None)] == 5 * 40
+        assert 3 * 32 <= values[("vllm:prefix_cache_hits", None)] <= 5 * 32  # siblings, and the prompt again
+        assert values[("vllm:request_success", "length")] == 5 and values[("vllm:request_success", "abort")] == 1
+        assert values[("vllm:request_success", "stop")] == values[("vllm:request_success", "error")] == 0
+    finally:
+        engine.exit()
+
+
+def test_reset_prefix_cache_with_running_requests_preempts_them_first(tiny, llm):
+    prompt, sp = list(range(1, 41)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+    engine = LLM(tiny, **CPU_ENGINE, async_scheduling=True)  # a step in flight when the cache is reset
+    try:
+        engine.generate([prompt], sp, use_tqdm=False)
+        engine.add_request("r", prompt, sp)
+        engine.step()
+        engine.step()
+        assert engine.reset_prefix_cache() is False  # vLLM's default: refused while requests hold blocks
+        assert engine.reset_prefix_cache(reset_running_requests=True) is True
+        blocks = engine.scheduler.block_manager
+        assert not blocks.hash_to_block_id and not blocks.used_block_ids and engine.scheduler.num_preemptions == 1
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected
+        with pytest.raises(TypeError, match="reset_running_requests"):
+            engine.reset_prefix_cache(reset_running_requests="yes")
+    finally:
+        engine.exit()
+
+
+def test_hf_overrides_extend_the_context_as_config_json_would(tiny, llm, tmp_path):
+    """vLLM's context extension: a rope dict without ``rope_theta`` keeps config.json's."""
+    overrides = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_position_embeddings": 2048}
+    edited = shutil.copytree(tiny, tmp_path / "edited")
+    config = json.loads((edited / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    (edited / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=2048)))
+    assert Config.from_kwargs(tiny, max_model_len=None, hf_overrides=overrides).max_model_len == 2048
+    runs = []
+    for path, kwargs in ((tiny, dict(hf_overrides=overrides)), (str(edited), {})):
+        engine = LLM(path, **ENGINE, **kwargs)
+        try:
+            assert engine.config.hf_config.rope_parameters == config["rope_parameters"]
+            runs.append(token_ids_of(engine.generate(PROMPTS, GREEDY, use_tqdm=False)))
+        finally:
+            engine.exit()
+    assert runs[0] == runs[1] != token_ids_of(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+    def extend(hf_config):
+        hf_config.max_position_embeddings = 4096
+        return hf_config
+    assert Config.from_kwargs(tiny, max_model_len=None, hf_overrides=extend).max_model_len == 4096
+    with pytest.raises(TypeError, match="hf_overrides must be a dict or a callable"):
+        Config.from_kwargs(tiny, hf_overrides=[("max_position_embeddings", 2048)])
+    with pytest.raises(TypeError, match="hf_overrides must return the model's config"):
+        Config.from_kwargs(tiny, hf_overrides=lambda hf_config: None)
+
+
+def test_enable_chunked_prefill_false_runs_unchunked_or_is_refused_by_name(tiny, llm):
+    """This engine splits a prompt only when it exceeds max_num_batched_tokens: False holds while that covers
+    max_model_len, and gives the same outputs."""
+    engine = LLM(tiny, **ENGINE, enable_chunked_prefill=False)
+    try:
+        assert token_ids_of(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == \
+            token_ids_of(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    finally:
+        engine.exit()
+    with pytest.raises(ValueError, match=r"enable_chunked_prefill=False needs max_num_batched_tokens \(64\) >= "
+                                         r"max_model_len \(512\)"):
+        Config.from_kwargs(tiny, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=512)
+    with pytest.raises(TypeError, match="enable_chunked_prefill"):
+        Config.from_kwargs(tiny, enable_chunked_prefill="no")
+
+
+def test_request_output_ignores_keywords_of_a_later_vllm(caplog):
+    caplog.set_level(logging.WARNING, logger="nanovllm")
+    output = RequestOutput(request_id="test_request_id", prompt="test prompt", prompt_token_ids=[1, 2, 3],
+                           prompt_logprobs=None, outputs=[], finished=False,
+                           example_arg_added_in_new_version="some_value")
+    assert output.request_id == "test_request_id" and output.prompt_token_ids == [1, 2, 3]
+    assert not hasattr(output, "example_arg_added_in_new_version")
+    assert "example_arg_added_in_new_version" in caplog.text
+    with pytest.raises(TypeError):  # a field it needs is still needed
+        RequestOutput(request_id="x", example_arg_added_in_new_version=1)

@@ -23,6 +23,9 @@ SCRIPTS = {  # script -> lines its output must hold
     "prefix_caching.py": ["Generated answers are the same: True"],
     "beam_search.py": ["'def fibonacci(n):"],
     "chat.py": ["Generated text: "],
+    "generate.py": ["Prompt: 'Hello, my name is', Generated text: "],
+    "metrics.py": ["vllm:num_requests_running (gauge) = 0", "vllm:prompt_tokens (counter) = ",
+                   "vllm:request_success (counter) = "],
     "structured_outputs.py": ["choice: 'Positive' (finish_reason='stop')", "parsed: brand=",
                               "grammar: 'SELECT name FROM orders' (finish_reason='stop')"],
     "custom_logits_processor.py": ["Prompt:    'The capital of France is'", "Output:    'cccccccccccccccc"],
@@ -33,8 +36,9 @@ SCRIPTS = {  # script -> lines its output must hold
 def test_vllm_shaped_script_runs(script, tiny):
     if script == "structured_outputs.py":
         pytest.importorskip("xgrammar")  # the structured extra
-    # the demo model has no chat template; the engine loop parses vLLM's engine flags
-    args = {"chat.py": [tiny], "engine_loop.py": ["--max-model-len", "512", "--block-size", "16"]}.get(script, [])
+    # the demo model has no chat template; the engine loop and generate parse vLLM's engine flags (underscores too)
+    args = {"chat.py": [tiny], "engine_loop.py": ["--max-model-len", "512", "--block-size", "16"],
+            "generate.py": ["--max-model-len", "512", "--block_size", "16", "--max_tokens", "8"]}.get(script, [])
     env = dict(os.environ, PYTHONPATH=ROOT, TQDM_DISABLE="1")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "vllm", script), *args], env=env,
                          capture_output=True, text=True, timeout=600)

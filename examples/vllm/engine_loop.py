@@ -1,9 +1,10 @@
 # vLLM's examples/offline_inference/llm_engine_example.py: the engine built from command-line flags, requests
-# added one by one, the engine stepped until none is unfinished; with the import lines changed (vLLM's
-# FlexibleArgumentParser is argparse's parser here) and the model (--model, default the shipped demo model).
+# added one by one, the engine stepped until none is unfinished; with the import lines changed and the model
+# (--model, default the shipped demo model).
 import argparse
 
 from nanovllm import EngineArgs, LLMEngine, RequestOutput, SamplingParams
+from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
 
 def create_test_prompts() -> list[tuple[str, SamplingParams]]:
@@ -37,7 +38,7 @@ def initialize_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description="Demo on using the LLMEngine class directly")
+    parser = FlexibleArgumentParser(description="Demo on using the LLMEngine class directly")
     parser = EngineArgs.add_cli_args(parser)
     return parser.parse_args()
 

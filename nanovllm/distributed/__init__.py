@@ -1,1 +1,15 @@
-"""Scale-out over many engines on Ray."""
+"""Scale-out over many engines on Ray (``distributed.ray``), and vLLM's ``cleanup_dist_env_and_memory``."""
+import gc
+
+
+def cleanup_dist_env_and_memory(shutdown_ray: bool = False) -> None:
+    """vLLM's clean-up between engines: collects garbage (so unreferenced engines free their workers and cache),
+    shuts Ray down if asked, and empties the CUDA cache. An engine's process group is its own: live engines keep
+    running."""
+    if shutdown_ray:
+        import ray
+        ray.shutdown()
+    gc.collect()
+    import torch
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

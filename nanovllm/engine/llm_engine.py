@@ -26,6 +26,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.distributed import forget_in_forked_child
 from nanovllm.utils.loader import eos_token_ids, load_tokenizer
+from nanovllm.v1.metrics.reader import EngineStats
 from nanovllm.vllm_compat import VllmCompatMixin, refuse_unsupported
 
 
@@ -61,7 +62,9 @@ class LLMEngine(VllmCompatMixin):
         self.structured_outputs.bind(runner.device, config.max_num_seqs,
                                      resources.workers is None and bool(config.async_scheduling))
         self.logits_processors = VllmLogitsProcessors(config, runner.device)
-        self.core = EngineCore(config, resources, self._finalizer, [self.structured_outputs, self.logits_processors])
+        self.stats = EngineStats()  # get_metrics()'s counters
+        processors = [self.structured_outputs, self.logits_processors, self.stats]
+        self.core = EngineCore(config, resources, self._finalizer, processors)
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}

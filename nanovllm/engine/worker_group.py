@@ -110,10 +110,11 @@ class WorkerGroup:
         # the parent-death signal fires when the spawning *thread* ends
         pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes, self.doorbells = [], []
-        worker_config = config.derive(logits_processors=[])  # rank 0 alone samples; the classes need not pickle
+        # rank 0 alone samples, and hf_config holds the overrides: neither the classes nor a function must pickle
+        worker_config = config.derive(logits_processors=[], hf_overrides=None)
         try:
             for rank in range(1, self.world_size):
-                reader, writer = ctx.Pipe(duplex=False)
+                reader, writer = ctx.Pipe()  # duplex: collective_rpc's replies come back on it
                 self.doorbells.append(writer)
                 process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
                                       args=(worker_config, rank, reader, self.channel.name, self.port, pdeathsig))
@@ -228,12 +229,16 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
     code = 1
     try:
         from nanovllm.engine.model_runner import ModelRunner
+        from nanovllm.vllm_compat import rpc_reply
         # attached before joining the group: rank 0 writes nothing before every rank joined
         channel = CallChannel(segment, config.tensor_parallel_size, rank)
         runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
         while (call := channel.read(doorbell)) is not None:
             method, args = call
-            getattr(runner, method)(*args)
+            if method == "rpc":  # collective_rpc: (method, args, kwargs), answered on the doorbell
+                doorbell.send_bytes(rpc_reply(runner, *args))
+            else:
+                getattr(runner, method)(*args)
             if method == "exit":
                 code = 0
                 break
