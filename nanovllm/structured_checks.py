@@ -78,8 +78,8 @@ def _refuse_ignored(schema: dict, root: dict, path: str) -> None:
     if isinstance(schema.get("oneOf"), list) and not _disjoint(schema["oneOf"], root):
         refuse("'oneOf' whose branches may overlap", " (xgrammar reads it as 'anyOf')")
     names = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    missing = [name for name in schema.get("required") or () if name not in names]
-    if isinstance(schema.get("required"), list) and missing:
+    missing = [name for name in _names(schema.get("required")) if name not in names]
+    if missing:
         refuse(f"'required' naming {missing[0]!r}, which is not under 'properties',")
     for key in ("properties", "patternProperties"):
         if key in schema and "propertyNames" in schema:
@@ -100,7 +100,7 @@ def _refuse_untyped(schema: dict, path: str) -> None:
     if step is not None and ("number" in types or not isinstance(step, (int, float)) or not float(step).is_integer()):
         raise ValueError(f"structured_outputs.json: 'multipleOf' at {path} is not supported (only an integer one "
                          "with type 'integer')")
-    if "string" in types and "format" in schema and schema["format"] not in FORMATS:
+    if "string" in types and isinstance(schema.get("format"), str) and schema["format"] not in FORMATS:
         raise ValueError(f"structured_outputs.json: 'format': {schema['format']!r} at {path} is not supported "
                          f"(supported: {', '.join(sorted(FORMATS))})")
     for key in ("pattern", "format"):
@@ -122,7 +122,12 @@ def _length_as_pattern(schema: dict) -> dict:
 
 def _types(schema: dict) -> set:
     kind = schema.get("type")
-    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+    return {kind} if isinstance(kind, str) else set(_names(kind))
+
+
+def _names(value) -> list:
+    """The strings of a list keyword (``type``, ``required``); a malformed one is left to xgrammar to refuse."""
+    return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
 
 def _json_types(value) -> set:
@@ -175,7 +180,7 @@ def _disjoint(branches: list, root: dict) -> bool:
     types = [{"number" if t == "integer" else t for t in _types(b)} or None for b in branches]
     if apart([_consts(b) for b in branches]) or apart(types):
         return True
-    common = set.intersection(*(set(b.get("required") or ()) for b in branches)) if branches else set()
+    common = set.intersection(*(set(_names(b.get("required"))) for b in branches)) if branches else set()
     return any(apart([_consts(_deref((b.get("properties") or {}).get(key), root)) for b in branches])
                for key in sorted(common))
 
