@@ -38,7 +38,7 @@ def checked_schema(schema, root=None, path: str = "", depth: int = 0):
     """``schema`` as xgrammar should compile it (length-limited strings as patterns), or a ``ValueError`` naming
     the first keyword xgrammar would ignore and its path in the schema."""
     if depth > MAX_DEPTH:
-        raise ValueError(f"structured_outputs.json is nested more than {MAX_DEPTH} levels deep (at {path})")
+        raise ValueError(f"structured_outputs.json is nested more than {MAX_DEPTH} levels deep")
     if not isinstance(schema, dict):
         return schema
     root = schema if root is None else root
@@ -59,6 +59,7 @@ def checked_schema(schema, root=None, path: str = "", depth: int = 0):
 
 
 def _refuse_ignored(schema: dict, root: dict, path: str) -> None:
+    """The keywords xgrammar ignores wherever they are, or beside others, or in the forms it cannot enforce."""
     def refuse(what, why=""):
         raise ValueError(f"structured_outputs.json: {what} at {path} is not supported{why}")
     for key in IGNORED:
