@@ -191,7 +191,7 @@ def check_regex(regex: str) -> None:
     other unknown escapes for the letter, drops a ``^`` or ``$`` inside the regex, takes ``[\\^...]`` for a
     negation), or a character class that matches nothing (``[^\\s\\S]``). The whole output is matched: no anchors
     are needed. Lookarounds, backreferences, flags and possessive quantifiers xgrammar refuses itself."""
-    i, start = 0, None  # start: where the character class being read began
+    i, start, escapes = 0, None, set()  # start: where the character class being read began; escapes: its \d...
     while i < len(regex):
         c, rest = regex[i], regex[i + 1:]
         if c == "\\" and rest:
@@ -202,16 +202,17 @@ def check_regex(regex: str) -> None:
             if e == "^" and start == i - 1:
                 raise ValueError(f"structured_outputs.regex: {regex[i:i + 2]!r} first in a character class at "
                                  f"position {i} is not supported (xgrammar reads it as a negation)")
+            escapes.add(e)
             i += 2
             continue
         if start is None and c in "^$" and i != (0 if c == "^" else len(regex) - 1):
             raise ValueError(f"structured_outputs.regex: {c!r} at position {i} is not supported (only at the "
                              f"{'start' if c == '^' else 'end'}; the whole output is matched)")
         if start is None and c == "[":
-            start = i
+            start, escapes = i, set()
         elif start is not None and c == "]" and i > start + 1 + (regex[start + 1] == "^"):
             body, start = regex[start:i + 1], None
-            if body.startswith("[^") and any(f"\\{a}" in body and f"\\{a.upper()}" in body for a in "sdw"):
+            if body.startswith("[^") and any({a, a.upper()} <= escapes for a in "sdw"):
                 raise ValueError(f"structured_outputs.regex matches no string: {body!r} at position "
                                  f"{i + 1 - len(body)} matches no character")
         i += 1
