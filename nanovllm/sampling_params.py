@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
+from nanovllm.structured_checks import MAX_DEPTH, check_regex, checked_schema
+
 SAMPLING_EPS = 1e-5  # temperatures below it are greedy: 1 / T would overflow the logits
 MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -48,6 +50,8 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
                 raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.regex is not None:
+            check_regex(self.regex)
         choice = self.choice
         if choice is not None and not (isinstance(choice, (list, tuple)) and choice
                                        and all(isinstance(c, str) and c for c in choice)):
@@ -61,6 +65,8 @@ class StructuredOutputsParams:
         if isinstance(schema, str):
             try:
                 schema = _json.loads(schema)
+            except RecursionError:
+                raise ValueError(f"structured_outputs.json is nested more than {MAX_DEPTH} levels deep") from None
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
         elif not isinstance(schema, dict):
@@ -69,8 +75,11 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
         try:
             _json.dumps(schema)  # the compiler is given its JSON text
+        except RecursionError:
+            raise ValueError(f"structured_outputs.json is nested more than {MAX_DEPTH} levels deep") from None
         except (TypeError, ValueError) as e:
             raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
+        checked_schema(schema)  # a ValueError naming what xgrammar would ignore
 
     @property
     def kind(self) -> str:

@@ -447,6 +447,157 @@ def test_constraints_that_do_not_compile_are_refused_before_any_request(demo):
         assert demo.is_finished() and not demo.core.requests
 
 
+# ---- what xgrammar would silently misread: refused by name, or rewritten ------------------------------
+# (schema, the keyword and path the refusal names): each one xgrammar's converter compiles as if it were absent
+IGNORED_KEYWORDS = [
+    ({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}},
+     "'uniqueItems' at properties.tags"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "'contains' at the root"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+     "'required' naming 'b', which is not under 'properties', at the root"),
+    ({"type": "array", "items": {"allOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]},
+                                           {"type": "object", "properties": {"b": {}}, "required": ["b"]}]}},
+     "'allOf' of 2 schemas at items"),
+    ({"type": "integer", "not": {"const": 3}}, "'not' at the root"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, "'dependentRequired' at the root"),
+    ({"$defs": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "$ref": "#/$defs/n"},
+     "'oneOf' whose branches may overlap at \\$defs.n"),
+    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 7}}, "'if' at the root"),
+    ({"type": "object", "additionalProperties": {"$ref": "#/$defs/i", "maximum": 3},
+      "$defs": {"i": {"type": "integer"}}},
+     "'maximum' beside '\\$ref' at additionalProperties"),
+    ({"type": "array", "prefixItems": [{"type": "integer", "enum": [1, 5], "minimum": 3}]},
+     "'minimum' beside 'enum' at prefixItems.0"),
+    ({"anyOf": [{"type": "string", "enum": ["a", 1]}, {"type": "null"}]}, "'type' beside 'enum' at anyOf.0"),
+    ({"type": "string", "format": "color"}, "'format': 'color' at the root"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "'maxLength' beside 'pattern' at the root"),
+    ({"type": "number", "multipleOf": 0.5}, "'multipleOf' at the root"),
+    ({"type": "object", "properties": {"a": {}}, "propertyNames": {"pattern": "^b"}},
+     "'propertyNames' beside 'properties' at the root"),
+    ({"type": "object", "properties": {"ab": {"type": "string"}}, "patternProperties": {"^a": {"type": "integer"}}},
+     "'patternProperties' beside 'properties' at the root"),
+    ({"type": "object", "properties": {"s": {"maxLength": 3}}}, "'maxLength' without 'type' at properties.s"),
+    ({"$defs": {"a": {"$anchor": "x", "type": "integer"}}, "$ref": "#x"}, "'\\$ref' to '#x' at the root"),
+]
+
+
+@pytest.mark.parametrize("schema, named", IGNORED_KEYWORDS,
+                         ids=[named.split("'")[1].strip("\\") for _, named in IGNORED_KEYWORDS])
+def test_schema_keywords_xgrammar_ignores_are_refused_naming_keyword_and_path(schema, named):
+    with pytest.raises(ValueError, match=f"^structured_outputs.json: {named} is not supported"):
+        StructuredOutputsParams(json=schema)
+    with pytest.raises(ValueError, match="is not supported"):
+        StructuredOutputsParams(json=json.dumps(schema))
+
+
+def test_an_ignored_keyword_is_refused_at_admission_before_any_request(demo):
+    params = constrained(json={"type": "array", "items": {"type": "integer"}, "maxItems": 3})
+    params.structured_outputs.json["uniqueItems"] = True  # assigned after construction: checked again at admission
+    with pytest.raises(ValueError, match="'uniqueItems' at the root is not supported"):
+        demo.generate(PROMPTS[:2], [params_of("json"), params], use_tqdm=False)
+    assert demo.is_finished() and not demo.core.requests
+
+
+def test_one_of_is_kept_only_where_no_value_can_match_two_branches():
+    """xgrammar compiles ``oneOf`` as ``anyOf``, exact where the branches are disjoint: distinct consts or enums,
+    distinct types, or objects told apart by a required const (through ``$ref``, as pydantic writes them)."""
+    tagged = {"$defs": {k: {"type": "object", "properties": {"kind": {"const": k}, "n": {"type": "integer"}},
+                            "required": ["kind", "n"]} for k in ("cat", "dog")},
+              "oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}], "discriminator": {"propertyName": "kind"}}
+    for schema in ({"oneOf": [{"const": 1}, {"enum": [2, "1"]}]}, {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+                   tagged):
+        assert StructuredOutputsParams(json=schema).kind == "json"
+    same_tag = json.loads(json.dumps(tagged).replace('"const": "dog"', '"const": "cat"'))
+    for schema in ({"oneOf": [{"enum": [1, 2]}, {"enum": [2, 3]}]}, {"oneOf": [{"const": 1}, {"const": 1.0}]},
+                   {"oneOf": [{"type": "integer"}, {"type": "number"}]}, same_tag):
+        with pytest.raises(ValueError, match="'oneOf' whose branches may overlap"):
+            StructuredOutputsParams(json=schema)
+
+
+def test_schemas_xgrammar_enforces_are_still_accepted(demo):
+    schemas = [SCHEMA, SMALL_SCHEMA, {"type": "string", "enum": ["a", "b"]}, {"type": "integer", "multipleOf": 3},
+               {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "x"},
+               {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"pattern": "^a"}},
+               {"type": "string", "format": "date"}, {"type": "array", "uniqueItems": False, "maxItems": 2}]
+    for schema in schemas:
+        demo.structured_outputs.compile(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize("schema", [{"type": "string", "minLength": 2, "maxLength": 8},
+                                    {"type": ["string", "null"], "minLength": 2, "maxLength": 8},
+                                    {"type": "object", "propertyNames": {"minLength": 2, "maxLength": 8},
+                                     "additionalProperties": {"type": "integer"}}], ids=["string", "typelist", "names"])
+def test_length_limited_strings_admit_only_json_legal_characters(demo, schema):
+    """xgrammar's grammar for a length-limited string admits raw control characters; ours is a pattern of JSON's
+    raw characters, each counted once."""
+    import xgrammar as xgr
+    wrap = (lambda s: f"{{{s}: 1}}") if "propertyNames" in schema else (lambda s: s)
+    compiled = demo.structured_outputs.compile(StructuredOutputsParams(json=schema))
+    for text, legal in (('"a\x01b"', False), ('"a\nb"', False), ('"a\tb"', False), ('"ab"', True), ('"é😀"', True),
+                        ('"abcdefgh"', True), ('"abcdefghi"', False), ('"a"', False)):
+        assert xgr.GrammarMatcher(compiled).accept_string(wrap(text)) is legal, text
+
+
+def test_sampled_length_limited_strings_parse_and_validate(tiny):
+    """The random byte-level model samples control characters and invalid UTF-8 wherever the grammar lets it."""
+    schema = {"type": "string", "minLength": 2, "maxLength": 8}
+    llm = LLM(tiny, **ENGINE)
+    try:
+        params = constrained(max_tokens=24, temperature=1.0, sampling={"n": 8}, json=schema)
+        outs = llm.generate([[5, 6, 7], [100, 101], [42] * 9, [250, 3, 17, 99]], params, use_tqdm=False)
+    finally:
+        llm.exit()
+    stopped = [c.text for out in outs for c in out.outputs if c.finish_reason == "stop"]
+    assert len(stopped) >= 16
+    for text in stopped:
+        jsonschema.validate(json.loads(text), schema)  # json.loads is strict: no raw control character
+
+
+@pytest.mark.parametrize("regex, named", [
+    (r"abc\Z", r"'\\\\Z' at position 3"), (r"\Aab", r"'\\\\A' at position 0"), (r"\Gab", r"'\\\\G' at position 0"),
+    (r"a$b", "'\\$' at position 1 is not supported .only at the end"), (r"a|^b", "'\\^' at position 2"),
+    (r"[\^a]b", r"'\\\\\^' first in a character class at position 1"), (r"\x{41}", r"'\\\\x' at position 0"),
+    (r"[\Z]", r"'\\\\Z' at position 1")])
+def test_regex_syntax_xgrammar_misreads_is_refused_by_name(regex, named):
+    with pytest.raises(ValueError, match=f"^structured_outputs.regex: {named}"):
+        StructuredOutputsParams(regex=regex)
+
+
+def test_regex_syntax_xgrammar_reads_right_is_accepted_and_the_rest_refused_at_admission(demo):
+    for regex in (r"^\d{3}-\d{4}$", r"a\$b[$^]", r"[a\^]\x41\u0041[\b]\.", r"(?:ab|c)*?d\s\w"):
+        demo.structured_outputs.compile(StructuredOutputsParams(regex=regex))
+    for regex, reason in ((r"\bab", "Word boundary"), (r"(a)\1", "Backreference"), (r"(?i)ab", "Group modifier"),
+                          ("a++", "Two consecutive repetition"), ("(?<=a)b", "Lookbehind")):
+        with pytest.raises(ValueError, match=f"structured_outputs.regex does not compile: .*{reason}"):
+            demo.generate(PROMPTS[:1], constrained(regex=regex), use_tqdm=False)
+    assert demo.is_finished() and not demo.core.requests
+
+
+def test_a_constraint_that_matches_nothing_is_refused_at_admission(demo):
+    for regex in (r"[^\s\S]", r"ab|c[^\d\D]"):
+        with pytest.raises(ValueError, match=r"structured_outputs.regex matches no string: '\[\^.*' at position"):
+            StructuredOutputsParams(regex=regex)
+    for constraint in ({"regex": r"[^\u0000-\uffff\u{10000}-\u{10ffff}]"}, {"grammar": r"root ::= [^\0-\U0010FFFF]"}):
+        with pytest.raises(ValueError, match=f"structured_outputs.{next(iter(constraint))} matches no string"):
+            demo.generate(PROMPTS[:2], [params_of("json"), constrained(**constraint)], use_tqdm=False)
+        assert demo.is_finished() and not demo.core.requests
+
+
+def test_schemas_nested_too_deep_are_refused_naming_the_limit():
+    def nested(depth):
+        schema = {"type": "integer"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        return schema
+    assert StructuredOutputsParams(json=nested(60)).kind == "json"
+    deep_text = '{"properties": {"a": ' * 2000 + "{}" + "}}" * 2000
+    deep_enum = '{"enum": [' + "[" * 2000 + "]" * 2000 + "]}"
+    for schema in (nested(65), nested(300), nested(2000), deep_text, deep_enum):
+        with pytest.raises(ValueError, match="structured_outputs.json is nested more than 64 levels deep"):
+            StructuredOutputsParams(json=schema)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_refused_token_ends_that_request_alone(demo, async_scheduling):
     """A token the grammar refuses (never sampled under its mask; forced here) ends that completion with
