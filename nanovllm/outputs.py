@@ -1,5 +1,5 @@
-"""vLLM's ``RequestOutput`` and ``CompletionOutput`` (their ``Logprob`` entries: ``logprobs``), as ``generate`` and
-``chat`` return them; the outputs also answer nano-vllm's dict keys (``out["text"]``)."""
+"""vLLM's ``RequestOutput`` and ``CompletionOutput``, as ``generate`` and ``chat`` return them; the outputs also
+answer nano-vllm's dict keys (``out["text"]``)."""
 from __future__ import annotations
 
 import functools
@@ -79,7 +79,7 @@ class RequestMetrics(DictLike):
 
 
 def _ignores_unknown_keywords(cls):
-    """vLLM's forward compatibility: keywords of a later vLLM are logged and ignored by the constructor."""
+    """vLLM's forward compatibility: the constructor logs and drops keywords of a later vLLM."""
     init, names = cls.__init__, {f.name for f in fields(cls) if f.init}
 
     @functools.wraps(init)
