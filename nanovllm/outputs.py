@@ -86,7 +86,8 @@ def _ignores_unknown_keywords(cls):
     def __init__(self, *args, **kwargs):
         if unknown := sorted(kwargs.keys() - names):
             logger.warning("%s: ignoring extra arguments: %s", cls.__name__, unknown)
-        init(self, *args, **{k: v for k, v in kwargs.items() if k in names})
+            kwargs = {k: v for k, v in kwargs.items() if k in names}
+        init(self, *args, **kwargs)
     cls.__init__ = __init__
     return cls
 
