@@ -2,18 +2,16 @@
 ``model_class``) in ``__post_init__``; ``derive`` makes the copy holding what start-up measures."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
 import logging
 import os
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, set_seed
 
 from nanovllm.logits_processor import load_logits_processors
 from nanovllm.sampling_params import check_bool, check_int
@@ -39,7 +37,7 @@ class Config:
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     seed: int | None = 0  # None: 0, as in vLLM V1
-    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: the vocabulary size
+    max_logprobs: int = 20  # the most (prompt) logprobs a request may ask for; -1: the vocabulary size
     attention_backend: str = "auto"
     load_format: str = "auto"  # "dummy": random weights
     skip_tokenizer_init: bool = False  # prompts are then token ids, and outputs carry no text
@@ -54,11 +52,10 @@ class Config:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     hf_token: bool | str | None = field(default=None, repr=False)
-    # vLLM's LogitsProcessor subclasses, or their "module.Class" names (None: none), resolved to the classes
-    logits_processors: list | None = field(default_factory=list)
-    hf_overrides: dict | Callable | None = None  # merged into config.json's config, or a function of it
-    enable_chunked_prefill: bool | None = None  # False: a prompt is never split (needs max_num_batched_tokens)
-    profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": ...}: start_profile's
+    logits_processors: list | None = field(default_factory=list)  # vLLM's classes or "module.Class" names
+    hf_overrides: dict | Callable | None = None
+    enable_chunked_prefill: bool | None = None  # False: a prompt is never split
+    profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": ...}
     # resolved in __post_init__
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
@@ -78,7 +75,6 @@ class Config:
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         self._set(**{name: defaults[name] for name in _NONE_IS_DEFAULT if getattr(self, name) is None})
         self._check_values()
-        self._set(logits_processors=load_logits_processors(self.logits_processors))
         self._resolve_paths()
         self._set(hf_config=self._load_hf_config())
         if self.device == "auto":
@@ -169,7 +165,8 @@ class Config:
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
         from nanovllm.vllm_compat import profiler_options
-        self._set(profiler_config=profiler_options(self.profiler_config))
+        self._set(profiler_config=profiler_options(self.profiler_config),
+                  logits_processors=load_logits_processors(self.logits_processors))
 
     def _resolve_paths(self):
         """``model`` and ``tokenizer`` as local directories; a Hub id's snapshot must hold config.json, and the
@@ -183,8 +180,7 @@ class Config:
             self._set(tokenizer=resolve_model(os.fspath(self.tokenizer), (), revision, **hub))
 
     def _load_hf_config(self) -> PretrainedConfig:
-        """A checkpoint directory's config.json, or a built-in preset's (random weights only), with
-        ``hf_overrides`` applied."""
+        """A checkpoint directory's config.json, or a built-in preset's (random weights only), overridden."""
         from nanovllm.demo import BUILTIN_MODELS
         from nanovllm.models.presets import PRESETS, preset_config
         from nanovllm.vllm_compat import apply_hf_overrides
@@ -213,15 +209,6 @@ class Config:
         return dtype if dtype in _DTYPES.values() else torch.bfloat16
 
 
-def set_random_seed(seed: int) -> None:
-    """Seeds Python's, NumPy's (when installed) and torch's global generators, as vLLM does at start-up."""
-    random.seed(seed)
-    with contextlib.suppress(ImportError):
-        import numpy
-        numpy.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 # kvcache_block_size's default per backend: flash-attn's paged KV needs multiples of 256; 64 lets a shared prefix
 # of 64 tokens or more hit the prefix cache
 DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
@@ -229,4 +216,5 @@ DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
                     "enable_prefix_caching")
 
+set_random_seed = set_seed  # seeds Python's, NumPy's and torch's generators, as vLLM does at start-up
 VllmConfig = Config  # the name vLLM's logits processors annotate their first argument with

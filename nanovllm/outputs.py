@@ -1,5 +1,5 @@
-"""vLLM's ``RequestOutput`` and ``CompletionOutput`` (their ``Logprob`` entries: ``logprobs``), as ``generate`` and
-``chat`` return them; the outputs also answer nano-vllm's dict keys (``out["text"]``)."""
+"""vLLM's ``RequestOutput`` and ``CompletionOutput``, as ``generate`` and ``chat`` return them; the outputs also
+answer nano-vllm's dict keys (``out["text"]``)."""
 from __future__ import annotations
 
 import functools
@@ -79,14 +79,15 @@ class RequestMetrics(DictLike):
 
 
 def _ignores_unknown_keywords(cls):
-    """vLLM's forward compatibility: keywords of a later vLLM are logged and ignored by the constructor."""
+    """vLLM's forward compatibility: the constructor logs and drops keywords of a later vLLM."""
     init, names = cls.__init__, {f.name for f in fields(cls) if f.init}
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         if unknown := sorted(kwargs.keys() - names):
             logger.warning("%s: ignoring extra arguments: %s", cls.__name__, unknown)
-        init(self, *args, **{k: v for k, v in kwargs.items() if k in names})
+            kwargs = {k: v for k, v in kwargs.items() if k in names}
+        init(self, *args, **kwargs)
     cls.__init__ = __init__
     return cls
 

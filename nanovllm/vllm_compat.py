@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -77,13 +76,12 @@ KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override"
 # generation_config.json's field -> SamplingParams'
 _GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
 _GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
-VLLM_DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 
 
 def config_from_kwargs(cls: type[Config], model: str, kwargs: dict) -> Config:
-    """``cls(model, **kwargs)`` with vLLM's aliases renamed and its keywords that change nothing here dropped
-    (and logged); a TypeError names every unknown keyword. None counts as not given for an alias and for a
-    field that takes no None (``LLM(**vars(args))`` passes every flag of ``EngineArgs.add_cli_args``)."""
+    """``cls(model, **kwargs)`` with vLLM's aliases renamed and its no-op keywords dropped (and logged); a
+    TypeError names every unknown keyword. None means "not given" for an alias or a field that takes no None, as
+    ``LLM(**vars(args))`` passes every flag of ``EngineArgs.add_cli_args``."""
     no_none = {f.name for f in dataclasses.fields(cls) if "None" not in str(f.type).split(" | ")} | set(KEYWORD_ALIASES)
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in no_none}
     for alias, name in KEYWORD_ALIASES.items():
@@ -110,9 +108,8 @@ def config_from_kwargs(cls: type[Config], model: str, kwargs: dict) -> Config:
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
-    """vLLM's ``hf_overrides``: a dict merged into the model's config, or a function taking the config and returning
-    it. Where the config keeps ``rope_theta`` in ``rope_parameters`` (transformers 5), a rope dict or
-    ``rope_theta`` given alone is merged there, so that the other field is kept."""
+    """vLLM's ``hf_overrides``: a dict merged into the model's config, or a function returning the config. A rope
+    dict or ``rope_theta`` alone is merged into transformers 5's ``rope_parameters``, keeping the other."""
     if overrides is None:
         return hf_config
     if callable(overrides):
@@ -130,24 +127,25 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConf
     return hf_config
 
 
-# profiler_config's torch profiler flags: vLLM's name -> (torch.profiler.profile's keyword, vLLM's default)
+# profiler_config's torch profiler flags: vLLM's name -> (torch.profiler's keyword, vLLM's default)
 _PROFILER_FLAGS = {"torch_profiler_with_stack": ("with_stack", True),
                    "torch_profiler_with_flops": ("with_flops", False),
                    "torch_profiler_record_shapes": ("record_shapes", False),
-                   "torch_profiler_with_memory": ("profile_memory", False), "torch_profiler_use_gzip": (None, True)}
+                   "torch_profiler_with_memory": ("profile_memory", False),
+                   "torch_profiler_use_gzip": ("use_gzip", True)}
+_PROFILER_KEYS = ("profiler", "torch_profiler_dir", *_PROFILER_FLAGS)
 
 
 def profiler_options(config: dict | None) -> dict | None:
-    """``profiler_config`` checked (vLLM's ``ProfilerConfig`` fields for the torch profiler), its directory made
-    absolute; None when nothing is profiled."""
+    """vLLM's ``ProfilerConfig`` for the torch profiler, checked, its directory made absolute; None: no profiling."""
     if config is None:
         return None
     if not isinstance(config, dict):
         raise TypeError(f"profiler_config must be a dict, got {config!r:.80}")
-    if unknown := sorted(config.keys() - {"profiler", "torch_profiler_dir", *_PROFILER_FLAGS}):
-        raise ValueError(f"profiler_config keys {unknown} are not supported by nanovllm; supported: profiler, "
-                         f"torch_profiler_dir, {', '.join(_PROFILER_FLAGS)}")
-    profiler, directory = config.get("profiler"), config.get("torch_profiler_dir") or ""
+    if unknown := sorted(config.keys() - set(_PROFILER_KEYS)):
+        raise ValueError(f"profiler_config keys {unknown} are not supported by nanovllm; supported: "
+                         f"{', '.join(_PROFILER_KEYS)}")
+    profiler, directory = config.get("profiler"), config.get("torch_profiler_dir")
     if profiler not in (None, "torch"):
         raise ValueError(f"profiler_config profiler={profiler!r} is not supported by nanovllm: 'torch' only")
     if directory and profiler != "torch":
@@ -163,7 +161,9 @@ def profiler_options(config: dict | None) -> dict | None:
 
 def run_method(runner, method, args: tuple, kwargs: dict):
     """One rank's part of ``collective_rpc``: the runner's method of that name, or ``method(runner, ...)``."""
-    return (getattr(runner, method) if isinstance(method, str) else functools.partial(method, runner))(*args, **kwargs)
+    if isinstance(method, str):
+        return getattr(runner, method)(*args, **kwargs)
+    return method(runner, *args, **kwargs)
 
 
 def rpc_reply(runner, method, args: tuple, kwargs: dict) -> bytes:
@@ -187,33 +187,33 @@ def _rpc_replies(workers, deadline: float | None) -> list[tuple[bool, object]]:
     return replies
 
 
-def _profile(runner, start: bool, options: dict | None = None, prefix: str | None = None) -> None:
-    """Starts this rank's torch profiler, or stops it, which writes the trace (``rank<r>.<time>.pt.trace.json``,
-    gzipped by default) into ``torch_profiler_dir``."""
+def _start_profile(runner, options: dict, prefix: str | None) -> None:
+    """This rank's torch profiler, writing ``[prefix_]rank<r>.<time>.pt.trace.json[.gz]`` when stopped."""
     import torch.profiler as tp
-    profiler = getattr(runner, "torch_profiler", None)
-    if not start:
-        if profiler is None:
-            raise RuntimeError("stop_profile() without start_profile()")
-        runner.torch_profiler = None
-        return profiler.stop()
-    if profiler is not None:
+    if getattr(runner, "torch_profiler", None) is not None:
         raise RuntimeError("start_profile(): the profiler is running already")
     name = f"{prefix}_rank{runner.rank}" if prefix else f"rank{runner.rank}"
-    flags = {ours: options.get(theirs, default) for theirs, (ours, default) in _PROFILER_FLAGS.items() if ours}
-    handler = tp.tensorboard_trace_handler(options["torch_profiler_dir"], name,
-                                           use_gzip=options.get("torch_profiler_use_gzip", True))
+    flags = {ours: options.get(theirs, default) for theirs, (ours, default) in _PROFILER_FLAGS.items()}
+    handler = tp.tensorboard_trace_handler(options["torch_profiler_dir"], name, use_gzip=flags.pop("use_gzip"))
     activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if runner.config.device == "cuda" else [])
     runner.torch_profiler = tp.profile(activities=activities, on_trace_ready=handler, **flags)
     runner.torch_profiler.start()
 
 
+def _stop_profile(runner) -> None:
+    if (profiler := getattr(runner, "torch_profiler", None)) is None:
+        raise RuntimeError("stop_profile() without start_profile()")
+    runner.torch_profiler = None
+    profiler.stop()
+
+
 def refuse_unsupported(priority=None, *, num_prompts: int | None = None, **keywords) -> None:
     """A ValueError for the first of vLLM's per-call keywords (``lora_request``, ...) that is not None, or for a
-    ``priority`` (one, or a list of one per prompt: ``num_prompts``) of another length or other than 0."""
-    if isinstance(priority, (list, tuple)) and num_prompts is not None and len(priority) != num_prompts:
+    ``priority`` other than 0 (or a list of ``num_prompts`` zeros)."""
+    many = isinstance(priority, (list, tuple))
+    if many and num_prompts is not None and len(priority) != num_prompts:
         raise ValueError(f"The lengths of prompts ({num_prompts}) and priority ({len(priority)}) must be the same")
-    if priority is not None and any(priority if isinstance(priority, (list, tuple)) else [priority]):
+    if priority is not None and any(priority if many else [priority]):
         raise ValueError(f"priority={priority!r} is not supported: first come, first served only")
     for name, value in keywords.items():
         if value is not None:
@@ -257,13 +257,16 @@ def _cli_fields() -> dict[str, type]:
     """Config's keywords and vLLM's aliases of them, with the type their flag parses."""
     fields = {f.name: str(f.type).split(" | ") for f in dataclasses.fields(Config) if f.init and f.name != "model"}
     fields.update({alias: fields[name] for alias, name in KEYWORD_ALIASES.items()})
-    return {name: json.loads if "dict" in parts else str if "str" in parts else
-            next((t for t in (bool, int, float) if t.__name__ in parts), str) for name, parts in fields.items()}
+    return {name: next((t for type_name, t in _FLAG_TYPES.items() if type_name in parts), str)
+            for name, parts in fields.items()}
+
+
+# a field's type name -> its flag's parser; the first in a field's type wins
+_FLAG_TYPES = {"dict": json.loads, "str": str, "bool": bool, "int": int, "float": float}
 
 
 class VllmCompatMixin:
-    """``LLMEngine``'s vLLM-only methods, on the engine's ``core``, ``config``, ``tokenizer`` and
-    ``_step_requests``."""
+    """``LLMEngine``'s vLLM-only methods, on its ``core``, ``config``, ``tokenizer`` and ``_step_requests``."""
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs):
@@ -295,19 +298,19 @@ class VllmCompatMixin:
         return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's defaults (its ``max_tokens=16``, not nano-vllm's 64) overridden by the fields that the
-        ``generation_config`` keyword's generation_config.json sets; what vLLM's forms use when given no params."""
+        """vLLM's defaults (``max_tokens=16``, not nano-vllm's 64) under the fields that the ``generation_config``
+        keyword's generation_config.json sets; what vLLM's forms use without params."""
         choice, fields = self.config.generation_config, {}
         path = os.path.join(self.config.model if choice == "auto" else choice, "generation_config.json")
         if choice != "vllm" and os.path.isfile(path):
             with open(path) as f:
                 fields = json.load(f)
-        return SamplingParams(**{"max_tokens": VLLM_DEFAULT_MAX_TOKENS, **{
+        return SamplingParams(**{"max_tokens": 16, **{
             ours: fields[theirs] for theirs, ours in _GENERATION_FIELDS.items() if fields.get(theirs) is not None}})
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forgets every cached prefix block; refused (False) while requests hold blocks, unless
-        ``reset_running_requests`` (vLLM's): they are preempted first, and recomputed from their known tokens."""
+        ``reset_running_requests``: they are preempted first, to be recomputed from their known tokens."""
         check_bool("reset_running_requests", reset_running_requests)
         with self.core.lock:
             scheduler = self.core.scheduler
@@ -321,9 +324,8 @@ class VllmCompatMixin:
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
                        ) -> list:
-        """vLLM's: ``method`` (a ModelRunner method's name, or a function taking the runner first) with ``args``
-        and ``kwargs`` on every tensor-parallel rank at once; each rank's result, rank 0's (this process) first.
-        ``timeout``: seconds to wait for the workers; a worker that misses it shuts the engine down."""
+        """vLLM's: ``method`` (a ModelRunner method's name, or a function of the runner) on every tensor-parallel
+        rank at once; each rank's result, rank 0's first. A worker missing ``timeout`` shuts the engine down."""
         if not (isinstance(method, str) or callable(method)):
             raise TypeError(f"method must be a method name or a callable, got {method!r:.80}")
         if timeout is not None:
@@ -339,39 +341,33 @@ class VllmCompatMixin:
                 try:
                     pickle.dumps(call)
                 except Exception as e:
-                    raise TypeError(f"collective_rpc sends method, args and kwargs to the workers by pickle: {e}") \
-                        from None
+                    raise TypeError(f"collective_rpc: method, args and kwargs must pickle: {e}") from None
                 self.core.call_or_shut_down(workers.call, "rpc", *call)
             try:
                 result = run_method(runner, *call)
             finally:
                 replies = self.core.call_or_shut_down(_rpc_replies, workers, deadline) if workers else []
-        if failed := next((rank for rank, (ok, _) in enumerate(replies, 1) if not ok), None):
-            raise RuntimeError(f"collective_rpc: tensor-parallel worker rank {failed} raised {replies[failed - 1][1]}")
+        for rank, (ok, value) in enumerate(replies, 1):
+            if not ok:
+                raise RuntimeError(f"collective_rpc: tensor-parallel worker rank {rank} raised {value}")
         return [result, *(value for _, value in replies)]
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
-        """Starts the torch profiler on every rank (``profiler_config`` says where the traces go)."""
         if self.config.profiler_config is None:
-            raise RuntimeError("start_profile(): profiling is not enabled; pass profiler_config="
-                               "{'profiler': 'torch', 'torch_profiler_dir': ...}")
-        self.collective_rpc(_profile, args=(True, self.config.profiler_config, profile_prefix))
+            raise RuntimeError("start_profile() needs profiler_config={'profiler': 'torch', 'torch_profiler_dir': ...}")
+        self.collective_rpc(_start_profile, args=(self.config.profiler_config, profile_prefix))
 
     def stop_profile(self) -> None:
-        """Stops every rank's profiler; each writes its trace into ``torch_profiler_dir``."""
-        self.collective_rpc(_profile, args=(False,))
+        self.collective_rpc(_stop_profile)
 
     def get_metrics(self) -> list:
-        """vLLM's metrics (``nanovllm.v1.metrics.reader``): requests running and waiting, KV-cache use,
-        preemptions, prompt and generation tokens, prefix-cache queries and hits, and finished requests by
-        reason, over the engine's life."""
+        """vLLM's metrics over the engine's life (``nanovllm.v1.metrics.reader``)."""
         with self.core.lock:
             return self.stats.snapshot(self.core.scheduler, self.config.model)
 
     def _add_request_by_id(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
                            lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
-        """vLLM's ``add_request``; the id is reserved before the prompt is checked, so two threads cannot both
-        take it."""
+        """vLLM's ``add_request``; the id is reserved first, so two threads cannot both take it."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
         refuse_unsupported(priority, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
@@ -394,7 +390,7 @@ class VllmCompatMixin:
              chat_template_content_format: str = "auto", lora_request=None,
              mm_processor_kwargs=None) -> list[RequestOutput]:
         """``generate`` on a conversation (a list of {"role", "content"} messages) or a list of them, rendered by
-        the tokenizer's chat template or ``chat_template``; ``chat_template_kwargs`` are template variables."""
+        the tokenizer's chat template or ``chat_template``."""
         refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string', "
@@ -424,9 +420,8 @@ class VllmCompatMixin:
 
 
 def text_message(where: str, message: dict) -> dict:
-    """``message`` with its content as one string, as vLLM's "string" content format: text parts joined by
-    newlines, None as "". A role that is not a string, other content, or a part other than text is refused naming
-    ``where`` (the engine is text-only)."""
+    """``message`` with its content as one string (vLLM's "string" format: text parts joined by newlines, None as
+    ""); a role that is not a string, or content other than text, is refused naming ``where``."""
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise ValueError(f"{where}['role'] must be a string, got {role!r:.60}")

@@ -110,7 +110,7 @@ class WorkerGroup:
         # the parent-death signal fires when the spawning *thread* ends
         pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes, self.doorbells = [], []
-        # rank 0 alone samples, and hf_config holds the overrides: neither the classes nor a function must pickle
+        # rank 0 alone samples, and hf_config holds the overrides: the classes and a function need not pickle
         worker_config = config.derive(logits_processors=[], hf_overrides=None)
         try:
             for rank in range(1, self.world_size):
@@ -147,8 +147,7 @@ class WorkerGroup:
 
     def call(self, method: str, *args):
         if self.channel is None:
-            raise RuntimeError("this engine's tensor-parallel workers belong to the process that forked this one: "
-                               "build another engine here")
+            raise RuntimeError("this engine's workers belong to the process that forked this one")
         moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL), self.death_error)
         for doorbell in self.doorbells:
             try:
@@ -198,9 +197,8 @@ class WorkerGroup:
         self.channel.close()
 
     def forget(self):
-        """In a forked child: the workers, their memory and doorbells are the parent's, not to be called, ended or
-        unlinked from here (multiprocessing's exit handler would terminate the workers that it still lists)."""
-        multiprocessing.process._children.difference_update(self.processes)
+        """In a forked child: the workers are the parent's, not to be called, ended or unlinked from here."""
+        multiprocessing.process._children.difference_update(self.processes)  # else its exit handler ends them
         self.closed, self.processes, self.doorbells, self.channel = True, [], [], None
 
 

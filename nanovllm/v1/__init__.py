@@ -1,1 +1,1 @@
-"""vLLM's ``vllm.v1`` module paths that scripts import."""
+"""vLLM's ``vllm.v1`` module paths."""

@@ -1,1 +1,1 @@
-"""vLLM's ``vllm.v1.metrics``: ``reader`` holds the metric types."""
+"""vLLM's ``vllm.v1.metrics``."""
