@@ -179,7 +179,7 @@ class SamplingParams:
             raise ValueError(f"stop strings are only supported when detokenize is True. Set detokenize=True to use "
                              f"stop (got stop={self.stop!r}, detokenize=False)")
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
-        if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
+        if not _is_token_ids(ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
 
@@ -188,7 +188,7 @@ class SamplingParams:
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"extra_args must be a dict, got {self.extra_args!r:.80}")
         ids, words = self.allowed_token_ids, self.bad_words
-        if ids is not None and not (isinstance(ids, (list, tuple)) and all(type(t) is int and t >= 0 for t in ids)):
+        if ids is not None and not _is_token_ids(ids):
             raise ValueError(f"allowed_token_ids must be a list of non-negative ints, got {ids!r:.80}")
         if ids is not None and not ids:
             raise ValueError(f"allowed_token_ids is not None and empty! (None allows every token), got {ids!r}")
@@ -239,6 +239,10 @@ def check_int(name: str, value, lo: int, hi: int | None = None):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         raise ValueError(f"{name} must be >= {lo}{f' and <= {hi}' if hi is not None else ''}, got {value}")
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(type(t) is int and t >= 0 for t in value)
 
 
 def check_bool(name: str, value):
