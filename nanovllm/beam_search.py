@@ -38,17 +38,15 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
     return cumulative_logprob / (seq_len ** length_penalty)
 
 
-_MAX_LENGTH_FACTOR = 1e280  # len ** |length_penalty| at most this: room left for the cumulative logprob
+_MAX_LOG_LENGTH_FACTOR = math.log(1e280)  # of len ** |length_penalty|: room left for the cumulative logprob
 
 
 def _check_length_penalty(length_penalty: float, max_model_len: int) -> None:
-    """Refuses a ``length_penalty`` for which vLLM's score overflows (or divides by zero) at a length up to
-    ``max_model_len``; below the bound the score is vLLM's."""
-    if abs(length_penalty) * math.log(max_model_len) > math.log(_MAX_LENGTH_FACTOR):
-        bound = math.log(_MAX_LENGTH_FACTOR) / math.log(max_model_len)
-        raise ValueError(f"length_penalty={length_penalty} makes the beam score cumulative_logprob / "
-                         f"len ** length_penalty overflow at lengths up to max_model_len={max_model_len}: "
-                         f"|length_penalty| must be <= {bound:.4g}")
+    """Refuses a ``length_penalty`` for which the score overflows (or divides by zero) up to ``max_model_len``."""
+    if abs(length_penalty) * math.log(max_model_len) > _MAX_LOG_LENGTH_FACTOR:
+        raise ValueError(f"length_penalty={length_penalty} makes the beam score overflow at lengths up to "
+                         f"max_model_len={max_model_len}: |length_penalty| must be <= "
+                         f"{_MAX_LOG_LENGTH_FACTOR / math.log(max_model_len):.4g}")
 
 
 def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,

@@ -1,6 +1,5 @@
-"""vLLM v1's logits-processor interface (``vllm.v1.sample.logits_processor``): batch-level processors that follow
-the batch through ``BatchUpdate``s and shape its logits in ``apply``, the per-request adapter, and the built-ins
-for ``SamplingParams.allowed_token_ids`` and ``bad_words``. ``LLM(logits_processors=[...])`` registers them."""
+"""vLLM v1's logits-processor interface (``vllm.v1.sample.logits_processor``), its per-request adapter, and the
+built-ins for ``SamplingParams.allowed_token_ids`` and ``bad_words``."""
 from __future__ import annotations
 
 import functools
@@ -24,9 +23,8 @@ class MoveDirectionality(Enum):
 
 @dataclass(frozen=True)
 class BatchUpdate:
-    """How the batch changed since the last step: ``removed`` (indices), ``added`` ((index, params, prompt token
-    ids, output token ids), the output list being the live one, extended as tokens are generated; an added index
-    may be a removed request's, then not in ``removed``), and then ``moved`` ((index 1, index 2, direction))."""
+    """The batch's changes since the last step, applied in this order: ``removed`` indices, ``added`` (index,
+    params, prompt ids, the live output ids list), ``moved`` (index 1, index 2, direction)."""
 
     batch_size: int
     removed: Sequence[int]
@@ -48,24 +46,24 @@ class LogitsProcessor(ABC):
 
     @abstractmethod
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The batch's logits [batch_size, vocab] float32, shaped; may be changed in place."""
+        """Shapes the batch's float32 logits [batch_size, vocab], in place or not."""
         raise NotImplementedError
 
     @abstractmethod
     def is_argmax_invariant(self) -> bool:
-        """True if ``apply`` never changes a row's argmax (greedy sampling)."""
+        """True if ``apply`` never changes a row's argmax."""
         raise NotImplementedError
 
     @abstractmethod
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        """Called before each step's ``apply``; ``batch_update`` is None when the batch did not change."""
+        """Called before each ``apply``; None when the batch did not change."""
         raise NotImplementedError
 
 
 def process_dict_updates(req_entries: dict[int, Any], batch_update: BatchUpdate | None,
                          new_state: Callable[[Any, list[int] | None, list[int]], Any]) -> bool:
-    """Applies ``batch_update`` to per-index state ``req_entries`` (``new_state(params, prompt ids, output ids)``
-    for an added request, None: no state); returns whether anything changed."""
+    """Applies ``batch_update`` to the per-index ``req_entries`` (an added request's entry is
+    ``new_state(params, prompt ids, output ids)``, None for none); returns whether they changed."""
     if not batch_update:
         return False
     updated = False
@@ -87,8 +85,8 @@ def process_dict_updates(req_entries: dict[int, Any], batch_update: BatchUpdate 
 
 
 class AdapterLogitsProcessor(LogitsProcessor):
-    """Batch-level form of per-request processors: ``new_req_logits_processor(params)`` returns a callable
-    ``(output_ids, logits_row)`` or ``(prompt_ids, output_ids, logits_row)`` -> row, or None to leave it alone."""
+    """Runs per-request processors: ``new_req_logits_processor(params)`` returns a ``RequestLogitsProcessor``,
+    or None to leave the request alone."""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -100,8 +98,9 @@ class AdapterLogitsProcessor(LogitsProcessor):
     def _new_state(self, params, prompt_ids: list[int] | None, output_ids: list[int]):
         if (processor := self.new_req_logits_processor(params)) is None:
             return None
-        with_prompt = len(inspect.signature(processor).parameters) == 3
-        return functools.partial(processor, *((prompt_ids, output_ids) if with_prompt else (output_ids,)))
+        if len(inspect.signature(processor).parameters) == 3:
+            return functools.partial(processor, prompt_ids, output_ids)
+        return functools.partial(processor, output_ids)
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.req_info, batch_update, self._new_state)
@@ -112,49 +111,46 @@ class AdapterLogitsProcessor(LogitsProcessor):
         return logits
 
 
-class AllowedTokenIdsLogitsProcessor(LogitsProcessor):
-    """``SamplingParams.allowed_token_ids``: only those tokens may be sampled."""
-
+class _Builtin(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        self.allowed: dict[int, list[int]] = {}
-        self.masks: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, [rows, vocab] True = banned)
+        self.entries: dict[int, Any] = {}
 
     def is_argmax_invariant(self) -> bool:
         return False
 
+
+class AllowedTokenIdsLogitsProcessor(_Builtin):
+    """``SamplingParams.allowed_token_ids``: only those tokens may be sampled."""
+
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, [rows, vocab] True = banned), kept while valid
+
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if process_dict_updates(self.allowed, batch_update, lambda params, _, __: params.allowed_token_ids):
+        if process_dict_updates(self.entries, batch_update, lambda params, _, __: params.allowed_token_ids):
             self.masks = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.allowed:
+        if not self.entries:
             return logits
         if self.masks is None:
-            banned = torch.ones(len(self.allowed), logits.size(1), dtype=torch.bool)
-            for i, ids in enumerate(self.allowed.values()):
+            banned = torch.ones(len(self.entries), logits.size(1), dtype=torch.bool)
+            for i, ids in enumerate(self.entries.values()):
                 banned[i, ids] = False
-            self.masks = torch.tensor(list(self.allowed), device=logits.device), banned.to(logits.device)
+            self.masks = torch.tensor(list(self.entries), device=logits.device), banned.to(logits.device)
         rows, banned = self.masks
         logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
         return logits
 
 
-class BadWordsLogitsProcessor(LogitsProcessor):
-    """``SamplingParams.bad_words``: a bad word's last token is banned where its other tokens were just
-    generated (vLLM's semantics; the words are tokenized at admission, ``bad_words_token_ids``)."""
-
-    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
-        self.words: dict[int, tuple[list[list[int]], list[int]]] = {}  # index -> (token ids of each, outputs)
-
-    def is_argmax_invariant(self) -> bool:
-        return False
+class BadWordsLogitsProcessor(_Builtin):
+    """``SamplingParams.bad_words`` (as ``bad_words_token_ids``): a word's last token is banned right after its
+    other tokens (vLLM's semantics)."""
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self.words, batch_update,
+        process_dict_updates(self.entries, batch_update,
                              lambda params, _, out: (params._bad_words_token_ids, out) if params.bad_words else None)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        banned = [(index, ids[-1]) for index, (words, out) in self.words.items() for ids in words
+        banned = [(index, ids[-1]) for index, (words, out) in self.entries.items() for ids in words
                   if len(ids) <= len(out) + 1 and out[len(out) - len(ids) + 1:] == ids[:-1]]
         if banned:
             logits[tuple(zip(*banned))] = float("-inf")
@@ -162,8 +158,8 @@ class BadWordsLogitsProcessor(LogitsProcessor):
 
 
 def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
-    """vLLM's tokenization of bad words: each as it would start the text and, where that gives other tokens of
-    the same length, after a space (inside the text)."""
+    """vLLM's tokenization of bad words: each as the text's start and, if that differs but is as long, after a
+    space."""
     token_ids = []
     for word in bad_words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -178,8 +174,7 @@ BUILTIN_LOGITS_PROCESSORS = (AllowedTokenIdsLogitsProcessor, BadWordsLogitsProce
 
 
 def load_logits_processors(entries) -> list[type[LogitsProcessor]]:
-    """``logits_processors``' classes: each entry a ``LogitsProcessor`` subclass or its "module.Class" (or
-    "module:Class") name."""
+    """The classes of ``logits_processors``: ``LogitsProcessor`` subclasses or "module.Class" / "module:Class"."""
     if entries is None:
         return []
     if not isinstance(entries, (list, tuple, str)):
@@ -193,9 +188,7 @@ def _load(entry) -> type[LogitsProcessor]:
     if isinstance(entry, str):
         module, _, name = entry.rpartition(":" if ":" in entry else ".")
         try:
-            cls = importlib.import_module(module)
-            for attr in name.split("."):
-                cls = getattr(cls, attr)
+            cls = functools.reduce(getattr, name.split("."), importlib.import_module(module))
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"logits_processors entry {entry!r} cannot be imported: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):

@@ -1,5 +1,5 @@
-"""vLLM's ``vllm.logprobs``: ``Logprob``, the class of every logprobs entry the engine returns, the flat container
-that ``SamplingParams.flat_logprobs`` asks for, and the ``PromptLogprobs`` / ``SampleLogprobs`` aliases."""
+"""vLLM's ``vllm.logprobs``: ``Logprob``, the flat container of ``SamplingParams.flat_logprobs``, and the
+``PromptLogprobs`` / ``SampleLogprobs`` aliases."""
 from __future__ import annotations
 
 from collections import abc
@@ -29,8 +29,8 @@ class Logprob(float):
 
 @dataclass
 class FlatLogprobs(abc.Sequence):
-    """vLLM's flat container: every position's entries in shared columns, position i's at
-    ``start_indices[i]:end_indices[i]``; it reads as a list of ``{token id: Logprob}`` ({} where a list has None)."""
+    """vLLM's flat container: position i's entries in columns ``start_indices[i]:end_indices[i]``; it reads as a
+    list of ``{token id: Logprob}`` ({} for None)."""
 
     start_indices: list[int] = field(default_factory=list)
     end_indices: list[int] = field(default_factory=list)

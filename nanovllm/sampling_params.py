@@ -117,13 +117,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    detokenize: bool = True  # False: no text ("" as in vLLM), nothing decoded
+    detokenize: bool = True  # False: no text, nothing decoded
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     flat_logprobs: bool = False  # True: logprobs in a logprobs.FlatLogprobs
     structured_outputs: StructuredOutputsParams | None = None
-    extra_args: dict | None = None  # passed through to custom logits processors
-    allowed_token_ids: list[int] | None = None  # only these may be sampled
-    bad_words: list[str] | None = None  # words that may not be generated
+    extra_args: dict | None = None  # for custom logits processors
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)  # at admission
 
     def __setattr__(self, name: str, value):
@@ -175,24 +175,23 @@ class SamplingParams:
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not all(self.stop_strings):
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
-        if self.stop_strings and not self.detokenize:  # a stop string is found in the text
+        if self.stop_strings and not self.detokenize:
             raise ValueError(f"stop strings are only supported when detokenize is True. Set detokenize=True to use "
                              f"stop (got stop={self.stop!r}, detokenize=False)")
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
-        if not isinstance(ids, (list, tuple)) or not all(type(t) is int and t >= 0 for t in ids):
+        if not _is_token_ids(ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
 
     def _verify_processor_fields(self) -> None:
-        """The fields the built-in and custom logits processors read (the vocabulary is checked at admission)."""
+        """The logits processors' fields (the vocabulary is checked at admission)."""
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise TypeError(f"extra_args must be a dict, got {self.extra_args!r:.80}")
-        ids = self.allowed_token_ids
-        if ids is not None and not (isinstance(ids, (list, tuple)) and all(type(t) is int and t >= 0 for t in ids)):
+        ids, words = self.allowed_token_ids, self.bad_words
+        if ids is not None and not _is_token_ids(ids):
             raise ValueError(f"allowed_token_ids must be a list of non-negative ints, got {ids!r:.80}")
         if ids is not None and not ids:
             raise ValueError(f"allowed_token_ids is not None and empty! (None allows every token), got {ids!r}")
-        words = self.bad_words
         if words is not None and not (isinstance(words, (list, tuple)) and all(isinstance(w, str) for w in words)):
             raise TypeError(f"bad_words must be a list of strings, got {words!r:.80}")
         if words and not all(words):
@@ -240,6 +239,10 @@ def check_int(name: str, value, lo: int, hi: int | None = None):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         raise ValueError(f"{name} must be >= {lo}{f' and <= {hi}' if hi is not None else ''}, got {value}")
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(type(t) is int and t >= 0 for t in value)
 
 
 def check_bool(name: str, value):

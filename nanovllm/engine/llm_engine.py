@@ -120,7 +120,7 @@ class LLMEngine(VllmCompatMixin):
         wanted = params.detokenize and (stream is not None or params.stop_strings or incremental)
         detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                         if wanted else None for _ in seqs]
-        while request_id is None or request_id in self._step_requests and self._step_requests[request_id] is not None:
+        while request_id is None or self._step_requests.get(request_id) is not None:
             request_id = str(next(self._request_ids))  # not one that a caller of add_request holds
         request = Request(index, prompt_ids, seqs, request_id, text, detokenizers, stream, incremental)
         self.core.add(request, params)
@@ -161,9 +161,8 @@ class LLMEngine(VllmCompatMixin):
                     self.core.abort(target)
 
     def step(self) -> list[RequestOutput]:
-        """One forward, if anything is left to run; a ``RequestOutput`` (cumulative, or by its ``output_kind``) for each
-        ``add_request`` request that gained tokens since its last report, whoever ran the steps (a finished one
-        once, then forgotten)."""
+        """One forward, if anything is left to run; a ``RequestOutput`` (by its ``output_kind``) for each
+        ``add_request`` request with news since its last report, whoever ran the steps (a finished one once)."""
         with self.core.lock:
             if not self.core.is_finished():
                 self.core.step()
@@ -171,7 +170,7 @@ class LLMEngine(VllmCompatMixin):
             for request_id, request in list(self._step_requests.items()):
                 if request is None:  # being admitted by another thread
                     continue
-                if (output := step_output(request, self.tokenizer)) is None:  # nothing new, by its output_kind
+                if (output := step_output(request, self.tokenizer)) is None:
                     continue
                 outputs.append(output)
                 if request.finished:

@@ -21,7 +21,7 @@ class Request:
     stream: deque | None = None      # the pieces its stream() call has not yielded yet
     incremental_text: bool = False   # its outputs' text is its detokenizers' (step() reports it often)
     num_reported: int = 0            # completion tokens step() has reported
-    reported: list = field(default_factory=list)  # per completion, (tokens, characters) step() reported (DELTA)
+    reported: list = field(default_factory=list)  # per completion, the (tokens, characters) reported (DELTA)
     error: str | None = None         # why a completion ended with finish_reason "error"
 
     def __post_init__(self):
@@ -61,7 +61,7 @@ class OutputProcessor:
             at, stop = hit
             detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
             reason, stop_reason = "stop", stop
-        text = ""  # none without a detokenizer (detokenize=False)
+        text = ""  # detokenize=False
         if detok is not None:
             if reason and not hit:
                 detok.flush()

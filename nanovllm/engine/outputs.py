@@ -83,22 +83,24 @@ class ModelRunnerOutput:
         return token_ids, logprobs, prompt_logprobs
 
 
-def _decode_entries(entries: list | None, tokenizer) -> None:
-    """Fills in each Logprob's ``decoded_token`` ("" for an id past the tokenizer's vocabulary)."""
-    for entry in entries or ():
-        for token, lp in (entry or {}).items():
+def _entries(entries: list, tokenizer, sp):
+    """A copy of logprob ``entries`` (the sequence's list grows), with each ``decoded_token`` ("" for an id past
+    the tokenizer's vocabulary) unless ``detokenize=False``, flat with ``flat_logprobs``."""
+    entries = list(entries)
+    if tokenizer is not None and sp.detokenize:
+        for token, lp in (item for entry in entries for item in (entry or {}).items()):
             if lp.decoded_token is None:
                 piece = tokenizer.convert_ids_to_tokens(token)
                 lp.decoded_token = "" if piece is None else tokenizer.convert_tokens_to_string([piece])
+    return FlatLogprobs.of(entries) if sp.flat_logprobs else entries
 
 
 def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
                       incremental: bool = False) -> CompletionOutput:
     """Completion ``index`` of its request. Its text leaves out a stop token's (vLLM's) and ends at a stop
-    string; with ``incremental`` it is the detokenizer's so far. ``detokenize=False``: no text, no decoded tokens."""
+    string; with ``incremental`` it is the detokenizer's so far."""
     sp = seq.sampling_params
-    tokenizer = tokenizer if sp.detokenize else None
-    if tokenizer is None:
+    if tokenizer is None or not sp.detokenize:
         text = ""
     elif detokenizer is not None and (incremental or seq.finish_reason == "stop" and sp.stop_strings):
         text = detokenizer.text  # cut at the stop string
@@ -110,11 +112,8 @@ def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
         text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
     logprobs = cumulative = None
     if sp.logprobs is not None:
-        logprobs = list(seq.logprobs)  # a copy: the sequence's list grows
-        if tokenizer is not None:
-            _decode_entries(logprobs, tokenizer)
-        cumulative = float(sum(entry[token] for entry, token in zip(logprobs, seq.completion_token_ids)))
-        logprobs = FlatLogprobs.of(logprobs) if sp.flat_logprobs else logprobs
+        cumulative = float(sum(entry[token] for entry, token in zip(seq.logprobs, seq.completion_token_ids)))
+        logprobs = _entries(seq.logprobs, tokenizer, sp)
     return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs, seq.finish_reason,
                             seq.stop_reason)
 
@@ -129,12 +128,9 @@ def request_output(request, tokenizer) -> RequestOutput:
     metrics = RequestMetrics(arrival, first_token, finish_time,
                              None if first_token is None else first_token - arrival,
                              None if finish_time is None else finish_time - arrival)
-    sp, prompt_logprobs = first.sampling_params, None
+    prompt_logprobs = None
     if first.prompt_logprobs is not None:
-        prompt_logprobs = list(first.prompt_logprobs)
-        if tokenizer is not None and sp.detokenize:
-            _decode_entries(prompt_logprobs, tokenizer)
-        prompt_logprobs = FlatLogprobs.of(prompt_logprobs) if sp.flat_logprobs else prompt_logprobs
+        prompt_logprobs = _entries(first.prompt_logprobs, tokenizer, first.sampling_params)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
                          [completion_output(seq, i, tokenizer, request.detokenizers[i], request.incremental_text)
                           for i, seq in enumerate(request.seqs)], finished,
@@ -142,9 +138,8 @@ def request_output(request, tokenizer) -> RequestOutput:
 
 
 def step_output(request, tokenizer) -> RequestOutput | None:
-    """What ``LLMEngine.step`` reports of a request, by its ``output_kind`` (vLLM's): None while nothing is new
-    (FINAL_ONLY: until it finishes); DELTA: each completion's tokens, text and logprobs since the last report,
-    the prompt logprobs in the first report only."""
+    """What ``LLMEngine.step`` reports of a request by its ``output_kind``: None while nothing is new (FINAL_ONLY:
+    until it finishes); DELTA: what is new since the last report (the prompt logprobs in the first)."""
     kind = request.seqs[0].sampling_params.output_kind
     count = sum(seq.num_completion_tokens for seq in request.seqs)
     if not request.finished and (count == request.num_reported or kind is RequestOutputKind.FINAL_ONLY):
@@ -158,8 +153,7 @@ def step_output(request, tokenizer) -> RequestOutput | None:
 
 
 def _delta(request, i: int, out: CompletionOutput) -> CompletionOutput:
-    """Completion ``i``'s part not reported yet; its text holds back, until it ends, what could still begin a
-    stop string (as a stream's does)."""
+    """Completion ``i``'s part not reported yet, its text held back as a stream's is."""
     tokens, chars = request.reported[i]
     stops = request.seqs[i].sampling_params.stop_strings
     holdback = 0 if out.finish_reason or not stops else max(map(len, stops)) - 1

@@ -1,8 +1,6 @@
 """vLLM's batch-level logits processors (``nanovllm.logits_processor``) behind the engine's ``LogitsProcessor``
-interface: their batch indices, the ``BatchUpdate`` of each step, and their ``apply`` handed to the sampler."""
+hooks: their batch indices, each step's ``BatchUpdate``, and their ``apply`` handed to the sampler."""
 from __future__ import annotations
-
-import itertools
 
 import torch
 
@@ -14,17 +12,15 @@ from nanovllm.inputs import require_tokenizer
 
 
 class VllmLogitsProcessors(LogitsProcessor):
-    """vLLM's batch-level logits processors (the built-ins for ``allowed_token_ids`` and ``bad_words``, then
-    ``Config.logits_processors``): their batch index i is row i of this step, a ``BatchUpdate`` tells them each
-    change, and the sampler calls their ``apply`` on the step's logits. Custom ones may read any request's output
-    tokens, so a step with them waits for the step in flight."""
+    """The built-ins, then ``Config.logits_processors``; batch index i is row i of the step. Custom ones may read
+    any request's output tokens, so a step with them waits for the step in flight."""
 
     def __init__(self, config, device: torch.device):
         self.classes = [*vllm_lp.BUILTIN_LOGITS_PROCESSORS, *config.logits_processors]
         self.processors = [cls(config, device, device.type == "cuda") for cls in self.classes]
         self.custom, self.vocab_size = bool(config.logits_processors), config.hf_config.vocab_size
         self.rows: list[int] = []  # the seq_id at each batch index, as the processors last saw the batch
-        self.outputs: dict[int, list[int]] = {}  # seq_id -> its generated tokens: the live list they were given
+        self.outputs: dict[int, list[int]] = {}  # seq_id -> the live output list the processors were given
         self.users: set[int] = set()  # the live seq_ids with allowed_token_ids or bad_words
 
     def verify(self, params, tokenizer) -> None:
@@ -62,26 +58,25 @@ class VllmLogitsProcessors(LogitsProcessor):
         return logits
 
     def _update(self, seqs: list[Sequence]) -> None:
-        """Tells the processors how the batch changed: added (into the lowest free indices, replacing removed
-        ones), the other removed indices, then swaps into this step's row order."""
+        """Added requests take the lowest free indices (removed ones' first), then swaps put each at its row."""
         new = {seq.seq_id for seq in seqs}
-        at = {i: seq_id for i, seq_id in enumerate(self.rows) if seq_id in new}  # index -> seq_id
-        index = {seq_id: i for i, seq_id in at.items()}
-        free, added, moved = (i for i in itertools.count() if i not in at), [], []
-        for seq in (seq for seq in seqs if seq.seq_id not in index):
-            i = next(free)
-            at[i], index[seq.seq_id] = seq.seq_id, i
-            outputs = self.outputs.setdefault(seq.seq_id, seq.completion_token_ids)
-            added.append((i, seq.sampling_params, seq.token_ids[:seq.num_prompt_tokens], outputs))
-        removed = [i for i, seq_id in enumerate(self.rows) if seq_id not in new and i not in at]
+        slots = [seq_id if seq_id in new else None for seq_id in self.rows] + [None] * len(seqs)  # index -> seq_id
+        index = {seq_id: i for i, seq_id in enumerate(slots) if seq_id is not None}
+        free, added, moved = (i for i, seq_id in enumerate(slots) if seq_id is None), [], []
+        for seq in seqs:
+            if seq.seq_id not in index:
+                i = index[seq.seq_id] = next(free)
+                slots[i] = seq.seq_id
+                outputs = self.outputs.setdefault(seq.seq_id, seq.completion_token_ids)
+                added.append((i, seq.sampling_params, seq.token_ids[:seq.num_prompt_tokens], outputs))
+        removed = [i for i, seq_id in enumerate(self.rows) if slots[i] is None]
         for row, seq in enumerate(seqs):
             if (i := index[seq.seq_id]) != row:
                 moved.append((i, row, vllm_lp.MoveDirectionality.SWAP))
-                other, at[row], index[seq.seq_id] = at.get(row), seq.seq_id, row
-                if other is None:
-                    del at[i]
-                else:
-                    at[i], index[other] = other, i
+                other = slots[row]
+                slots[i], slots[row], index[seq.seq_id] = other, seq.seq_id, row
+                if other is not None:
+                    index[other] = i
         self.rows = [seq.seq_id for seq in seqs]
         update = vllm_lp.BatchUpdate(len(seqs), removed, added, moved) if removed or added or moved else None
         for processor in self.processors:

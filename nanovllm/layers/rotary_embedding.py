@@ -83,8 +83,8 @@ _POSITIVE = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "bet
 
 
 def rope_parameters(config) -> dict:
-    """A config's (or a config.json dict's) rotary fields with ``rope_type`` and ``rope_theta`` filled in; a field
-    that is missing or not a positive number (it would fill the table with NaN) is refused by name at load."""
+    """A config's (or config.json dict's) rotary fields, ``rope_type`` and ``rope_theta`` filled in; refuses by
+    name a field that is missing or not a positive number (the table would be NaN)."""
     get = config.get if isinstance(config, dict) else lambda name: getattr(config, name, None)
     key = "rope_parameters" if get("rope_parameters") else "rope_scaling"
     params = dict(get(key) or {})
@@ -101,8 +101,8 @@ def rope_parameters(config) -> dict:
             raise ValueError(f"the model's {names[name]} is missing: rope_type {rope_type!r} needs it")
     for name in _POSITIVE:
         value = params.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value < math.inf):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and 0 < value < math.inf):
             raise ValueError(f"the model's {names[name]} must be a finite number > 0, got {value!r}")
     if rope_type == "llama3" and not params["high_freq_factor"] > params["low_freq_factor"]:
         raise ValueError(f"the model's {names['high_freq_factor']} must be greater than its low_freq_factor, got "

@@ -22,8 +22,8 @@ _IN_FORKED_CHILD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def forget_in_forked_child(owner, forget: Callable[[object], None]):
-    """Calls ``forget(owner)`` in any child forked from this process while ``owner`` lives: the parent's workers,
-    shared memory and finalizers are not the child's to end when it exits."""
+    """Calls ``forget(owner)`` in a child forked while ``owner`` lives: the parent's workers, shared memory and
+    finalizers are not the child's to end."""
     _IN_FORKED_CHILD[owner] = forget
 
 
