@@ -17,7 +17,7 @@ EXCLUSIVE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
 # ignored unless `type` says which values they constrain
 UNTYPED = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
            "multipleOf", "minItems", "maxItems", "minProperties", "maxProperties")
-LENGTHS = ("minLength", "maxLength")
+LENGTHS = frozenset(("minLength", "maxLength"))
 # keywords holding a schema, a map of them, a list of them
 ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 MAP = ("properties", "patternProperties", "$defs", "definitions")
@@ -103,7 +103,7 @@ def _untyped(schema: dict) -> str | None:
         return None
     if isinstance(schema.get("format"), str) and schema["format"] not in FORMATS:
         return f"'format': {schema['format']!r}"
-    length = sorted(schema.keys() & set(LENGTHS))
+    length = sorted(schema.keys() & LENGTHS)
     other = next((key for key in ("pattern", "format") if key in schema), None)
     return f"{length[0]!r} beside {other!r}" if length and other else None
 
@@ -111,7 +111,7 @@ def _untyped(schema: dict) -> str | None:
 def _length_as_pattern(schema: dict) -> dict:
     """A length-limited string as a pattern: xgrammar's own grammar for lengths admits raw control characters."""
     lo, hi = schema.get("minLength", 0), schema.get("maxLength", "")
-    if not (schema.keys() & set(LENGTHS) and "string" in _types(schema) and "pattern" not in schema
+    if not (schema.keys() & LENGTHS and "string" in _types(schema) and "pattern" not in schema
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (lo, hi or 0))):
         return schema
     out = {key: value for key, value in schema.items() if key not in LENGTHS}
@@ -128,12 +128,6 @@ def _names(value) -> list:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
 
-def _json_types(value) -> set:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return {"number", "integer"} if float(value).is_integer() else {"number"}
-    return {_TYPES.get(type(value))}
-
-
 def _values(schema) -> list | None:
     values = [schema["const"]] if "const" in schema else schema.get("enum")
     return values if isinstance(values, list) else None
@@ -141,8 +135,12 @@ def _values(schema) -> list | None:
 
 def _values_typed(schema: dict) -> bool:
     """Whether every ``const`` or ``enum`` value has the schema's ``type`` (which xgrammar ignores)."""
+    def types(value):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {"number", "integer"} if float(value).is_integer() else {"number"}
+        return {_TYPES.get(type(value))}
     values = _values(schema)
-    return values is not None and all(_json_types(v) & _types(schema) for v in values)
+    return values is not None and all(types(v) & _types(schema) for v in values)
 
 
 def _consts(schema) -> set | None:
@@ -166,6 +164,7 @@ def _deref(schema, root: dict):
 
 
 def _apart(groups: list) -> bool:
+    """Whether every group is known (not None) and no two share a member."""
     return all(g is not None for g in groups) and len(set().union(*groups)) == sum(map(len, groups))
 
 
