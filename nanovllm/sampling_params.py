@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
-from nanovllm.structured_checks import MAX_DEPTH, check_regex, checked_schema
+from nanovllm.structured_checks import TOO_DEEP, check_regex, checked_schema
 
 SAMPLING_EPS = 1e-5  # temperatures below it are greedy: 1 / T would overflow the logits
 MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
@@ -31,9 +31,6 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
 
-    def __post_init__(self):
-        self.verify()
-
     def verify(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
@@ -45,7 +42,10 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             check_bool(f"structured_outputs.{name}", getattr(self, name))
         if self.json is not None:
-            self._check_json()
+            try:
+                self._check_json()
+            except RecursionError:
+                raise ValueError(TOO_DEEP) from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
@@ -60,23 +60,19 @@ class StructuredOutputsParams:
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"structured_outputs.json_object must be True when given, got {self.json_object!r}")
 
+    __post_init__ = verify
+
     def _check_json(self) -> None:
-        schema = self.json
-        if isinstance(schema, str):
-            try:
-                schema = _json.loads(schema)
-            except RecursionError:
-                raise ValueError(f"structured_outputs.json is nested more than {MAX_DEPTH} levels deep") from None
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
-        elif not isinstance(schema, dict):
-            raise TypeError(f"structured_outputs.json must be a JSON schema dict or string, got {schema!r:.80}")
+        if not isinstance(self.json, (str, dict)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema dict or string, got {self.json!r:.80}")
+        try:
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
         try:
             _json.dumps(schema)  # the compiler is given its JSON text
-        except RecursionError:
-            raise ValueError(f"structured_outputs.json is nested more than {MAX_DEPTH} levels deep") from None
         except (TypeError, ValueError) as e:
             raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
         checked_schema(schema)  # a ValueError naming what xgrammar would ignore

@@ -85,10 +85,10 @@ class StructuredOutputManager(LogitsProcessor):
         return xgr.GrammarCompiler(info, cache_enabled=False)  # our cache is keyed by the constraint
 
     def compile(self, params: StructuredOutputsParams):
-        """The constraint's compiled grammar (cached); a ``ValueError`` naming the field if it does not compile."""
-        kind = params.kind
-        spec = {"json": lambda: json.dumps(checked_schema(json.loads(params.json) if isinstance(params.json, str)
-                                                          else params.json)),
+        """The constraint's compiled grammar (cached); a ``ValueError`` naming the field if it does not compile or
+        matches nothing."""
+        kind, schema = params.kind, params.json
+        spec = {"json": lambda: json.dumps(checked_schema(json.loads(schema) if isinstance(schema, str) else schema)),
                 "json_object": lambda: '{"type": "object"}', "regex": lambda: params.regex,
                 "grammar": lambda: params.grammar, "choice": lambda: choice_grammar(params.choice)}[kind]()
         if kind == "grammar" and "::=" not in spec:  # vLLM would take it for a Lark grammar
@@ -101,31 +101,26 @@ class StructuredOutputManager(LogitsProcessor):
             if compiled is not None:
                 self.cache.move_to_end(key)
                 return compiled
-            compiled = self._compile(kind, key)
+            xgr, compiler = import_xgrammar(), self.compiler
+            try:
+                if key[0] == "json":
+                    compiled = compiler.compile_json_schema(spec, any_whitespace=key[2])
+                elif key[0] == "regex":
+                    compiled = compiler.compile_regex(spec)
+                else:
+                    compiled = compiler.compile_grammar(spec)
+            except Exception as e:  # xgrammar raises RuntimeError (and its own errors) from C++
+                reason = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
+            first = torch.zeros(xgr.get_bitmask_shape(1, self.vocab_size), dtype=torch.int32)
+            xgr.GrammarMatcher(compiled, override_stop_tokens=self.eos_token_ids).fill_next_token_bitmask(first)
+            if not first.any():  # no first token, not even EOS
+                raise ValueError(f"structured_outputs.{kind} matches no string")
             self.cache[key] = compiled
             self.cache_bytes += getattr(compiled, "memory_size_bytes", 0)
             while len(self.cache) > 1 and (len(self.cache) > CACHE_SIZE or self.cache_bytes > CACHE_BYTES):
                 self.cache_bytes -= getattr(self.cache.popitem(last=False)[1], "memory_size_bytes", 0)
             return compiled
-
-    def _compile(self, kind: str, key: tuple):
-        """xgrammar's compiled grammar for ``key``; a ``ValueError`` if it does not compile or matches nothing."""
-        xgr, compiler = import_xgrammar(), self.compiler
-        try:
-            if key[0] == "json":
-                compiled = compiler.compile_json_schema(key[1], any_whitespace=key[2])
-            elif key[0] == "regex":
-                compiled = compiler.compile_regex(key[1])
-            else:
-                compiled = compiler.compile_grammar(key[1])
-        except Exception as e:  # xgrammar raises RuntimeError (and its own errors) from C++
-            reason = _XGR_PREFIX.sub("", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"structured_outputs.{kind} does not compile: {reason}") from None
-        first = torch.zeros(xgr.get_bitmask_shape(1, self.vocab_size), dtype=torch.int32)
-        xgr.GrammarMatcher(compiled, override_stop_tokens=self.eos_token_ids).fill_next_token_bitmask(first)
-        if not first.any():  # no first token, not even EOS
-            raise ValueError(f"structured_outputs.{kind} matches no string")
-        return compiled
 
     def add(self, seqs: list[Sequence], params) -> None:
         if params.structured_outputs is None:
