@@ -50,3 +50,8 @@ class IncrementalDetokenizer:
         start = max(0, len(self.text) - len(delta) - max(len(s) for s in stops) + 1)
         hits = [(i, s) for s in stops if (i := self.text.find(s, start)) != -1]
         return min(hits) if hits else None
+
+
+def stop_holdback(stops: tuple[str, ...], finished: bool) -> int:
+    """How many trailing characters a stream holds back: those that could still begin a stop string."""
+    return 0 if finished or not stops else max(map(len, stops)) - 1

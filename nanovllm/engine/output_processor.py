@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, stop_holdback
 from nanovllm.engine.sequence import Sequence
 
 
@@ -65,7 +65,7 @@ class OutputProcessor:
         if detok is not None:
             if reason and not hit:
                 detok.flush()
-            text = detok.take(0 if reason or not stops else max(map(len, stops)) - 1)
+            text = detok.take(stop_holdback(stops, bool(reason)))
         self.stream_piece(request, seq, text, [token_id], reason)
         return (reason, stop_reason) if reason else None
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from nanovllm.engine.detokenizer import stop_holdback
 from nanovllm.engine.sampling import PromptLogprobsBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.logprobs import FlatLogprobs, Logprob
@@ -155,8 +156,7 @@ def step_output(request, tokenizer) -> RequestOutput | None:
 def _delta(request, i: int, out: CompletionOutput) -> CompletionOutput:
     """Completion ``i``'s part not reported yet, its text held back as a stream's is."""
     tokens, chars = request.reported[i]
-    stops = request.seqs[i].sampling_params.stop_strings
-    holdback = 0 if out.finish_reason or not stops else max(map(len, stops)) - 1
+    holdback = stop_holdback(request.seqs[i].sampling_params.stop_strings, bool(out.finish_reason))
     end = max(chars, len(out.text) - holdback)
     request.reported[i] = (len(out.token_ids), end)
     return replace(out, text=out.text[chars:end], token_ids=out.token_ids[tokens:],

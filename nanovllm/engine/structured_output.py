@@ -88,7 +88,7 @@ class StructuredOutputManager(LogitsProcessor):
         """The constraint's compiled grammar (cached); a ``ValueError`` naming the field if it does not compile or
         matches nothing."""
         kind, schema = params.kind, params.json
-        spec = {"json": lambda: json.dumps(checked_schema(json.loads(schema) if isinstance(schema, str) else schema)),
+        spec = {"json": lambda: json.dumps(json.loads(schema) if isinstance(schema, str) else schema),
                 "json_object": lambda: '{"type": "object"}', "regex": lambda: params.regex,
                 "grammar": lambda: params.grammar, "choice": lambda: choice_grammar(params.choice)}[kind]()
         if kind == "grammar" and "::=" not in spec:  # vLLM would take it for a Lark grammar
@@ -102,6 +102,8 @@ class StructuredOutputManager(LogitsProcessor):
                 self.cache.move_to_end(key)
                 return compiled
             xgr, compiler = import_xgrammar(), self.compiler
+            if key[0] == "json":  # checked at verify; rewritten here, once per cached grammar
+                spec = json.dumps(checked_schema(json.loads(spec)))
             try:
                 if key[0] == "json":
                     compiled = compiler.compile_json_schema(spec, any_whitespace=key[2])
