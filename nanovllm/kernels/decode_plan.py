@@ -1,0 +1,93 @@
+"""The persistent decode kernel's schedule in plain Python: a layer's stages, each stage's tasks, which program runs
+which task, and the grid barrier that ends each stage. ``triton_decode`` takes its numbers from here and computes
+the same formulas on the device; the tests run this protocol with Python threads as the programs.
+
+A layer is five stages, each ending when every program has arrived at the barrier's counter:
+  qkv        tiles of BLOCK_N output columns: RMSNorm of the residual stream, then x @ W_qkv.T
+  attention  (sequence, KV head, split) tasks: q/k norm and rotary, the new K/V into the cache, a split of the
+             context; the split that arrives last at its (sequence, KV head) counter merges the splits
+  o_proj     (tile, K split) tasks; the split that arrives last at its tile's counter adds the partial sums and
+             the residual
+  gate_up    tiles: RMSNorm, then SiLU(x @ W_gate.T) * (x @ W_up.T)
+  down_proj  (tile, K split) tasks, merged as o_proj's
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = ("qkv", "attention", "o_proj", "gate_up", "down_proj")
+BLOCK_N = 16  # tl.dot's smallest tile
+BLOCK_M = 16  # rows (sequences) a tile computes: the largest batch the kernel runs
+MAX_ATTENTION_SPLITS = 32
+
+
+def _power_of_two_splits(tiles: int, num_programs: int, k: int, block_k: int) -> int:
+    """About one task per program, each split's K a multiple of block_k."""
+    splits = 1
+    while tiles * splits * 2 <= num_programs and k % (splits * 2 * block_k) == 0:
+        splits *= 2
+    return splits
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    num_programs: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    block_k: int
+    o_splits: int
+    down_splits: int
+
+    @classmethod
+    def build(cls, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
+              num_programs: int, max_block_k: int = 128) -> DecodePlan:
+        q_size = num_heads * head_dim
+        for name, n in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                        ("num_heads * head_dim", q_size)):
+            if n % max(BLOCK_N, 16):
+                raise ValueError(f"{name} {n} is not a multiple of {BLOCK_N}")
+        block_k = max_block_k
+        while block_k > 16 and any(k % block_k for k in (hidden_size, q_size, intermediate_size)):
+            block_k //= 2
+        tiles = hidden_size // BLOCK_N
+        return cls(num_programs, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_k,
+                   _power_of_two_splits(tiles, num_programs, q_size, block_k),
+                   _power_of_two_splits(tiles, num_programs, intermediate_size, block_k))
+
+    @property
+    def qkv_size(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def attention_splits(self, batch: int) -> int:
+        """Context splits of each (sequence, KV head): about one task per program."""
+        return max(1, min(MAX_ATTENTION_SPLITS, self.num_programs // (batch * self.num_kv_heads)))
+
+    def num_tasks(self, stage: str, batch: int) -> int:
+        tiles = self.hidden_size // BLOCK_N
+        return {"qkv": self.qkv_size // BLOCK_N,
+                "attention": batch * self.num_kv_heads * self.attention_splits(batch),
+                "o_proj": tiles * self.o_splits,
+                "gate_up": self.intermediate_size // BLOCK_N,
+                "down_proj": tiles * self.down_splits}[stage]
+
+    def splits(self, stage: str, batch: int) -> int:
+        """How many tasks share one merge counter (1: no merge)."""
+        return {"attention": self.attention_splits(batch), "o_proj": self.o_splits,
+                "down_proj": self.down_splits}.get(stage, 1)
+
+    def tasks_of(self, program: int, stage: str, batch: int) -> range:
+        """Program ``program`` runs tasks program, program + P, ... of a stage."""
+        return range(program, self.num_tasks(stage, batch), self.num_programs)
+
+    def barrier_target(self, layer: int, stage: int) -> int:
+        """The barrier counter (zeroed before the launch, one arrival per program and stage) once every program
+        has ended stage ``stage`` of layer ``layer``."""
+        return (layer * len(STAGES) + stage + 1) * self.num_programs
+
+    def num_counters(self, batch: int) -> int:
+        """The sync buffer: the barrier counter, the timeout flag, then the merge counters (the attention's per
+        (sequence, KV head), reused by o_proj and down_proj per tile)."""
+        return 2 + max(batch * self.num_kv_heads, self.hidden_size // BLOCK_N)

@@ -1,0 +1,351 @@
+"""A dense decoder's decode step (all its layers) as one persistent Triton kernel: one program per SM loops over the
+layers and ``decode_plan``'s stages, and the stages meet at grid barriers (counters in global memory) instead of
+kernel boundaries. Written in Triton, not CUDA C++: the grid barrier and the split merges are atomics and spin loops
+that Triton expresses, the interpreter runs the same code on CPU (one program: every barrier is already met), and
+there is nothing to build at first use. While a program waits at a barrier, the weights of its next tasks are
+already on their way into L2 (``prefetch.global.L2``).
+
+Rounding follows the unfused kernels: the norm's output, q/k after norm and rotary, each projection's output and
+the residual stream in the model's dtype, accumulators in fp32."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.decode_plan import BLOCK_M, BLOCK_N, STAGES, DecodePlan
+from nanovllm.kernels.triton_attention import LOG2E, _attend_tile
+from nanovllm.kernels.triton_linear import silu_mul_rounded
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# columns of the per-layer pointer table
+TABLE = ("input_layernorm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_layernorm",
+         "gate_up_proj", "down_proj")
+NUM_STAGES = tl.constexpr(len(STAGES))
+MAX_SPINS = 1 << 24  # ~10 s of polling: a barrier that is never met sets the timeout flag instead of hanging
+
+
+@triton.jit
+def _ptr(table, column: tl.constexpr, dtype: tl.constexpr):
+    return tl.load(table + column).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _grid_barrier(sync_ptr, target, SPIN_ASM: tl.constexpr):
+    """Arrives at the barrier counter and waits for ``target`` arrivals (``DecodePlan.barrier_target``)."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(sync_ptr, 1, sem="acq_rel") + 1
+    spins = 0
+    while (seen < target) & (spins < MAX_SPINS):
+        if SPIN_ASM:
+            seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sync_ptr],
+                                             dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            seen = tl.atomic_add(sync_ptr, 0, sem="acquire")
+        spins += 1
+    if seen < target:
+        tl.atomic_max(sync_ptr + 1, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _last_arrival(counter_ptr, splits):
+    """True in the one task of ``splits`` that arrives last (the counter is then reset for the next layer)."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter_ptr, 1, sem="acq_rel") == splits - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0)
+    tl.debug_barrier()
+    return last
+
+
+@triton.jit
+def _normed_gemv(r_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, m, tile, eps, K: tl.constexpr, N: tl.constexpr,
+                 GATE_UP: tl.constexpr, BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Columns [tile * BLOCK_N, +BLOCK_N) of RMSNorm(r) @ w.T (+ bias), or with GATE_UP of SiLU(gate) * up where w
+    is [gate; up] of N rows each; r [m, K], out [m, N]."""
+    dtype = r_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = (rows < m)[:, None]
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(r_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], mask=row_mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        ss += tl.sum(x * x, 1)
+    rstd = tl.rsqrt(ss / K + eps)[:, None]
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(r_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
+        nw = tl.load(norm_ptr + ks).to(tl.float32)[None, :]
+        x = (nw * (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :])
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if GATE_UP:
+            w_up = tl.load(w_ptr + (N + cols)[:, None].to(tl.int64) * K + ks[None, :])
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+    if BIAS:
+        acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+    if GATE_UP:
+        acc = silu_mul_rounded(acc, acc_up, r_ptr)
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=row_mask)
+
+
+@triton.jit
+def _split_gemv_add(x_ptr, w_ptr, r_ptr, part_ptr, counters, m, task, K: tl.constexpr, N: tl.constexpr,
+                    SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """Task ``task`` = (tile, K split) of r += x @ w.T, x [m, K], r [m, N]: the last split of a tile to arrive adds
+    the fp32 partial sums (part [SPLITS, BLOCK_M, N]) and the residual."""
+    tile, split = task // SPLITS, task % SPLITS
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = (rows < m)[:, None]
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(split * (K // SPLITS), (split + 1) * (K // SPLITS), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :])
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    out = r_ptr + rows[:, None] * N + cols[None, :]
+    if SPLITS == 1:
+        tl.store(out, (acc + tl.load(out, mask=row_mask, other=0.0).to(tl.float32)).to(r_ptr.dtype.element_ty),
+                 mask=row_mask)
+    else:
+        part = part_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(part + split * (BLOCK_M * N), acc)
+        if _last_arrival(counters + tile, SPLITS):
+            total = tl.load(out, mask=row_mask, other=0.0).to(tl.float32)
+            for s in range(SPLITS):
+                total += tl.load(part + s * (BLOCK_M * N), cache_modifier=".cg")
+            tl.store(out, total.to(r_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _norm_rope(ptr, rows_mask, norm_ptr, pos, cos_sin_ptr, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+    """Heads [R, HEAD_DIM] at ptr (rows HEAD_DIM apart) after their RMSNorm (NORM) and rotary (rotate-half);
+    the partner of element d is d +- HEAD_DIM / 2."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    partner = (d + HALF) % HEAD_DIM
+    x = tl.load(ptr + d[None, :], mask=rows_mask, other=0.0, cache_modifier=".cg")
+    xp = tl.load(ptr + partner[None, :], mask=rows_mask, other=0.0, cache_modifier=".cg")
+    dtype = x.dtype
+    if NORM:
+        f = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(f * f, 1) / HEAD_DIM + eps)[:, None]
+        x = (tl.load(norm_ptr + d).to(tl.float32)[None, :] * (f * rstd).to(dtype).to(tl.float32)).to(dtype)
+        xp = (tl.load(norm_ptr + partner).to(tl.float32)[None, :] * (xp.to(tl.float32) * rstd).to(dtype)
+              .to(tl.float32)).to(dtype)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d % HALF).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d % HALF).to(tl.float32)[None, :]
+    sign = tl.where(d < HALF, -1.0, 1.0)[None, :]
+    return (x.to(tl.float32) * cos + sign * xp.to(tl.float32) * sin).to(dtype)
+
+
+@triton.jit
+def _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, k_cache, v_cache, q_norm, k_norm,
+                    cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, task, splits, eps, qk_scale,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_G: tl.constexpr, PAGE: tl.constexpr, ATTN_BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                    NORM: tl.constexpr, PRECISION: tl.constexpr):
+    """Task (sequence, KV head, split): the group's q heads after norm and rotary over the split's keys, as
+    ``_decode_kernel``; the split holding the newest position first writes its K/V into the cache. The split to
+    arrive last merges them into attn [B, NUM_HEADS * HEAD_DIM] (``_merge_kernel``'s log-sum-exp)."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    seq, kv_head, split = task // (NUM_KV_HEADS * splits), (task // splits) % NUM_KV_HEADS, task % splits
+    ctx = tl.load(ctx_ptr + seq)
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(ctx - WINDOW, 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - first, splits), ATTN_BLOCK_N) * ATTN_BLOCK_N
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, ctx)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    row = qkv_ptr + seq * QKV
+    q = _norm_rope(row + (kv_head * GROUP + g)[:, None] * HEAD_DIM, (g < GROUP)[:, None], q_norm, pos, cos_sin_ptr,
+                   eps, HEAD_DIM, NORM)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if (start <= ctx - 1) & (ctx - 1 < end) & (slot >= 0):
+        first_row = (g == 0)[:, None]
+        k = _norm_rope(row + (NUM_HEADS + kv_head) * HEAD_DIM + 0 * g[:, None], first_row, k_norm, pos, cos_sin_ptr,
+                       eps, HEAD_DIM, NORM)
+        cache_at = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + d[None, :] + 0 * g[:, None]
+        tl.store(k_cache + cache_at, k, mask=first_row)
+        v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :] + 0 * g[:, None],
+                    mask=first_row, cache_modifier=".cg")
+        tl.store(v_cache + cache_at, v, mask=first_row)
+        tl.debug_barrier()
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n in range(start, end, ATTN_BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, 1.0, None, None,
+                                     k_cache, v_cache, bt_ptr, None, None, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE,
+                                     True, ATTN_BLOCK_N, 1, PRECISION, 0, False)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    heads = kv_head * GROUP + g
+    head_mask = (g < GROUP)[:, None]
+    dst = attn_ptr + seq * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
+    if splits == 1:
+        tl.store(dst, out.to(attn_ptr.dtype.element_ty), mask=head_mask)
+    else:
+        parts = (seq * NUM_HEADS + heads) * splits  # [B, NUM_HEADS, splits] rows of HEAD_DIM
+        tl.store(part_o_ptr + (parts + split)[:, None] * HEAD_DIM + d[None, :], out, mask=head_mask)
+        tl.store(part_lse_ptr + parts + split, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=g < GROUP)
+        if _last_arrival(counters + seq * NUM_KV_HEADS + kv_head, splits):
+            m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            for s in range(splits):
+                m_all = tl.maximum(m_all, tl.load(part_lse_ptr + parts + s, mask=g < GROUP, other=0.0,
+                                                  cache_modifier=".cg"))
+            total = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+            weight = tl.zeros([BLOCK_G], tl.float32)
+            for s in range(splits):
+                lse = tl.load(part_lse_ptr + parts + s, mask=g < GROUP, other=float("-inf"), cache_modifier=".cg")
+                w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m_all), 0.0)
+                total += w[:, None] * tl.load(part_o_ptr + (parts + s)[:, None] * HEAD_DIM + d[None, :],
+                                              mask=head_mask, other=0.0, cache_modifier=".cg")
+                weight += w
+            tl.store(dst, (total / tl.maximum(weight, 1e-30)[:, None]).to(attn_ptr.dtype.element_ty), mask=head_mask)
+
+
+@triton.jit
+def _prefetch_tiles(w_ptr, pid, K: tl.constexpr, N: tl.constexpr, SPLITS: tl.constexpr, GATE_UP: tl.constexpr,
+                    NUM_PROGRAMS: tl.constexpr, PREFETCH: tl.constexpr):
+    """Asks L2 for the weights of this program's tasks (tile, K split) of a stage over w [N (x2: GATE_UP), K],
+    without waiting: issued before a barrier, they arrive while the program waits."""
+    if PREFETCH:
+        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
+        SEGMENT: tl.constexpr = K // SPLITS
+        LINES: tl.constexpr = (SEGMENT + LINE - 1) // LINE
+        rows = tl.arange(0, BLOCK_N)
+        for t in range(pid, N // BLOCK_N * SPLITS, NUM_PROGRAMS):
+            start = w_ptr + ((t // SPLITS) * BLOCK_N + rows[:, None]).to(tl.int64) * K + (t % SPLITS) * SEGMENT
+            for c in range(0, LINES, 32):
+                lines = tl.minimum(c + tl.arange(0, 32), LINES - 1)[None, :] * LINE
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [start + lines],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+                if GATE_UP:
+                    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                              [start + N * K + lines], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["m", "first_layer", "end_layer", "attn_splits"])
+def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_ptr, part_lse_ptr, sync_ptr, table_ptr,
+                          kv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, m, first_layer, end_layer,
+                          attn_splits, eps, qk_scale, stride_layer, stride_kv, stride_bt,
+                          HIDDEN: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_K: tl.constexpr,
+                          O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                          BLOCK_G: tl.constexpr, PAGE: tl.constexpr, ATTN_BLOCK_N: tl.constexpr,
+                          WINDOW: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr,
+                          SPIN_ASM: tl.constexpr, STAGE: tl.constexpr):
+    """Layers [first_layer, end_layer) of a decode step on r [m, HIDDEN], the residual stream, in place: every
+    stage with a barrier after each (STAGE -1), or only stage STAGE (the CPU tests' launches, no barriers). The
+    stages, their tasks and the barrier targets are ``DecodePlan``'s."""
+    dtype: tl.constexpr = r_ptr.dtype.element_ty
+    Q: tl.constexpr = NUM_HEADS * HEAD_DIM
+    QKV: tl.constexpr = Q + 2 * NUM_KV_HEADS * HEAD_DIM
+    PRECISION: tl.constexpr = "ieee" if dtype == tl.float32 else "tf32"
+    ALL: tl.constexpr = STAGE < 0
+    pid = tl.program_id(0)
+    counters = sync_ptr + 2
+    for layer in range(first_layer, end_layer):
+        table = table_ptr + layer * 9
+        done = (layer - first_layer) * NUM_STAGES  # stages ended before this layer's
+        if ALL or STAGE == 0:
+            for t in range(pid, QKV // BLOCK_N, NUM_PROGRAMS):
+                _normed_gemv(r_ptr, _ptr(table, 0, dtype), _ptr(table, 1, dtype), _ptr(table, 2, dtype), qkv_ptr, m,
+                             t, eps, HIDDEN, QKV, False, BIAS, BLOCK_K, PRECISION)
+            _prefetch_tiles(_ptr(table, 5, dtype), pid, Q, HIDDEN, O_SPLITS, False, NUM_PROGRAMS, PREFETCH)
+            if ALL:
+                _grid_barrier(sync_ptr, (done + 1) * NUM_PROGRAMS, SPIN_ASM)
+        if ALL or STAGE == 1:
+            for t in range(pid, m * NUM_KV_HEADS * attn_splits, NUM_PROGRAMS):
+                _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, kv_ptr + layer * stride_layer,
+                                kv_ptr + stride_kv + layer * stride_layer, _ptr(table, 3, dtype),
+                                _ptr(table, 4, dtype), cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, t,
+                                attn_splits, eps, qk_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, PAGE,
+                                ATTN_BLOCK_N, WINDOW, NORM, PRECISION)
+            if ALL:
+                _grid_barrier(sync_ptr, (done + 2) * NUM_PROGRAMS, SPIN_ASM)
+        if ALL or STAGE == 2:
+            for t in range(pid, HIDDEN // BLOCK_N * O_SPLITS, NUM_PROGRAMS):
+                _split_gemv_add(attn_ptr, _ptr(table, 5, dtype), r_ptr, part_ptr, counters, m, t, Q, HIDDEN, O_SPLITS,
+                                BLOCK_K, PRECISION)
+            _prefetch_tiles(_ptr(table, 7, dtype), pid, HIDDEN, INTERMEDIATE, 1, True, NUM_PROGRAMS, PREFETCH)
+            if ALL:
+                _grid_barrier(sync_ptr, (done + 3) * NUM_PROGRAMS, SPIN_ASM)
+        if ALL or STAGE == 3:
+            w = _ptr(table, 7, dtype)
+            for t in range(pid, INTERMEDIATE // BLOCK_N, NUM_PROGRAMS):
+                _normed_gemv(r_ptr, _ptr(table, 6, dtype), w, w, act_ptr, m, t, eps, HIDDEN, INTERMEDIATE, True,
+                             False, BLOCK_K, PRECISION)
+            _prefetch_tiles(_ptr(table, 8, dtype), pid, INTERMEDIATE, HIDDEN, DOWN_SPLITS, False, NUM_PROGRAMS,
+                            PREFETCH)
+            if ALL:
+                _grid_barrier(sync_ptr, (done + 4) * NUM_PROGRAMS, SPIN_ASM)
+        if ALL or STAGE == 4:
+            for t in range(pid, HIDDEN // BLOCK_N * DOWN_SPLITS, NUM_PROGRAMS):
+                _split_gemv_add(act_ptr, _ptr(table, 8, dtype), r_ptr, part_ptr, counters, m, t, INTERMEDIATE, HIDDEN,
+                                DOWN_SPLITS, BLOCK_K, PRECISION)
+            if layer + 1 < end_layer:
+                _prefetch_tiles(_ptr(table + 9, 1, dtype), pid, HIDDEN, QKV, 1, False, NUM_PROGRAMS, PREFETCH)
+            if ALL and layer + 1 < end_layer:
+                _grid_barrier(sync_ptr, (done + 5) * NUM_PROGRAMS, SPIN_ASM)
+
+
+class DecodeScratch:
+    """The kernel's buffers between stages, for up to BLOCK_M sequences, and its sync counters."""
+
+    def __init__(self, plan: DecodePlan, dtype: torch.dtype, device: torch.device):
+        p, f32 = plan, torch.float32
+        self.qkv = torch.zeros(BLOCK_M, p.qkv_size, dtype=dtype, device=device)
+        self.attn = torch.zeros(BLOCK_M, p.num_heads * p.head_dim, dtype=dtype, device=device)
+        self.act = torch.zeros(BLOCK_M, p.intermediate_size, dtype=dtype, device=device)
+        self.part = torch.zeros(max(p.o_splits, p.down_splits), BLOCK_M, p.hidden_size, dtype=f32, device=device)
+        splits = p.attention_splits(1)
+        self.part_o = torch.zeros(BLOCK_M * p.num_heads * splits, p.head_dim, dtype=f32, device=device)
+        self.part_lse = torch.zeros(BLOCK_M * p.num_heads * splits, dtype=f32, device=device)
+        self.sync = torch.zeros(p.num_counters(BLOCK_M), dtype=torch.int32, device=device)
+
+
+def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, table: torch.Tensor,
+                  kv_cache: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                  context_lens: torch.Tensor, block_tables: torch.Tensor, *, eps: float, scale: float, window: int = 0,
+                  qk_norm: bool, qkv_bias: bool, prefetch: bool = True, spin_asm: bool = True,
+                  stages_one_by_one: bool = False, attn_block_n: int = 64):
+    """Runs every layer of ``table`` on r [m <= BLOCK_M, hidden] in place: one launch, or with
+    ``stages_one_by_one`` a launch per layer and stage (no barriers). kv_cache is
+    [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim], table [num_layers, len(TABLE)] int64 of data
+    pointers."""
+    m, p, num_layers = r.size(0), plan, table.size(0)
+    assert 0 < m <= BLOCK_M and r.is_contiguous() and kv_cache.is_contiguous() and table.size(1) == len(TABLE)
+    scratch.sync.zero_()
+    launches = [(range(num_layers), -1)] if not stages_one_by_one else [
+        (range(layer, layer + 1), stage) for layer in range(num_layers) for stage in range(len(STAGES))]
+    for layers, stage in launches:
+        _launch(p, scratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, layers,
+                stage, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm, attn_block_n)
+
+
+def _launch(p: DecodePlan, scratch: DecodeScratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens,
+            block_tables, layers: range, stage: int, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm,
+            attn_block_n):
+    m = r.size(0)
+    _decode_layers_kernel[(p.num_programs,)](
+        r, scratch.qkv, scratch.attn, scratch.act, scratch.part, scratch.part_o, scratch.part_lse, scratch.sync,
+        table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, m, layers.start, layers.stop,
+        p.attention_splits(m), eps, scale * LOG2E, kv_cache.stride(1), kv_cache.stride(0), block_tables.stride(0),
+        HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
+        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k, O_SPLITS=p.o_splits, DOWN_SPLITS=p.down_splits,
+        NUM_PROGRAMS=p.num_programs, BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)),
+        PAGE=kv_cache.size(3), ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm,
+        BIAS=qkv_bias, PREFETCH=prefetch and not INTERPRET, SPIN_ASM=spin_asm and not INTERPRET, STAGE=stage,
+        num_warps=4, num_stages=2)

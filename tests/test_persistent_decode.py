@@ -1,0 +1,190 @@
+"""The persistent decode kernel: its schedule's protocol run by Python threads as the programs, and the kernel against
+the model's own decode forward (PyTorch's kernels) on small random models: on CPU in Triton's interpreter, one launch
+per stage over several programs and one whole launch of one program; on the GPU compiled, at real shapes too."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+from nanovllm.kernels.decode_plan import BLOCK_M, STAGES, DecodePlan
+from nanovllm.layers.attention import Attention, bind_backend
+from nanovllm.models import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from nanovllm.models.persistent import PersistentDecoder, unsupported
+from nanovllm.models.presets import preset_config
+from nanovllm.utils.context import set_context
+from nanovllm.utils.loader import load_dummy_weights
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def run_protocol(plan: DecodePlan, batch: int, num_layers: int) -> list[tuple]:
+    """The kernel's protocol with threads as its programs: each runs ``tasks_of`` its stages, a task with splits
+    arrives at its merge counter, and the program then arrives at the barrier and waits for ``barrier_target``.
+    Returns the log of (layer, stage, task, merged) and asserts the ordering the kernel relies on."""
+    lock, arrived = threading.Lock(), threading.Condition()
+    state = dict(barrier=0, counters={}, done=set(), log=[])
+
+    def program(pid: int):
+        for layer in range(num_layers):
+            for s, stage in enumerate(STAGES):
+                before = STAGES[s - 1] if s else STAGES[-1]
+                prev_layer = layer if s else layer - 1
+                with lock:  # every task of the stage before has ended
+                    if prev_layer >= 0:
+                        assert all((prev_layer, before, t) in state["done"]
+                                   for t in range(plan.num_tasks(before, batch)))
+                splits = plan.splits(stage, batch)
+                for t in plan.tasks_of(pid, stage, batch):
+                    with lock:
+                        key = (layer, stage, t // splits)
+                        state["counters"][key] = state["counters"].get(key, 0) + 1
+                        merged = state["counters"][key] == splits
+                        state["done"].add((layer, stage, t))
+                        state["log"].append((layer, stage, t, merged))
+                if layer == num_layers - 1 and s == len(STAGES) - 1:
+                    return  # the launch's end is the last barrier
+                with arrived:
+                    state["barrier"] += 1
+                    arrived.notify_all()
+                    assert arrived.wait_for(lambda: state["barrier"] >= plan.barrier_target(layer, s), timeout=30)
+
+    threads = [threading.Thread(target=program, args=(p,)) for p in range(plan.num_programs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return state["log"]
+
+
+@pytest.mark.parametrize("programs,batch", [(1, 1), (3, 2), (7, 16), (20, 5)])
+def test_schedule_protocol_runs_every_task_once_and_merges_each_split_group_once(programs, batch):
+    plan = DecodePlan.build(64, 4, 2, 16, 96, programs)
+    log = run_protocol(plan, batch, num_layers=3)
+    for layer in range(3):
+        for stage in STAGES:
+            tasks = sorted(t for lay, s, t, _ in log if lay == layer and s == stage)
+            assert tasks == list(range(plan.num_tasks(stage, batch)))
+            merges = sorted(t // plan.splits(stage, batch) for lay, s, t, m in log if lay == layer and s == stage and m)
+            assert merges == list(range(plan.num_tasks(stage, batch) // plan.splits(stage, batch)))
+
+
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "llama-3.2-1b"])
+def test_plan_of_real_shapes_keeps_every_program_busy(preset):
+    c = preset_config(preset)
+    plan = DecodePlan.build(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                            getattr(c, "head_dim", c.hidden_size // c.num_attention_heads), c.intermediate_size, 132)
+    for stage in STAGES:
+        for batch in (1, 4, BLOCK_M):
+            assert plan.num_tasks(stage, batch) >= (64 if stage != "attention" else 8 * batch)
+    assert plan.attention_splits(1) * c.num_key_value_heads <= 132
+    assert plan.hidden_size % plan.block_k == 0 and (c.num_attention_heads * plan.head_dim) % (
+        plan.o_splits * plan.block_k) == 0 and c.intermediate_size % (plan.down_splits * plan.block_k) == 0
+
+
+def test_plan_refuses_shapes_off_the_tiles():
+    with pytest.raises(ValueError, match="hidden_size 72"):
+        DecodePlan.build(72, 4, 2, 16, 96, 4)
+
+
+MODELS = {  # name: (class, config)
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+                                            vocab_size=128, rms_norm_eps=1e-6, max_position_embeddings=512)),
+    "qwen2_bias": (Qwen2ForCausalLM, Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
+                                                 num_key_value_heads=1, num_hidden_layers=2, vocab_size=128,
+                                                 max_position_embeddings=512)),
+    "llama_window": (LlamaForCausalLM, LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                                   num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+                                                   vocab_size=128, max_position_embeddings=512, sliding_window=40,
+                                                   rope_theta=500000.0)),
+}
+
+
+def build(name: str, dtype: torch.dtype, block_size: int = 16, num_blocks: int = 48, seed: int = 0):
+    cls, config = MODELS[name]
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            model = cls(config, max_model_len=512)
+    finally:
+        torch.set_default_dtype(previous)
+    load_dummy_weights(model, seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.mul_(5.0)  # activations of order one: a wrong term shows
+    head_dim = model.model.layers[0].self_attn.head_dim
+    kv_heads = model.model.layers[0].self_attn.num_kv_heads
+    kv = torch.randn(2, config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
+    kv = kv.to(dtype)
+    for i, layer in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+        layer.backend = bind_backend("torch")
+        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+    return model, kv
+
+
+def decode_inputs(context_lens: list[int], block_size: int, num_blocks: int, seed: int):
+    """Positions, slots, context lengths and block tables of a decode step, each sequence on shuffled blocks."""
+    rng = random.Random(seed)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    width = max((n + block_size - 1) // block_size for n in context_lens)
+    tables, slots = [], []
+    for n in context_lens:
+        own = [blocks.pop() for _ in range((n + block_size - 1) // block_size)]
+        tables.append(own + [-1] * (width - len(own)))
+        slots.append(own[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=DEVICE)  # noqa: E731
+    return (as_tensor([n - 1 for n in context_lens], torch.int64), as_tensor(slots, torch.int32),
+            as_tensor(context_lens, torch.int32), as_tensor(tables, torch.int32))
+
+
+def compare(name: str, dtype: torch.dtype, context_lens: list[int], programs: int, stage_by_stage: bool,
+            tol: float, block_size: int = 16):
+    model, kv = build(name, dtype, block_size)
+    positions, slots, ctx, tables = decode_inputs(context_lens, block_size, kv.size(2), seed=len(context_lens))
+    input_ids = torch.randint(0, 128, (len(context_lens),), device=DEVICE)
+    kv_kernel = kv.clone()
+    with torch.no_grad(), set_context(False, slot_mapping=slots, context_lens=ctx, block_tables=tables):
+        expected = model(input_ids, positions)
+        runner = PersistentDecoder(model, kv_kernel, programs)
+        if programs > 1:  # the split merges run
+            assert runner.plan.o_splits > 1 and runner.plan.down_splits > 1
+        if stage_by_stage:
+            runner.options = dict(stages_one_by_one=True)
+        got = runner(input_ids, positions)
+    err = float((got.double() - expected.double()).norm() / expected.double().norm())
+    assert err < tol, err
+    kv_err = float((kv_kernel.double() - kv.double()).abs().max())
+    assert kv_err < 50 * tol, kv_err  # the new K/V written where the reference writes them, nothing else
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 1e-2)])
+def test_kernel_stage_by_stage_matches_the_model(name, dtype, tol):
+    """Several programs (sequential in the interpreter): every task's output and the split merges."""
+    compare(name, dtype, [37, 1, 64, 100], programs=16, stage_by_stage=True, tol=tol)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_window"])
+def test_kernel_in_one_launch_matches_the_model(name):
+    """One program over every layer and stage, its barriers and merge counters included."""
+    compare(name, torch.float32, [90, 17, 3], programs=1, stage_by_stage=False, tol=1e-4)
+
+
+def test_unsupported_names_what_the_kernel_cannot_run():
+    model, kv = build("qwen3", torch.float32)
+    assert unsupported(model, kv.to(torch.float16), 1)[:2] == ["kv_cache_dtype torch.float16", "not on CUDA"][:1 + (
+        not CUDA)] or CUDA
+    assert "tensor_parallel_size 2" in unsupported(model, kv, 2)
