@@ -46,10 +46,12 @@ class Scenario:
     prompt_len: int
     output_len: int
     shared_prefix: int = 0
+    model: str | None = None  # the preset it runs unless --model names another
 
 
 SCENARIOS = {
     "batch1": Scenario(1, 512, 1024),        # one request: the decode step's latency
+    "batch1-8b": Scenario(1, 512, 1024, model="qwen3-8b"),
     "batch16": Scenario(16, 512, 512),
     "long": Scenario(32, 8192, 256),         # prefill-heavy
     "prefix": Scenario(256, 128, 128, shared_prefix=2048),  # a system prompt shared by every request
@@ -170,7 +172,7 @@ def run_nanovllm(args, prompts, params) -> float:
               max_model_len=max(args.max_model_len, longest), attention_backend=args.attention_backend,
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               async_scheduling=False if args.no_async_scheduling else None,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, persistent_decode_max_batch=args.persistent_decode_max_batch,
               **({} if args.block_size is None else dict(kvcache_block_size=args.block_size)))
     args.block_size = llm.config.kvcache_block_size
     args.async_scheduling = llm.config.async_scheduling
@@ -258,8 +260,8 @@ def run_hf(args, prompts, params) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-0.6b",
-                        help=f"a checkpoint directory, or a preset with random weights: {sorted(PRESETS)}")
+    parser.add_argument("--model", help="a checkpoint directory, or a preset with random weights: "
+                                        f"{sorted(PRESETS)} (default: the scenario's, else qwen3-0.6b)")
     parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
     parser.add_argument("--scenario", choices=["default", *SCENARIOS], default="default",
                         help="default: nano-vllm's workload (the --num-seqs/--*-len flags); else one of SCENARIOS")
@@ -271,6 +273,8 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--persistent-decode-max-batch", type=int, default=16,
+                        help="decode batches up to this run the persistent decode kernel (0: CUDA graphs of the model)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next (async scheduling is on by default "
                              "on CUDA)")
@@ -281,7 +285,7 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="measure the GPU's busy share of the run with torch.profiler (slows the run a little)")
     args = parser.parse_args()
-
+    args.model = args.model or (args.scenario != "default" and SCENARIOS[args.scenario].model) or "qwen3-0.6b"
     if args.scenario == "default":
         prompts, params = workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len)
         shared_prefix = 0
@@ -293,7 +297,8 @@ def main():
     result = dict(engine=args.engine, model=args.model, scenario=args.scenario,
                   attention_backend=args.attention_backend, tp=args.tp, block_size=args.block_size,
                   kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
-                  cuda_graphs=not args.enforce_eager, async_scheduling=getattr(args, "async_scheduling", None),
+                  cuda_graphs=not args.enforce_eager, persistent_decode_max_batch=args.persistent_decode_max_batch,
+                  async_scheduling=getattr(args, "async_scheduling", None),
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from nanovllm.kernels.decode_plan import BLOCK_M, STAGES, DecodePlan
 from nanovllm.layers.attention import Attention, bind_backend
-from nanovllm.models import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from nanovllm.models import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, get_model_class
 from nanovllm.models.persistent import PersistentDecoder, unsupported
 from nanovllm.models.presets import preset_config
 from nanovllm.utils.context import set_context
@@ -105,8 +105,9 @@ MODELS = {  # name: (class, config)
 }
 
 
-def build(name: str, dtype: torch.dtype, block_size: int = 16, num_blocks: int = 48, seed: int = 0):
-    cls, config = MODELS[name]
+def build(name: str, dtype: torch.dtype, block_size: int = 16, num_blocks: int = 48, seed: int = 0, config=None,
+          backend: str = "torch"):
+    cls, config = MODELS[name] if config is None else (get_model_class(config), config)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -129,7 +130,7 @@ def build(name: str, dtype: torch.dtype, block_size: int = 16, num_blocks: int =
     kv = torch.randn(2, config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
     kv = kv.to(dtype)
     for i, layer in enumerate(m for m in model.modules() if isinstance(m, Attention)):
-        layer.backend = bind_backend("torch")
+        layer.backend = bind_backend(backend)
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
     return model, kv
 
@@ -151,8 +152,8 @@ def decode_inputs(context_lens: list[int], block_size: int, num_blocks: int, see
 
 
 def compare(name: str, dtype: torch.dtype, context_lens: list[int], programs: int, stage_by_stage: bool,
-            tol: float, block_size: int = 16):
-    model, kv = build(name, dtype, block_size)
+            tol: float, block_size: int = 16, **build_kw):
+    model, kv = build(name, dtype, block_size, **build_kw)
     positions, slots, ctx, tables = decode_inputs(context_lens, block_size, kv.size(2), seed=len(context_lens))
     input_ids = torch.randint(0, 128, (len(context_lens),), device=DEVICE)
     kv_kernel = kv.clone()
@@ -164,6 +165,7 @@ def compare(name: str, dtype: torch.dtype, context_lens: list[int], programs: in
         if stage_by_stage:
             runner.options = dict(stages_one_by_one=True)
         got = runner(input_ids, positions)
+    assert int(runner.scratch.sync[1]) == 0  # no barrier timed out
     err = float((got.double() - expected.double()).norm() / expected.double().norm())
     assert err < tol, err
     kv_err = float((kv_kernel.double() - kv.double()).abs().max())
@@ -185,6 +187,35 @@ def test_kernel_in_one_launch_matches_the_model(name):
 
 def test_unsupported_names_what_the_kernel_cannot_run():
     model, kv = build("qwen3", torch.float32)
-    assert unsupported(model, kv.to(torch.float16), 1)[:2] == ["kv_cache_dtype torch.float16", "not on CUDA"][:1 + (
-        not CUDA)] or CUDA
-    assert "tensor_parallel_size 2" in unsupported(model, kv, 2)
+    reasons = unsupported(model, kv.to(torch.float16), 2)
+    assert "tensor_parallel_size 2" in reasons and "kv_cache_dtype torch.float16" in reasons
+    assert ("not on CUDA" in reasons) == (not CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.2-1b", "qwen2.5-7b"])
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_kernel_at_real_shapes_on_the_gpu(preset, batch):
+    """bf16, one program per SM, against the model's forward through the Triton kernels; 4 of the layers."""
+    config = preset_config(preset)
+    config.num_hidden_layers = 4
+    rng = random.Random(batch)
+    lens = [rng.randrange(1, 1500) for _ in range(batch)]
+    compare(preset, torch.bfloat16, lens, programs=torch.cuda.get_device_properties(0).multi_processor_count,
+            stage_by_stage=False, tol=2e-2, num_blocks=sum(n // 16 + 1 for n in lens) + 4, config=config,
+            backend="triton")
+
+
+@pytest.mark.gpu
+def test_engine_greedy_outputs_are_the_same_with_and_without_the_kernel(checkpoints):
+    from nanovllm import LLM, SamplingParams
+    prompts = [[1, 2, 3, 4, 5], [7] * 40, list(range(3, 90))]
+    outputs = []
+    for max_batch in (16, 0):
+        llm = LLM(checkpoints["gqa4_hd128_sharded"], kvcache_block_size=16, max_model_len=512, device="cuda",
+                  dtype="float32", persistent_decode_max_batch=max_batch, num_kvcache_blocks=64)
+        assert (llm.model_runner.graphs.persistent is not None) == (max_batch > 0)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48,
+                                                                                               temperature=0))])
+        llm.exit()
+    assert outputs[0] == outputs[1]

@@ -24,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TABLE = ("input_layernorm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_layernorm",
          "gate_up_proj", "down_proj")
 NUM_STAGES = tl.constexpr(len(STAGES))
-MAX_SPINS = 1 << 24  # ~10 s of polling: a barrier that is never met sets the timeout flag instead of hanging
+MAX_SPINS = tl.constexpr(1 << 21)  # ~1 s of polling: a barrier never met (programs not co-resident) gives up
 
 
 @triton.jit
@@ -34,10 +34,11 @@ def _ptr(table, column: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _grid_barrier(sync_ptr, target, SPIN_ASM: tl.constexpr):
-    """Arrives at the barrier counter and waits for ``target`` arrivals (``DecodePlan.barrier_target``)."""
+    """Arrives at the barrier counter and waits for ``target`` arrivals (``DecodePlan.barrier_target``). After
+    MAX_SPINS polls it sets the timeout flag, and later barriers of the launch wait no more."""
     tl.debug_barrier()
     seen = tl.atomic_add(sync_ptr, 1, sem="acq_rel") + 1
-    spins = 0
+    spins = tl.where(tl.load(sync_ptr + 1, volatile=True) != 0, MAX_SPINS, 0)
     while (seen < target) & (spins < MAX_SPINS):
         if SPIN_ASM:
             seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [sync_ptr],
@@ -48,6 +49,16 @@ def _grid_barrier(sync_ptr, target, SPIN_ASM: tl.constexpr):
     if seen < target:
         tl.atomic_max(sync_ptr + 1, 1)
     tl.debug_barrier()
+
+
+@triton.jit
+def _mark(trace_ptr, pid, layer, num_layers, stage: tl.constexpr, point: tl.constexpr, TRACE: tl.constexpr):
+    """TRACE: the global timer (ns) at ``point`` (0: stage start, 1: tasks done, 2: barrier passed) into
+    trace [programs, layers, stages, 3]."""
+    if TRACE:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+        tl.store(trace_ptr + ((pid * num_layers + layer) * NUM_STAGES + stage) * 3 + point, now)
 
 
 @triton.jit
@@ -237,7 +248,8 @@ def _prefetch_tiles(w_ptr, pid, K: tl.constexpr, N: tl.constexpr, SPLITS: tl.con
 
 
 @triton.jit(do_not_specialize=["m", "first_layer", "end_layer", "attn_splits"])
-def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_ptr, part_lse_ptr, sync_ptr, table_ptr,
+def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_ptr, part_lse_ptr, sync_ptr, trace_ptr,
+                          table_ptr,
                           kv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, m, first_layer, end_layer,
                           attn_splits, eps, qk_scale, stride_layer, stride_kv, stride_bt,
                           HIDDEN: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
@@ -245,7 +257,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
                           O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                           BLOCK_G: tl.constexpr, PAGE: tl.constexpr, ATTN_BLOCK_N: tl.constexpr,
                           WINDOW: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-                          SPIN_ASM: tl.constexpr, STAGE: tl.constexpr):
+                          SPIN_ASM: tl.constexpr, STAGE: tl.constexpr, TRACE: tl.constexpr):
     """Layers [first_layer, end_layer) of a decode step on r [m, HIDDEN], the residual stream, in place: every
     stage with a barrier after each (STAGE -1), or only stage STAGE (the CPU tests' launches, no barriers). The
     stages, their tasks and the barrier targets are ``DecodePlan``'s."""
@@ -260,45 +272,60 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
         table = table_ptr + layer * 9
         done = (layer - first_layer) * NUM_STAGES  # stages ended before this layer's
         if ALL or STAGE == 0:
+            _mark(trace_ptr, pid, layer, end_layer, 0, 0, TRACE)
             for t in range(pid, QKV // BLOCK_N, NUM_PROGRAMS):
                 _normed_gemv(r_ptr, _ptr(table, 0, dtype), _ptr(table, 1, dtype), _ptr(table, 2, dtype), qkv_ptr, m,
                              t, eps, HIDDEN, QKV, False, BIAS, BLOCK_K, PRECISION)
+            _mark(trace_ptr, pid, layer, end_layer, 0, 1, TRACE)
             _prefetch_tiles(_ptr(table, 5, dtype), pid, Q, HIDDEN, O_SPLITS, False, NUM_PROGRAMS, PREFETCH)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 1) * NUM_PROGRAMS, SPIN_ASM)
+            _mark(trace_ptr, pid, layer, end_layer, 0, 2, TRACE)
         if ALL or STAGE == 1:
+            _mark(trace_ptr, pid, layer, end_layer, 1, 0, TRACE)
             for t in range(pid, m * NUM_KV_HEADS * attn_splits, NUM_PROGRAMS):
                 _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, kv_ptr + layer * stride_layer,
                                 kv_ptr + stride_kv + layer * stride_layer, _ptr(table, 3, dtype),
                                 _ptr(table, 4, dtype), cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, t,
                                 attn_splits, eps, qk_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, PAGE,
                                 ATTN_BLOCK_N, WINDOW, NORM, PRECISION)
+            _mark(trace_ptr, pid, layer, end_layer, 1, 1, TRACE)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 2) * NUM_PROGRAMS, SPIN_ASM)
+            _mark(trace_ptr, pid, layer, end_layer, 1, 2, TRACE)
         if ALL or STAGE == 2:
+            _mark(trace_ptr, pid, layer, end_layer, 2, 0, TRACE)
             for t in range(pid, HIDDEN // BLOCK_N * O_SPLITS, NUM_PROGRAMS):
                 _split_gemv_add(attn_ptr, _ptr(table, 5, dtype), r_ptr, part_ptr, counters, m, t, Q, HIDDEN, O_SPLITS,
                                 BLOCK_K, PRECISION)
+            _mark(trace_ptr, pid, layer, end_layer, 2, 1, TRACE)
             _prefetch_tiles(_ptr(table, 7, dtype), pid, HIDDEN, INTERMEDIATE, 1, True, NUM_PROGRAMS, PREFETCH)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 3) * NUM_PROGRAMS, SPIN_ASM)
+            _mark(trace_ptr, pid, layer, end_layer, 2, 2, TRACE)
         if ALL or STAGE == 3:
+            _mark(trace_ptr, pid, layer, end_layer, 3, 0, TRACE)
             w = _ptr(table, 7, dtype)
             for t in range(pid, INTERMEDIATE // BLOCK_N, NUM_PROGRAMS):
                 _normed_gemv(r_ptr, _ptr(table, 6, dtype), w, w, act_ptr, m, t, eps, HIDDEN, INTERMEDIATE, True,
                              False, BLOCK_K, PRECISION)
+            _mark(trace_ptr, pid, layer, end_layer, 3, 1, TRACE)
             _prefetch_tiles(_ptr(table, 8, dtype), pid, INTERMEDIATE, HIDDEN, DOWN_SPLITS, False, NUM_PROGRAMS,
                             PREFETCH)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 4) * NUM_PROGRAMS, SPIN_ASM)
+            _mark(trace_ptr, pid, layer, end_layer, 3, 2, TRACE)
         if ALL or STAGE == 4:
+            _mark(trace_ptr, pid, layer, end_layer, 4, 0, TRACE)
             for t in range(pid, HIDDEN // BLOCK_N * DOWN_SPLITS, NUM_PROGRAMS):
                 _split_gemv_add(act_ptr, _ptr(table, 8, dtype), r_ptr, part_ptr, counters, m, t, INTERMEDIATE, HIDDEN,
                                 DOWN_SPLITS, BLOCK_K, PRECISION)
+            _mark(trace_ptr, pid, layer, end_layer, 4, 1, TRACE)
             if layer + 1 < end_layer:
                 _prefetch_tiles(_ptr(table + 9, 1, dtype), pid, HIDDEN, QKV, 1, False, NUM_PROGRAMS, PREFETCH)
             if ALL and layer + 1 < end_layer:
                 _grid_barrier(sync_ptr, (done + 5) * NUM_PROGRAMS, SPIN_ASM)
+            _mark(trace_ptr, pid, layer, end_layer, 4, 2, TRACE)
 
 
 class DecodeScratch:
@@ -319,33 +346,44 @@ class DecodeScratch:
 def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, table: torch.Tensor,
                   kv_cache: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, *, eps: float, scale: float, window: int = 0,
-                  qk_norm: bool, qkv_bias: bool, prefetch: bool = True, spin_asm: bool = True,
-                  stages_one_by_one: bool = False, attn_block_n: int = 64):
+                  qk_norm: bool, qkv_bias: bool, prefetch: bool = False, spin_asm: bool = False,
+                  stages_one_by_one: bool = False, attn_block_n: int = 64, trace: torch.Tensor | None = None):
     """Runs every layer of ``table`` on r [m <= BLOCK_M, hidden] in place: one launch, or with
     ``stages_one_by_one`` a launch per layer and stage (no barriers). kv_cache is
     [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim], table [num_layers, len(TABLE)] int64 of data
-    pointers."""
+    pointers. ``trace``: int64 [programs, num_layers, stages, 3] for ``_mark``'s timestamps (CUDA only)."""
     m, p, num_layers = r.size(0), plan, table.size(0)
     assert 0 < m <= BLOCK_M and r.is_contiguous() and kv_cache.is_contiguous() and table.size(1) == len(TABLE)
     scratch.sync.zero_()
     launches = [(range(num_layers), -1)] if not stages_one_by_one else [
         (range(layer, layer + 1), stage) for layer in range(num_layers) for stage in range(len(STAGES))]
     for layers, stage in launches:
-        _launch(p, scratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, layers,
-                stage, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm, attn_block_n)
+        compiled = _launch(p, scratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, layers,
+                stage, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm, attn_block_n, trace)
+    return compiled
 
 
 def _launch(p: DecodePlan, scratch: DecodeScratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens,
             block_tables, layers: range, stage: int, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm,
-            attn_block_n):
+            attn_block_n, trace):
     m = r.size(0)
-    _decode_layers_kernel[(p.num_programs,)](
+    return _decode_layers_kernel[(p.num_programs,)](
         r, scratch.qkv, scratch.attn, scratch.act, scratch.part, scratch.part_o, scratch.part_lse, scratch.sync,
-        table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, m, layers.start, layers.stop,
+        scratch.sync if trace is None else trace, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, m, layers.start, layers.stop,
         p.attention_splits(m), eps, scale * LOG2E, kv_cache.stride(1), kv_cache.stride(0), block_tables.stride(0),
         HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
         INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k, O_SPLITS=p.o_splits, DOWN_SPLITS=p.down_splits,
         NUM_PROGRAMS=p.num_programs, BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)),
         PAGE=kv_cache.size(3), ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm,
-        BIAS=qkv_bias, PREFETCH=prefetch and not INTERPRET, SPIN_ASM=spin_asm and not INTERPRET, STAGE=stage,
+        BIAS=qkv_bias, PREFETCH=prefetch and not INTERPRET, SPIN_ASM=spin_asm and not INTERPRET, STAGE=stage, TRACE=trace is not None,
         num_warps=4, num_stages=2)
+
+
+def resident_programs_per_sm(compiled, device: torch.device) -> int:
+    """How many programs of a compiled kernel one SM holds at once (registers, shared memory, warps)."""
+    props = torch.cuda.get_device_properties(device)
+    warps = compiled.metadata.num_warps
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, compiled.n_regs * 32 * warps)
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // max(1, compiled.metadata.shared)
+    by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return min(by_regs, by_smem, by_warps)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels.decode_plan import BLOCK_M, DecodePlan
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.models.llama import DecoderMLP, DecoderModel
 from nanovllm.utils.context import get_context
 
@@ -26,57 +27,57 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor, tp_size: int) -> list[
         reasons.append(f"kv_cache_dtype {kv_cache.dtype}")
     if len({x.self_attn.attn.sliding_window for x in decoder.layers}) > 1:
         reasons.append("sliding windows on some layers only")
-    if attn.head_dim not in (64, 128):
+    if attn.head_dim not in (32, 64, 128):
         reasons.append(f"head_dim {attn.head_dim}")
     if not kv_cache.is_cuda:
         reasons.append("not on CUDA")
     return reasons
 
 
-class PersistentDecoder:
-    """Holds the kernel's plan, scratch buffers and the table of each layer's weight pointers (the parameters'
-    storage: weights copied into place stay seen)."""
+def _layer_params(layer) -> dict:
+    attn, mlp = layer.self_attn, layer.mlp
+    norm = lambda name: getattr(attn, name).weight if hasattr(attn, name) else None  # noqa: E731
+    return dict(input_layernorm=layer.input_layernorm.weight, qkv_proj=attn.qkv_proj.weight,
+                qkv_bias=attn.qkv_proj.bias, q_norm=norm("q_norm"), k_norm=norm("k_norm"), o_proj=attn.o_proj.weight,
+                post_attention_layernorm=layer.post_attention_layernorm.weight, gate_up_proj=mlp.gate_up_proj.weight,
+                down_proj=mlp.down_proj.weight)
 
-    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, num_programs: int, **options):
+
+class PersistentDecoder:
+    """The kernel's plan, its scratch buffers and the table of each layer's weight pointers (the parameters'
+    storage: weights copied into place stay seen). ``options``: ``decode_layers``' tuning keywords."""
+
+    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, num_programs: int, max_batch_size: int = BLOCK_M,
+                 **options):
         from nanovllm.kernels.triton_decode import TABLE, DecodeScratch
-        self.model, self.kv_cache, self.options = model, kv_cache, options
+        self.model, self.kv_cache, self.max_batch_size, self.options = model, kv_cache, max_batch_size, options
         decoder: DecoderModel = model.model
-        attn, mlp = decoder.layers[0].self_attn, decoder.layers[0].mlp
-        hidden = decoder.norm.weight.numel()
-        self.plan = DecodePlan.build(hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                     mlp.down_proj.weight.size(1), num_programs)
+        layer = decoder.layers[0]
+        attn = layer.self_attn
+        self.plan = DecodePlan.build(decoder.norm.weight.numel(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                     layer.mlp.down_proj.weight.size(1), num_programs)
         weight = attn.qkv_proj.weight
         self.scratch = DecodeScratch(self.plan, weight.dtype, weight.device)
         self.qk_norm, self.qkv_bias = hasattr(attn, "q_norm"), attn.qkv_proj.bias is not None
-        self.eps = decoder.layers[0].input_layernorm.eps
-        if self.qk_norm and attn.q_norm.eps != self.eps:
-            raise ValueError(f"q_norm's eps {attn.q_norm.eps} differs from the layers' {self.eps}")
-        rows = []
-        for layer in decoder.layers:
-            a, m = layer.self_attn, layer.mlp
-            params = dict(input_layernorm=layer.input_layernorm.weight, qkv_proj=a.qkv_proj.weight,
-                          qkv_bias=a.qkv_proj.bias, q_norm=getattr(a, "q_norm", None),
-                          k_norm=getattr(a, "k_norm", None), o_proj=a.o_proj.weight,
-                          post_attention_layernorm=layer.post_attention_layernorm.weight,
-                          gate_up_proj=m.gate_up_proj.weight, down_proj=m.down_proj.weight)
-            params["q_norm"] = params["q_norm"].weight if params["q_norm"] is not None else None
-            params["k_norm"] = params["k_norm"].weight if params["k_norm"] is not None else None
-            rows.append([0 if params[name] is None else params[name].data_ptr() for name in TABLE])
+        self.eps, self.attn = layer.input_layernorm.eps, attn.attn
+        eps = {x.eps for x in decoder.modules() if isinstance(x, RMSNorm)}
+        if len(eps) > 1:
+            raise ValueError(f"the persistent decode kernel needs one RMSNorm eps, the model has {sorted(eps)}")
+        rows = [[0 if (p := _layer_params(x)[name]) is None else p.data_ptr() for name in TABLE]
+                for x in decoder.layers]
         self.table = torch.tensor(rows, dtype=torch.int64, device=weight.device)
-        self.attn = attn.attn
-
-    @property
-    def max_batch_size(self) -> int:
-        return BLOCK_M
+        self.resident_per_sm: int | None = None  # known after the first launch
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The final hidden states [bs, hidden] of a decode step (``model(input_ids, positions)``'s)."""
-        from nanovllm.kernels.triton_decode import decode_layers
+        from nanovllm.kernels.triton_decode import decode_layers, resident_programs_per_sm
         decoder: DecoderModel = self.model.model
         ctx = get_context()
         r = decoder.embed_tokens(input_ids)
-        decode_layers(self.plan, self.scratch, r, self.table, self.kv_cache, decoder.rotary_emb.cos_sin_cache,
+        compiled = decode_layers(self.plan, self.scratch, r, self.table, self.kv_cache, decoder.rotary_emb.cos_sin_cache,
                       positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables, eps=self.eps,
                       scale=self.attn.scale, window=self.attn.sliding_window, qk_norm=self.qk_norm,
                       qkv_bias=self.qkv_bias, **self.options)
+        if self.resident_per_sm is None and r.is_cuda:
+            self.resident_per_sm = resident_programs_per_sm(compiled, r.device)
         return decoder.norm(r)
