@@ -151,10 +151,11 @@ def main():
                         result["breakdown"] = stage_breakdown(runner, (ids, positions), num_layers, stage_bytes)
                     except Exception as e:  # noqa: BLE001
                         result["breakdown"] = f"{type(e).__name__}: {str(e)[:300]}"
-            best = min(v for k, v in result.items() if k.startswith("kernel_us") and isinstance(v, float))
+            best = min((v for k, v in result.items() if k.startswith("kernel_us") and isinstance(v, float)),
+                       default=None)
             result["weights_mb"] = round(weights / 1e6, 1)
             result["graph_tb_s"] = round(weights / result["graph_us"] / 1e6, 2)
-            result["kernel_best_tb_s"] = round(weights / best / 1e6, 2)
+            result["kernel_best_tb_s"] = best and round(weights / best / 1e6, 2)
         print(json.dumps(result) if args.json else result, flush=True)
 
 

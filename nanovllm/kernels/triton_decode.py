@@ -24,6 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TABLE = ("input_layernorm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_layernorm",
          "gate_up_proj", "down_proj")
 NUM_STAGES = tl.constexpr(len(STAGES))
+_BLOCK_N, _BLOCK_M = tl.constexpr(BLOCK_N), tl.constexpr(BLOCK_M)  # as kernels may read them
 MAX_SPINS = tl.constexpr(1 << 21)  # ~1 s of polling: a barrier never met (programs not co-resident) gives up
 
 
@@ -75,20 +76,20 @@ def _last_arrival(counter_ptr, splits):
 @triton.jit
 def _normed_gemv(r_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, m, tile, eps, K: tl.constexpr, N: tl.constexpr,
                  GATE_UP: tl.constexpr, BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """Columns [tile * BLOCK_N, +BLOCK_N) of RMSNorm(r) @ w.T (+ bias), or with GATE_UP of SiLU(gate) * up where w
+    """Columns [tile * _BLOCK_N, +_BLOCK_N) of RMSNorm(r) @ w.T (+ bias), or with GATE_UP of SiLU(gate) * up where w
     is [gate; up] of N rows each; r [m, K], out [m, N]."""
     dtype = r_ptr.dtype.element_ty
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, _BLOCK_M)
     row_mask = (rows < m)[:, None]
-    ss = tl.zeros([BLOCK_M], tl.float32)
+    ss = tl.zeros([_BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(r_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], mask=row_mask, other=0.0,
                     cache_modifier=".cg").to(tl.float32)
         ss += tl.sum(x * x, 1)
     rstd = tl.rsqrt(ss / K + eps)[:, None]
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    cols = tile * _BLOCK_N + tl.arange(0, _BLOCK_N)
+    acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
+    acc_up = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(r_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
@@ -110,12 +111,12 @@ def _normed_gemv(r_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, m, tile, eps, K: tl.con
 def _split_gemv_add(x_ptr, w_ptr, r_ptr, part_ptr, counters, m, task, K: tl.constexpr, N: tl.constexpr,
                     SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """Task ``task`` = (tile, K split) of r += x @ w.T, x [m, K], r [m, N]: the last split of a tile to arrive adds
-    the fp32 partial sums (part [SPLITS, BLOCK_M, N]) and the residual."""
+    the fp32 partial sums (part [SPLITS, _BLOCK_M, N]) and the residual."""
     tile, split = task // SPLITS, task % SPLITS
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, _BLOCK_M)
     row_mask = (rows < m)[:, None]
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    cols = tile * _BLOCK_N + tl.arange(0, _BLOCK_N)
+    acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     for k0 in range(split * (K // SPLITS), (split + 1) * (K // SPLITS), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
@@ -127,11 +128,11 @@ def _split_gemv_add(x_ptr, w_ptr, r_ptr, part_ptr, counters, m, task, K: tl.cons
                  mask=row_mask)
     else:
         part = part_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(part + split * (BLOCK_M * N), acc)
+        tl.store(part + split * (_BLOCK_M * N), acc)
         if _last_arrival(counters + tile, SPLITS):
             total = tl.load(out, mask=row_mask, other=0.0).to(tl.float32)
             for s in range(SPLITS):
-                total += tl.load(part + s * (BLOCK_M * N), cache_modifier=".cg")
+                total += tl.load(part + s * (_BLOCK_M * N), cache_modifier=".cg")
             tl.store(out, total.to(r_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -235,9 +236,9 @@ def _prefetch_tiles(w_ptr, pid, K: tl.constexpr, N: tl.constexpr, SPLITS: tl.con
         LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
         SEGMENT: tl.constexpr = K // SPLITS
         LINES: tl.constexpr = (SEGMENT + LINE - 1) // LINE
-        rows = tl.arange(0, BLOCK_N)
-        for t in range(pid, N // BLOCK_N * SPLITS, NUM_PROGRAMS):
-            start = w_ptr + ((t // SPLITS) * BLOCK_N + rows[:, None]).to(tl.int64) * K + (t % SPLITS) * SEGMENT
+        rows = tl.arange(0, _BLOCK_N)
+        for t in range(pid, N // _BLOCK_N * SPLITS, NUM_PROGRAMS):
+            start = w_ptr + ((t // SPLITS) * _BLOCK_N + rows[:, None]).to(tl.int64) * K + (t % SPLITS) * SEGMENT
             for c in range(0, LINES, 32):
                 lines = tl.minimum(c + tl.arange(0, 32), LINES - 1)[None, :] * LINE
                 tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [start + lines],
@@ -273,7 +274,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
         done = (layer - first_layer) * NUM_STAGES  # stages ended before this layer's
         if ALL or STAGE == 0:
             _mark(trace_ptr, pid, layer, end_layer, 0, 0, TRACE)
-            for t in range(pid, QKV // BLOCK_N, NUM_PROGRAMS):
+            for t in range(pid, QKV // _BLOCK_N, NUM_PROGRAMS):
                 _normed_gemv(r_ptr, _ptr(table, 0, dtype), _ptr(table, 1, dtype), _ptr(table, 2, dtype), qkv_ptr, m,
                              t, eps, HIDDEN, QKV, False, BIAS, BLOCK_K, PRECISION)
             _mark(trace_ptr, pid, layer, end_layer, 0, 1, TRACE)
@@ -295,7 +296,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
             _mark(trace_ptr, pid, layer, end_layer, 1, 2, TRACE)
         if ALL or STAGE == 2:
             _mark(trace_ptr, pid, layer, end_layer, 2, 0, TRACE)
-            for t in range(pid, HIDDEN // BLOCK_N * O_SPLITS, NUM_PROGRAMS):
+            for t in range(pid, HIDDEN // _BLOCK_N * O_SPLITS, NUM_PROGRAMS):
                 _split_gemv_add(attn_ptr, _ptr(table, 5, dtype), r_ptr, part_ptr, counters, m, t, Q, HIDDEN, O_SPLITS,
                                 BLOCK_K, PRECISION)
             _mark(trace_ptr, pid, layer, end_layer, 2, 1, TRACE)
@@ -306,7 +307,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
         if ALL or STAGE == 3:
             _mark(trace_ptr, pid, layer, end_layer, 3, 0, TRACE)
             w = _ptr(table, 7, dtype)
-            for t in range(pid, INTERMEDIATE // BLOCK_N, NUM_PROGRAMS):
+            for t in range(pid, INTERMEDIATE // _BLOCK_N, NUM_PROGRAMS):
                 _normed_gemv(r_ptr, _ptr(table, 6, dtype), w, w, act_ptr, m, t, eps, HIDDEN, INTERMEDIATE, True,
                              False, BLOCK_K, PRECISION)
             _mark(trace_ptr, pid, layer, end_layer, 3, 1, TRACE)
@@ -317,7 +318,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
             _mark(trace_ptr, pid, layer, end_layer, 3, 2, TRACE)
         if ALL or STAGE == 4:
             _mark(trace_ptr, pid, layer, end_layer, 4, 0, TRACE)
-            for t in range(pid, HIDDEN // BLOCK_N * DOWN_SPLITS, NUM_PROGRAMS):
+            for t in range(pid, HIDDEN // _BLOCK_N * DOWN_SPLITS, NUM_PROGRAMS):
                 _split_gemv_add(act_ptr, _ptr(table, 8, dtype), r_ptr, part_ptr, counters, m, t, INTERMEDIATE, HIDDEN,
                                 DOWN_SPLITS, BLOCK_K, PRECISION)
             _mark(trace_ptr, pid, layer, end_layer, 4, 1, TRACE)
@@ -347,7 +348,7 @@ def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, tab
                   kv_cache: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, *, eps: float, scale: float, window: int = 0,
                   qk_norm: bool, qkv_bias: bool, prefetch: bool = False, spin_asm: bool = False,
-                  stages_one_by_one: bool = False, attn_block_n: int = 64, trace: torch.Tensor | None = None):
+                  stages_one_by_one: bool = False, attn_block_n: int = 32, trace: torch.Tensor | None = None):
     """Runs every layer of ``table`` on r [m <= BLOCK_M, hidden] in place: one launch, or with
     ``stages_one_by_one`` a launch per layer and stage (no barriers). kv_cache is
     [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim], table [num_layers, len(TABLE)] int64 of data
