@@ -31,8 +31,7 @@ from nanovllm.utils.loader import load_dummy_weights  # noqa: E402
 
 BLOCK = 16
 # (programs per SM, L2 prefetch, the barrier polls with ld.acquire): the first is the default, the safe one
-VARIANTS = [(1, False, False), (1, True, False), (1, False, True), (1, True, True), (2, False, False),
-            (2, True, False)]
+VARIANTS = [(2, True, False), (2, False, False), (1, True, False), (3, True, False), (2, True, True)]
 
 
 def build(preset: str, num_blocks: int):
@@ -133,8 +132,6 @@ def main():
             result["graph_us"] = round(time_graph(lambda i=ids, p=positions: model(i, p)), 1)
             per_sm = None
             for programs_per_sm, prefetch, spin_asm in VARIANTS:
-                if programs_per_sm > 1 and (per_sm is None or per_sm < programs_per_sm):
-                    continue
                 key = f"kernel_us[{programs_per_sm}/SM,prefetch={int(prefetch)},asm={int(spin_asm)}]"
                 runner = PersistentDecoder(model, kv, sms * programs_per_sm, prefetch=prefetch, spin_asm=spin_asm)
                 try:
@@ -145,8 +142,7 @@ def main():
                 if int(runner.scratch.sync[1]):
                     result[key] = "a barrier timed out"
                 if per_sm is None:
-                    per_sm = runner.resident_per_sm
-                    result["resident_programs_per_sm"] = per_sm
+                    per_sm = result["resident_programs_per_sm"] = runner.resident_per_sm
                     try:
                         result["breakdown"] = stage_breakdown(runner, (ids, positions), num_layers, stage_bytes)
                     except Exception as e:  # noqa: BLE001

@@ -92,7 +92,7 @@ class ModelRunner:
                 logger.info("persistent decode kernel off: %s", "; ".join(reasons))
             return None
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return PersistentDecoder(self.model, self.kv_cache, num_sms, self.config.persistent_decode_max_batch)
+        return PersistentDecoder(self.model, self.kv_cache, 2 * num_sms, self.config.persistent_decode_max_batch)
 
     def exit(self):
         """Frees this runner's graphs, KV cache and weights now (it is unusable after), so that another engine

@@ -19,14 +19,22 @@ STAGES = ("qkv", "attention", "o_proj", "gate_up", "down_proj")
 BLOCK_N = 16  # tl.dot's smallest tile
 BLOCK_M = 16  # rows (sequences) a tile computes: the largest batch the kernel runs
 MAX_ATTENTION_SPLITS = 32
+MAX_BLOCK_K = 512
+MAX_SPLITS = 4
 
 
-def _power_of_two_splits(tiles: int, num_programs: int, k: int, block_k: int) -> int:
-    """About one task per program, each split's K a multiple of block_k."""
-    splits = 1
-    while tiles * splits * 2 <= num_programs and k % (splits * 2 * block_k) == 0:
-        splits *= 2
-    return splits
+def _block_k(k: int) -> int:
+    """The largest power of two up to MAX_BLOCK_K that divides k: a task's weights in as few loads as may be."""
+    block = MAX_BLOCK_K
+    while k % block:
+        block //= 2
+    return block
+
+
+def _splits(tiles: int, num_programs: int, k: int) -> int:
+    """K splits of a projection: the fewest loads a task, then the most tasks, up to one per program."""
+    fits = [s for s in range(1, MAX_SPLITS + 1) if s == 1 or (tiles * s <= num_programs and k % (16 * s) == 0)]
+    return min(fits, key=lambda s: (k // s // _block_k(k // s), -s))
 
 
 @dataclass(frozen=True)
@@ -37,25 +45,26 @@ class DecodePlan:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    block_k: int
     o_splits: int
     down_splits: int
 
     @classmethod
     def build(cls, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-              num_programs: int, max_block_k: int = 128) -> DecodePlan:
+              num_programs: int) -> DecodePlan:
         q_size = num_heads * head_dim
         for name, n in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                         ("num_heads * head_dim", q_size)):
-            if n % max(BLOCK_N, 16):
+            if n % BLOCK_N:
                 raise ValueError(f"{name} {n} is not a multiple of {BLOCK_N}")
-        block_k = max_block_k
-        while block_k > 16 and any(k % block_k for k in (hidden_size, q_size, intermediate_size)):
-            block_k //= 2
         tiles = hidden_size // BLOCK_N
-        return cls(num_programs, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_k,
-                   _power_of_two_splits(tiles, num_programs, q_size, block_k),
-                   _power_of_two_splits(tiles, num_programs, intermediate_size, block_k))
+        return cls(num_programs, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
+                   _splits(tiles, num_programs, q_size), _splits(tiles, num_programs, intermediate_size))
+
+    def block_k(self, stage: str) -> int:
+        """The K columns of one load of a task's weights."""
+        k = {"o_proj": self.num_heads * self.head_dim // self.o_splits,
+             "down_proj": self.intermediate_size // self.down_splits}.get(stage, self.hidden_size)
+        return _block_k(k)
 
     @property
     def qkv_size(self) -> int:

@@ -81,24 +81,30 @@ def _normed_gemv(r_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, m, tile, eps, K: tl.con
     dtype = r_ptr.dtype.element_ty
     rows = tl.arange(0, _BLOCK_M)
     row_mask = (rows < m)[:, None]
-    ss = tl.zeros([_BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(r_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], mask=row_mask, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        ss += tl.sum(x * x, 1)
-    rstd = tl.rsqrt(ss / K + eps)[:, None]
     cols = tile * _BLOCK_N + tl.arange(0, _BLOCK_N)
+    w_rows = cols[:, None].to(tl.int64) * K
+    ss = tl.zeros([_BLOCK_M], tl.float32)
+    if K > BLOCK_K:
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(r_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], mask=row_mask, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+            ss += tl.sum(x * x, 1)
     acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     acc_up = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + w_rows + ks[None, :])  # first: the weights' loads in flight while x is normed
+        if GATE_UP:
+            w_up = tl.load(w_ptr + N * K + w_rows + ks[None, :])
         x = tl.load(r_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
+        f = x.to(tl.float32)
+        if K == BLOCK_K:
+            ss = tl.sum(f * f, 1)
+        rstd = tl.rsqrt(ss / K + eps)[:, None]
         nw = tl.load(norm_ptr + ks).to(tl.float32)[None, :]
-        x = (nw * (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :])
+        x = (nw * (f * rstd).to(dtype).to(tl.float32)).to(dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if GATE_UP:
-            w_up = tl.load(w_ptr + (N + cols)[:, None].to(tl.int64) * K + ks[None, :])
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
     if BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
@@ -119,8 +125,8 @@ def _split_gemv_add(x_ptr, w_ptr, r_ptr, part_ptr, counters, m, task, K: tl.cons
     acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     for k0 in range(split * (K // SPLITS), (split + 1) * (K // SPLITS), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :])
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     out = r_ptr + rows[:, None] * N + cols[None, :]
     if SPLITS == 1:
@@ -255,6 +261,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
                           attn_splits, eps, qk_scale, stride_layer, stride_kv, stride_bt,
                           HIDDEN: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_K: tl.constexpr,
+                          O_BLOCK_K: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
                           O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                           BLOCK_G: tl.constexpr, PAGE: tl.constexpr, ATTN_BLOCK_N: tl.constexpr,
                           WINDOW: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -285,8 +292,8 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
         if ALL or STAGE == 1:
             _mark(trace_ptr, pid, layer, end_layer, 1, 0, TRACE)
             for t in range(pid, m * NUM_KV_HEADS * attn_splits, NUM_PROGRAMS):
-                _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, kv_ptr + layer * stride_layer,
-                                kv_ptr + stride_kv + layer * stride_layer, _ptr(table, 3, dtype),
+                _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, kv_ptr + tl.cast(layer, tl.int64) * stride_layer,
+                                kv_ptr + stride_kv + tl.cast(layer, tl.int64) * stride_layer, _ptr(table, 3, dtype),
                                 _ptr(table, 4, dtype), cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, t,
                                 attn_splits, eps, qk_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, PAGE,
                                 ATTN_BLOCK_N, WINDOW, NORM, PRECISION)
@@ -298,7 +305,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
             _mark(trace_ptr, pid, layer, end_layer, 2, 0, TRACE)
             for t in range(pid, HIDDEN // _BLOCK_N * O_SPLITS, NUM_PROGRAMS):
                 _split_gemv_add(attn_ptr, _ptr(table, 5, dtype), r_ptr, part_ptr, counters, m, t, Q, HIDDEN, O_SPLITS,
-                                BLOCK_K, PRECISION)
+                                O_BLOCK_K, PRECISION)
             _mark(trace_ptr, pid, layer, end_layer, 2, 1, TRACE)
             _prefetch_tiles(_ptr(table, 7, dtype), pid, HIDDEN, INTERMEDIATE, 1, True, NUM_PROGRAMS, PREFETCH)
             if ALL:
@@ -320,7 +327,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
             _mark(trace_ptr, pid, layer, end_layer, 4, 0, TRACE)
             for t in range(pid, HIDDEN // _BLOCK_N * DOWN_SPLITS, NUM_PROGRAMS):
                 _split_gemv_add(act_ptr, _ptr(table, 8, dtype), r_ptr, part_ptr, counters, m, t, INTERMEDIATE, HIDDEN,
-                                DOWN_SPLITS, BLOCK_K, PRECISION)
+                                DOWN_SPLITS, DOWN_BLOCK_K, PRECISION)
             _mark(trace_ptr, pid, layer, end_layer, 4, 1, TRACE)
             if layer + 1 < end_layer:
                 _prefetch_tiles(_ptr(table + 9, 1, dtype), pid, HIDDEN, QKV, 1, False, NUM_PROGRAMS, PREFETCH)
@@ -347,41 +354,46 @@ class DecodeScratch:
 def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, table: torch.Tensor,
                   kv_cache: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, *, eps: float, scale: float, window: int = 0,
-                  qk_norm: bool, qkv_bias: bool, prefetch: bool = False, spin_asm: bool = False,
-                  stages_one_by_one: bool = False, attn_block_n: int = 32, trace: torch.Tensor | None = None):
+                  qk_norm: bool, qkv_bias: bool, prefetch: bool = True, spin_asm: bool = False,
+                  stages_one_by_one: bool = False, attn_block_n: int = 32, trace: torch.Tensor | None = None,
+                  check_only: bool = False):
     """Runs every layer of ``table`` on r [m <= BLOCK_M, hidden] in place: one launch, or with
     ``stages_one_by_one`` a launch per layer and stage (no barriers). kv_cache is
     [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim], table [num_layers, len(TABLE)] int64 of data
-    pointers. ``trace``: int64 [programs, num_layers, stages, 3] for ``_mark``'s timestamps (CUDA only)."""
+    pointers. ``trace``: int64 [programs, num_layers, stages, 3] for ``_mark``'s timestamps (CUDA only).
+    Returns the compiled kernel; ``check_only`` compiles without launching."""
     m, p, num_layers = r.size(0), plan, table.size(0)
     assert 0 < m <= BLOCK_M and r.is_contiguous() and kv_cache.is_contiguous() and table.size(1) == len(TABLE)
     scratch.sync.zero_()
     launches = [(range(num_layers), -1)] if not stages_one_by_one else [
         (range(layer, layer + 1), stage) for layer in range(num_layers) for stage in range(len(STAGES))]
     for layers, stage in launches:
-        compiled = _launch(p, scratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, layers,
+        compiled = _launch(check_only, p, scratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, layers,
                 stage, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm, attn_block_n, trace)
     return compiled
 
 
-def _launch(p: DecodePlan, scratch: DecodeScratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens,
+def _launch(check_only: bool, p: DecodePlan, scratch: DecodeScratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens,
             block_tables, layers: range, stage: int, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm,
             attn_block_n, trace):
     m = r.size(0)
-    return _decode_layers_kernel[(p.num_programs,)](
+    kernel = _decode_layers_kernel.warmup if check_only else _decode_layers_kernel[(p.num_programs,)]
+    return kernel(
         r, scratch.qkv, scratch.attn, scratch.act, scratch.part, scratch.part_o, scratch.part_lse, scratch.sync,
         scratch.sync if trace is None else trace, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, m, layers.start, layers.stop,
         p.attention_splits(m), eps, scale * LOG2E, kv_cache.stride(1), kv_cache.stride(0), block_tables.stride(0),
         HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
-        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k, O_SPLITS=p.o_splits, DOWN_SPLITS=p.down_splits,
+        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k("qkv"), O_BLOCK_K=p.block_k("o_proj"),
+        DOWN_BLOCK_K=p.block_k("down_proj"), O_SPLITS=p.o_splits, DOWN_SPLITS=p.down_splits,
         NUM_PROGRAMS=p.num_programs, BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)),
         PAGE=kv_cache.size(3), ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm,
         BIAS=qkv_bias, PREFETCH=prefetch and not INTERPRET, SPIN_ASM=spin_asm and not INTERPRET, STAGE=stage, TRACE=trace is not None,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **({"grid": (p.num_programs,)} if check_only else {}))
 
 
 def resident_programs_per_sm(compiled, device: torch.device) -> int:
     """How many programs of a compiled kernel one SM holds at once (registers, shared memory, warps)."""
+    getattr(compiled, "_init_handles", lambda: None)()  # loads the binary: its register count
     props = torch.cuda.get_device_properties(device)
     warps = compiled.metadata.num_warps
     by_regs = getattr(props, "regs_per_multiprocessor", 65536) // max(1, compiled.n_regs * 32 * warps)

@@ -74,10 +74,15 @@ class PersistentDecoder:
         decoder: DecoderModel = self.model.model
         ctx = get_context()
         r = decoder.embed_tokens(input_ids)
-        compiled = decode_layers(self.plan, self.scratch, r, self.table, self.kv_cache, decoder.rotary_emb.cos_sin_cache,
-                      positions, ctx.slot_mapping, ctx.context_lens, ctx.block_tables, eps=self.eps,
-                      scale=self.attn.scale, window=self.attn.sliding_window, qk_norm=self.qk_norm,
+        args = (self.plan, self.scratch, r, self.table, self.kv_cache, decoder.rotary_emb.cos_sin_cache, positions,
+                ctx.slot_mapping, ctx.context_lens, ctx.block_tables)
+        kwargs = dict(eps=self.eps, scale=self.attn.scale, window=self.attn.sliding_window, qk_norm=self.qk_norm,
                       qkv_bias=self.qkv_bias, **self.options)
-        if self.resident_per_sm is None and r.is_cuda:
-            self.resident_per_sm = resident_programs_per_sm(compiled, r.device)
+        if self.resident_per_sm is None and r.is_cuda:  # every program must be resident, or a barrier never ends
+            self.resident_per_sm = resident_programs_per_sm(decode_layers(*args, **kwargs, check_only=True), r.device)
+            sms = torch.cuda.get_device_properties(r.device).multi_processor_count
+            if self.resident_per_sm * sms < self.plan.num_programs:
+                raise ValueError(f"the persistent decode kernel's {self.plan.num_programs} programs do not fit at "
+                                 f"once on {sms} SMs ({self.resident_per_sm} each)")
+        decode_layers(*args, **kwargs)
         return decoder.norm(r)
