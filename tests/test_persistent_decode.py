@@ -161,7 +161,7 @@ def compare(name: str, dtype: torch.dtype, context_lens: list[int], programs: in
     with torch.no_grad(), set_context(False, slot_mapping=slots, context_lens=ctx, block_tables=tables):
         expected = model(input_ids, positions)
         runner = PersistentDecoder(model, kv_kernel, programs)
-        if programs > 1:  # the split merges run
+        if stage_by_stage:  # the split merges run
             assert runner.plan.o_splits > 1 and runner.plan.down_splits > 1
         if stage_by_stage:
             runner.options = dict(stages_one_by_one=True)

@@ -31,7 +31,7 @@ from nanovllm.utils.loader import load_dummy_weights  # noqa: E402
 
 BLOCK = 16
 # (programs per SM, L2 prefetch, the barrier polls with ld.acquire): the first is the default, the safe one
-VARIANTS = [(2, True, False), (2, False, False), (1, True, False), (3, True, False), (2, True, True)]
+VARIANTS = [(2, True, False), (2, False, False), (2, True, True)]
 
 
 def build(preset: str, num_blocks: int):

@@ -64,7 +64,7 @@ class DecodePlan:
         """The K columns of one load of a task's weights."""
         k = {"o_proj": self.num_heads * self.head_dim // self.o_splits,
              "down_proj": self.intermediate_size // self.down_splits}.get(stage, self.hidden_size)
-        return _block_k(k)
+        return min(_block_k(k), 256) if stage == "gate_up" else _block_k(k)  # two tiles: registers for 256
 
     @property
     def qkv_size(self) -> int:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.decode_plan import BLOCK_M, BLOCK_N, STAGES, DecodePlan
+from nanovllm.kernels.decode_plan import BLOCK_M, BLOCK_N, MAX_ATTENTION_SPLITS, STAGES, DecodePlan
 from nanovllm.kernels.triton_attention import LOG2E, _attend_tile
 from nanovllm.kernels.triton_linear import silu_mul_rounded
 
@@ -25,6 +25,7 @@ TABLE = ("input_layernorm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj"
          "gate_up_proj", "down_proj")
 NUM_STAGES = tl.constexpr(len(STAGES))
 _BLOCK_N, _BLOCK_M = tl.constexpr(BLOCK_N), tl.constexpr(BLOCK_M)  # as kernels may read them
+MAX_SPLITS = tl.constexpr(MAX_ATTENTION_SPLITS)
 MAX_SPINS = tl.constexpr(1 << 21)  # ~1 s of polling: a barrier never met (programs not co-resident) gives up
 
 
@@ -82,30 +83,29 @@ def _normed_gemv(r_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, m, tile, eps, K: tl.con
     rows = tl.arange(0, _BLOCK_M)
     row_mask = (rows < m)[:, None]
     cols = tile * _BLOCK_N + tl.arange(0, _BLOCK_N)
-    w_rows = cols[:, None].to(tl.int64) * K
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    ks = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + ks[None, :])  # the first weights in flight while the norm's sum runs
+    w_up = tl.load(w_rows + N * K + ks[None, :]) if GATE_UP else w
     ss = tl.zeros([_BLOCK_M], tl.float32)
-    if K > BLOCK_K:
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(r_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], mask=row_mask, other=0.0,
-                        cache_modifier=".cg").to(tl.float32)
-            ss += tl.sum(x * x, 1)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(r_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
+        ss += tl.sum(x * x, 1)
+    rstd = tl.rsqrt(ss / K + eps)[:, None]
     acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     acc_up = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + w_rows + ks[None, :])  # first: the weights' loads in flight while x is normed
-        if GATE_UP:
-            w_up = tl.load(w_ptr + N * K + w_rows + ks[None, :])
-        x = tl.load(r_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
-        f = x.to(tl.float32)
-        if K == BLOCK_K:
-            ss = tl.sum(f * f, 1)
-        rstd = tl.rsqrt(ss / K + eps)[:, None]
-        nw = tl.load(norm_ptr + ks).to(tl.float32)[None, :]
-        x = (nw * (f * rstd).to(dtype).to(tl.float32)).to(dtype)
+        nxt = (k0 + BLOCK_K + ks)[None, :]  # the next weights' loads go out before this chunk's math
+        w_next = tl.load(w_rows + nxt, mask=nxt < K, other=0.0)
+        w_up_next = tl.load(w_rows + N * K + nxt, mask=nxt < K, other=0.0) if GATE_UP else w_next
+        x = tl.load(r_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
+        nw = tl.load(norm_ptr + k0 + ks).to(tl.float32)[None, :]
+        x = (nw * (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         if GATE_UP:
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+        w, w_up = w_next, w_up_next
     if BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     if GATE_UP:
@@ -123,11 +123,16 @@ def _split_gemv_add(x_ptr, w_ptr, r_ptr, part_ptr, counters, m, task, K: tl.cons
     row_mask = (rows < m)[:, None]
     cols = tile * _BLOCK_N + tl.arange(0, _BLOCK_N)
     acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
-    for k0 in range(split * (K // SPLITS), (split + 1) * (K // SPLITS), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :])
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    ks = tl.arange(0, BLOCK_K)
+    end = (split + 1) * (K // SPLITS)
+    w = tl.load(w_rows + split * (K // SPLITS) + ks[None, :])
+    for k0 in range(split * (K // SPLITS), end, BLOCK_K):
+        nxt = (k0 + BLOCK_K + ks)[None, :]  # the next weights' loads go out before this chunk's math
+        w_next = tl.load(w_rows + nxt, mask=nxt < end, other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        w = w_next
     out = r_ptr + rows[:, None] * N + cols[None, :]
     if SPLITS == 1:
         tl.store(out, (acc + tl.load(out, mask=row_mask, other=0.0).to(tl.float32)).to(r_ptr.dtype.element_ty),
@@ -218,19 +223,27 @@ def _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, k_cac
         tl.store(part_o_ptr + (parts + split)[:, None] * HEAD_DIM + d[None, :], out, mask=head_mask)
         tl.store(part_lse_ptr + parts + split, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=g < GROUP)
         if _last_arrival(counters + seq * NUM_KV_HEADS + kv_head, splits):
-            m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            for s in range(splits):
-                m_all = tl.maximum(m_all, tl.load(part_lse_ptr + parts + s, mask=g < GROUP, other=0.0,
-                                                  cache_modifier=".cg"))
-            total = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-            weight = tl.zeros([BLOCK_G], tl.float32)
-            for s in range(splits):
-                lse = tl.load(part_lse_ptr + parts + s, mask=g < GROUP, other=float("-inf"), cache_modifier=".cg")
-                w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m_all), 0.0)
-                total += w[:, None] * tl.load(part_o_ptr + (parts + s)[:, None] * HEAD_DIM + d[None, :],
-                                              mask=head_mask, other=0.0, cache_modifier=".cg")
-                weight += w
-            tl.store(dst, (total / tl.maximum(weight, 1e-30)[:, None]).to(attn_ptr.dtype.element_ty), mask=head_mask)
+            _merge_splits(part_o_ptr, part_lse_ptr, attn_ptr, seq, kv_head, splits, NUM_HEADS, GROUP, HEAD_DIM)
+
+
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, attn_ptr, seq, kv_head, splits, NUM_HEADS: tl.constexpr,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The group's heads from their splits' partials by log-sum-exp (``_merge_kernel``'s), all splits of a head in
+    one load."""
+    s = tl.arange(0, MAX_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    valid = s < splits
+    for j in tl.static_range(GROUP):
+        head = kv_head * GROUP + j
+        rows = (seq * NUM_HEADS + head) * splits + s
+        lse = tl.load(part_lse_ptr + rows, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(part_o_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None], other=0.0,
+                        cache_modifier=".cg")
+        m = tl.max(lse, 0)
+        w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
+        out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+        tl.store(attn_ptr + seq * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out.to(attn_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -261,7 +274,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
                           attn_splits, eps, qk_scale, stride_layer, stride_kv, stride_bt,
                           HIDDEN: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_K: tl.constexpr,
-                          O_BLOCK_K: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
+                          GATE_UP_BLOCK_K: tl.constexpr, O_BLOCK_K: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
                           O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                           BLOCK_G: tl.constexpr, PAGE: tl.constexpr, ATTN_BLOCK_N: tl.constexpr,
                           WINDOW: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr,
@@ -316,7 +329,7 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
             w = _ptr(table, 7, dtype)
             for t in range(pid, INTERMEDIATE // _BLOCK_N, NUM_PROGRAMS):
                 _normed_gemv(r_ptr, _ptr(table, 6, dtype), w, w, act_ptr, m, t, eps, HIDDEN, INTERMEDIATE, True,
-                             False, BLOCK_K, PRECISION)
+                             False, GATE_UP_BLOCK_K, PRECISION)
             _mark(trace_ptr, pid, layer, end_layer, 3, 1, TRACE)
             _prefetch_tiles(_ptr(table, 8, dtype), pid, INTERMEDIATE, HIDDEN, DOWN_SPLITS, False, NUM_PROGRAMS,
                             PREFETCH)
@@ -383,7 +396,7 @@ def _launch(check_only: bool, p: DecodePlan, scratch: DecodeScratch, r, table, k
         scratch.sync if trace is None else trace, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, m, layers.start, layers.stop,
         p.attention_splits(m), eps, scale * LOG2E, kv_cache.stride(1), kv_cache.stride(0), block_tables.stride(0),
         HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
-        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k("qkv"), O_BLOCK_K=p.block_k("o_proj"),
+        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k("qkv"), GATE_UP_BLOCK_K=p.block_k("gate_up"), O_BLOCK_K=p.block_k("o_proj"),
         DOWN_BLOCK_K=p.block_k("down_proj"), O_SPLITS=p.o_splits, DOWN_SPLITS=p.down_splits,
         NUM_PROGRAMS=p.num_programs, BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)),
         PAGE=kv_cache.size(3), ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm,
