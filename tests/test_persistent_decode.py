@@ -114,7 +114,7 @@ def build(name: str, dtype: torch.dtype, block_size: int = 16, num_blocks: int =
     torch.set_default_dtype(dtype)
     try:
         with torch.device(DEVICE):
-            model = cls(config, max_model_len=512)
+            model = cls(config, max_model_len=4096)
     finally:
         torch.set_default_dtype(previous)
     load_dummy_weights(model, seed)

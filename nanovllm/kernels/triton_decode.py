@@ -31,7 +31,7 @@ MAX_SPINS = tl.constexpr(1 << 21)  # ~1 s of polling: a barrier never met (progr
 
 @triton.jit
 def _ptr(table, column: tl.constexpr, dtype: tl.constexpr):
-    return tl.load(table + column).to(tl.pointer_type(dtype))
+    return tl.multiple_of(tl.load(table + column).to(tl.pointer_type(dtype)), 16)  # parameters are 16-byte aligned
 
 
 @triton.jit
