@@ -1,6 +1,7 @@
 """bench.py: nano-vllm's workload, the roofline arithmetic, and a small run end to end on CPU."""
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
@@ -63,6 +64,44 @@ def test_profile_step_times_every_phase(tiny):
     for phase in ("schedule", "prepare_decode", "step_tensors", "prepare_sample", "run_model", "postprocess"):
         assert result[phase] > 0, phase
     assert result["step_ms"] > 0 and result["batch"] == 2
+
+
+TINY_PRESET = ("Qwen3Config", dict(architectures=["Qwen3ForCausalLM"], vocab_size=600, hidden_size=64,
+                                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                   bos_token_id=500, eos_token_id=502, tie_word_embeddings=False, dtype="bfloat16"))
+
+
+def test_startup_time_writes_a_checkpoint_once_and_times_every_phase(tmp_path, monkeypatch):
+    """tools/startup_time.py --checkpoint-of: a sharded checkpoint that transformers loads without a missing or
+    unexpected tensor, written once; the engine loads it with the tokenizer's EOS; the child times each phase
+    of the construction from it (a renamed engine function fails here)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from startup_time import write_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm import LLM
+    from nanovllm.models import presets
+    monkeypatch.setitem(presets.PRESETS, "tiny", TINY_PRESET)
+    path = str(tmp_path / "ckpt")
+    assert write_checkpoint("tiny", path, 1e-4) > 0 and write_checkpoint("tiny", path, 1e-4) is None
+    assert len(glob.glob(os.path.join(path, "model-*-of-*.safetensors"))) > 1
+    with pytest.raises(ValueError, match="holds files but no checkpoint"):
+        write_checkpoint("tiny", path, 1.0)
+    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    llm = LLM(path, device="cpu", num_kvcache_blocks=16)
+    try:
+        assert len(llm.tokenizer) == 600 and llm.config.eos_token_ids[0] == 502
+    finally:
+        llm.exit()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "startup_time.py"), "--child", "--model", path],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    phases = json.loads(proc.stdout.strip().splitlines()[-1])
+    for phase in ("resolve_paths", "hf_config", "tokenizer", "eos_token_ids", "load_weights", "kv_cache"):
+        assert phase in phases, phase
+    assert phases["tokenizer"] > 0 and phases["llm_construction"] >= phases["load_weights"] + phases["tokenizer"]
 
 
 def test_scenarios_have_their_documented_shapes_and_the_warmup_has_other_tokens():

@@ -6,6 +6,7 @@ files, unknown tensors, no weights, no tokenizer, an unsupported architecture. T
 and load models directly (no engine)."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -407,6 +408,31 @@ def test_directory_without_tokenizer_files_is_refused(tiny, tmp_path, keep):
                        ".*pass tokenizer=<dir> or skip_tokenizer_init=True to run on token ids"):
         loader.load_tokenizer(str(ckpt))
     assert len(loader.load_tokenizer(tiny)) == 259
+
+
+def test_tokenizer_loads_with_garbage_collection_paused(tiny, monkeypatch):
+    """load_tokenizer pauses the cyclic collector and leaves it as it found it, also when loading fails."""
+    import gc
+
+    from transformers import AutoTokenizer
+    seen = []
+
+    def from_pretrained(path):
+        seen.append(gc.isenabled())
+        if len(seen) % 2 == 0:
+            raise OSError("unreadable")
+        return [0, 1]
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+    try:
+        for enabled in (True, True, False, False):
+            gc.enable() if enabled else gc.disable()
+            with contextlib.suppress(OSError):
+                assert loader.load_tokenizer(tiny) == [0, 1]
+            assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+    assert seen == [False] * 4
 
 
 def test_tokenizer_of_one_token_is_refused(tmp_path):

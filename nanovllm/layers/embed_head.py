@@ -12,7 +12,8 @@ from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tied: nn.Parameter | None = None):
+        """``tied``: another one's weight (an LM head tied to the embedding), shared instead of allocated."""
         super().__init__()
         self.tp_rank, self.tp_size = get_tp()
         self.tp_group = get_tp_group()
@@ -20,8 +21,9 @@ class VocabParallelEmbedding(nn.Module):
         rows = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start_idx = rows * self.tp_rank
         self.vocab_end_idx = min(self.vocab_start_idx + rows, num_embeddings)
-        self.weight = nn.Parameter(torch.zeros(rows, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = tied if tied is not None else nn.Parameter(torch.zeros(rows, embedding_dim), requires_grad=False)
+        if tied is None:
+            self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         check_shape(loaded, (self.num_embeddings, param.size(1)))

@@ -1,7 +1,10 @@
-"""Real models' config.json values, so that benchmarks run without a checkpoint (``load_format="dummy"``)."""
+"""Real models' config.json values, so that benchmarks run without a checkpoint (``load_format="dummy"``). The
+config classes are named, not imported: transformers' LlamaConfig module alone imports some 650 modules (sympy
+among them, over half a second), which every ``LLM(...)`` would pay when it looks a model name up here."""
 from __future__ import annotations
 
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+import transformers
+from transformers import PretrainedConfig
 
 _QWEN = dict(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
              bos_token_id=151643, eos_token_id=151645, dtype="bfloat16")
@@ -13,30 +16,30 @@ _LLAMA3 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, num_key_va
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
-PRESETS: dict[str, tuple[type[PretrainedConfig], dict]] = {
-    "qwen3-0.6b": (Qwen3Config, dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                                     num_attention_heads=16, tie_word_embeddings=True)),
-    "qwen3-8b": (Qwen3Config, dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                   num_attention_heads=32, tie_word_embeddings=False)),
-    "llama-3.2-1b": (LlamaConfig, dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                       num_attention_heads=32, head_dim=64, tie_word_embeddings=True,
-                                       rope_parameters=dict(_LLAMA3_ROPE, factor=32.0))),
-    "llama-3.1-8b": (LlamaConfig, dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                       num_attention_heads=32, head_dim=128, tie_word_embeddings=False,
-                                       rope_parameters=dict(_LLAMA3_ROPE, factor=8.0))),
-    "qwen2.5-7b": (Qwen2Config, dict(_QWEN, architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
-                                     intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                                     num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False,
-                                     use_sliding_window=False)),
+PRESETS: dict[str, tuple[str, dict]] = {  # name: (transformers' config class, its fields)
+    "qwen3-0.6b": ("Qwen3Config", dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                       num_attention_heads=16, tie_word_embeddings=True)),
+    "qwen3-8b": ("Qwen3Config", dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, tie_word_embeddings=False)),
+    "llama-3.2-1b": ("LlamaConfig", dict(_LLAMA3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                         num_attention_heads=32, head_dim=64, tie_word_embeddings=True,
+                                         rope_parameters=dict(_LLAMA3_ROPE, factor=32.0))),
+    "llama-3.1-8b": ("LlamaConfig", dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                         num_attention_heads=32, head_dim=128, tie_word_embeddings=False,
+                                         rope_parameters=dict(_LLAMA3_ROPE, factor=8.0))),
+    "qwen2.5-7b": ("Qwen2Config", dict(_QWEN, architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
+                                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                                       num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False,
+                                       use_sliding_window=False)),
     # intermediate_size: the unused dense MLP's
-    "qwen3-30b-a3b": (Qwen3MoeConfig, dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], num_key_value_heads=4,
-                                           hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                                           num_attention_heads=32, tie_word_embeddings=False, num_experts=128,
-                                           num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                                           decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(_QWEN3, architectures=["Qwen3MoeForCausalLM"], num_key_value_heads=4,
+                                             hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                             num_attention_heads=32, tie_word_embeddings=False, num_experts=128,
+                                             num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                                             decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)),
 }
 
 
 def preset_config(name: str) -> PretrainedConfig:
     config_class, fields = PRESETS[name]
-    return config_class(**fields)
+    return getattr(transformers, config_class)(**fields)

@@ -50,7 +50,8 @@
 #             qwen3-0.6b qwen3-8b); profile8: Qwen3-0.6B at batch 64 and 256, bf16 and fp8 cache; profile8b: the
 #             8B preset
 #   startup   import time of torch and nanovllm, then tools/startup_time.py (LLM(...) construction, cold and warm
-#             compiler caches)
+#             compiler caches): the preset with random weights, then from a checkpoint of its shapes (written once
+#             into CACHE/ckpt-qwen3-0.6b, about 10 s)
 #   fp8       the fp8-cache and sliding-window kernel tests, decode microbenchmarks over an fp8 cache with a tile
 #             sweep, bench.py with the model's dtype and with an fp8 cache, the presets' KL divergence
 #             (FP8_QUALITY=0 leaves it out);  kvquality: the KL divergence alone;  probe: tools/fp8_decode_probe.py
@@ -249,7 +250,9 @@ for phase in "$@"; do
     profile8b) step profile_step.jsonl "$PYTHON" tools/profile_step.py --model qwen3-8b ;;
     startup)
       step importtime.log "$PYTHON" -X importtime -c "import torch, nanovllm"
-      step startup.jsonl "$PYTHON" tools/startup_time.py ;;
+      step startup.jsonl "$PYTHON" tools/startup_time.py
+      step startup.jsonl "$PYTHON" tools/startup_time.py --checkpoint-of qwen3-0.6b \
+        --checkpoint-dir "$CACHE/ckpt-qwen3-0.6b" ;;
     fp8)  # the fp8 cache's kernels, its speed and capacity, its quality on the presets' logits
       step test_kernels.log "$PYTHON" -m pytest tests/test_kernels.py -q -rA -k "fp8 or window"
       step bench_kernels_fp8.log "$PYTHON" tools/bench_kernels.py --kv-cache-dtype fp8 --sweep --out "$OUT"
