@@ -273,8 +273,9 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--persistent-decode-max-batch", type=int, default=16,
-                        help="decode batches up to this run the persistent decode kernel (0: CUDA graphs of the model)")
+    parser.add_argument("--persistent-decode-max-batch", type=int, default=0,
+                        help="decode batches up to this run the persistent decode kernel (0, the default: CUDA graphs "
+                             "of the model)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next (async scheduling is on by default "
                              "on CUDA)")

@@ -32,8 +32,9 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    # decode batches up to this size run the persistent decode kernel (CUDA graphs, dense decoders, TP 1); 0: never
-    persistent_decode_max_batch: int = 16
+    # decode batches up to this size (<= 16) run the persistent decode kernel (CUDA graphs, dense decoders, TP 1);
+    # 0: never (the default: it measures slower than the model's graphs, docs/PERFORMANCE.md)
+    persistent_decode_max_batch: int = 0
     kvcache_block_size: int | None = None  # None: the attention backend's DEFAULT_BLOCK_SIZE
     num_kvcache_blocks: int = -1
     dtype: str | torch.dtype = "auto"
