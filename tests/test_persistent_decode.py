@@ -48,10 +48,11 @@ def run_protocol(plan: DecodePlan, batch: int, num_layers: int) -> list[tuple]:
                         state["log"].append((layer, stage, t, merged))
                 if layer == num_layers - 1 and s == len(STAGES) - 1:
                     return  # the launch's end is the last barrier
+                target = plan.barrier_target(layer, s)
                 with arrived:
                     state["barrier"] += 1
                     arrived.notify_all()
-                    assert arrived.wait_for(lambda: state["barrier"] >= plan.barrier_target(layer, s), timeout=30)
+                    assert arrived.wait_for(lambda t=target: state["barrier"] >= t, timeout=30)
 
     threads = [threading.Thread(target=program, args=(p,)) for p in range(plan.num_programs)]
     for t in threads:
@@ -69,7 +70,8 @@ def test_schedule_protocol_runs_every_task_once_and_merges_each_split_group_once
         for stage in STAGES:
             tasks = sorted(t for lay, s, t, _ in log if lay == layer and s == stage)
             assert tasks == list(range(plan.num_tasks(stage, batch)))
-            merges = sorted(t // plan.splits(stage, batch) for lay, s, t, m in log if lay == layer and s == stage and m)
+            merges = sorted(t // plan.splits(stage, batch) for lay, s, t, merged in log
+                            if lay == layer and s == stage and merged)
             assert merges == list(range(plan.num_tasks(stage, batch) // plan.splits(stage, batch)))
 
 
@@ -96,9 +98,9 @@ MODELS = {  # name: (class, config)
     "qwen3": (Qwen3ForCausalLM, Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                             num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
                                             vocab_size=128, rms_norm_eps=1e-6, max_position_embeddings=512)),
-    "qwen2_bias": (Qwen2ForCausalLM, Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4, head_dim=64,
-                                                 num_key_value_heads=1, num_hidden_layers=2, vocab_size=128,
-                                                 max_position_embeddings=512)),
+    "qwen2_bias": (Qwen2ForCausalLM, Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                                 head_dim=64, num_key_value_heads=1, num_hidden_layers=2,
+                                                 vocab_size=128, max_position_embeddings=512)),
     "llama_window": (LlamaForCausalLM, LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
                                                    num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
                                                    vocab_size=128, max_position_embeddings=512, sliding_window=40,

@@ -9,6 +9,7 @@ Rounding follows the unfused kernels: the norm's output, q/k after norm and rota
 the residual stream in the model's dtype, accumulators in fp32."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -305,8 +306,9 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
         if ALL or STAGE == 1:
             _mark(trace_ptr, pid, layer, end_layer, 1, 0, TRACE)
             for t in range(pid, m * NUM_KV_HEADS * attn_splits, NUM_PROGRAMS):
-                _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, kv_ptr + tl.cast(layer, tl.int64) * stride_layer,
-                                kv_ptr + stride_kv + tl.cast(layer, tl.int64) * stride_layer, _ptr(table, 3, dtype),
+                k_cache = kv_ptr + tl.cast(layer, tl.int64) * stride_layer
+                _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, k_cache, k_cache + stride_kv,
+                                _ptr(table, 3, dtype),
                                 _ptr(table, 4, dtype), cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, t,
                                 attn_splits, eps, qk_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, PAGE,
                                 ATTN_BLOCK_N, WINDOW, NORM, PRECISION)
@@ -367,7 +369,7 @@ class DecodeScratch:
 def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, table: torch.Tensor,
                   kv_cache: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                   context_lens: torch.Tensor, block_tables: torch.Tensor, *, eps: float, scale: float, window: int = 0,
-                  qk_norm: bool, qkv_bias: bool, prefetch: bool = True, spin_asm: bool = False,
+                  qk_norm: bool, qkv_bias: bool, prefetch: bool = False, spin_asm: bool = False,
                   stages_one_by_one: bool = False, attn_block_n: int = 32, trace: torch.Tensor | None = None,
                   check_only: bool = False):
     """Runs every layer of ``table`` on r [m <= BLOCK_M, hidden] in place: one launch, or with
@@ -378,30 +380,27 @@ def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, tab
     m, p, num_layers = r.size(0), plan, table.size(0)
     assert 0 < m <= BLOCK_M and r.is_contiguous() and kv_cache.is_contiguous() and table.size(1) == len(TABLE)
     scratch.sync.zero_()
+    tensors = (r, scratch.qkv, scratch.attn, scratch.act, scratch.part, scratch.part_o, scratch.part_lse,
+               scratch.sync, scratch.sync if trace is None else trace, table, kv_cache, cos_sin, positions,
+               slot_mapping, context_lens, block_tables, m)
+    scalars = (p.attention_splits(m), eps, scale * LOG2E, kv_cache.stride(1), kv_cache.stride(0),
+               block_tables.stride(0))
+    constants = dict(
+        HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
+        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k("qkv"), GATE_UP_BLOCK_K=p.block_k("gate_up"),
+        O_BLOCK_K=p.block_k("o_proj"), DOWN_BLOCK_K=p.block_k("down_proj"), O_SPLITS=p.o_splits,
+        DOWN_SPLITS=p.down_splits, NUM_PROGRAMS=p.num_programs,
+        BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)), PAGE=kv_cache.size(3),
+        ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm, BIAS=qkv_bias,
+        PREFETCH=prefetch and not INTERPRET, SPIN_ASM=spin_asm and not INTERPRET, TRACE=trace is not None,
+        num_warps=4, num_stages=2)
+    grid = (p.num_programs,)
+    launch = functools.partial(_decode_layers_kernel.warmup, grid=grid) if check_only else _decode_layers_kernel[grid]
     launches = [(range(num_layers), -1)] if not stages_one_by_one else [
         (range(layer, layer + 1), stage) for layer in range(num_layers) for stage in range(len(STAGES))]
     for layers, stage in launches:
-        compiled = _launch(check_only, p, scratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, layers,
-                stage, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm, attn_block_n, trace)
+        compiled = launch(*tensors, layers.start, layers.stop, *scalars, STAGE=stage, **constants)
     return compiled
-
-
-def _launch(check_only: bool, p: DecodePlan, scratch: DecodeScratch, r, table, kv_cache, cos_sin, positions, slot_mapping, context_lens,
-            block_tables, layers: range, stage: int, eps, scale, window, qk_norm, qkv_bias, prefetch, spin_asm,
-            attn_block_n, trace):
-    m = r.size(0)
-    kernel = _decode_layers_kernel.warmup if check_only else _decode_layers_kernel[(p.num_programs,)]
-    return kernel(
-        r, scratch.qkv, scratch.attn, scratch.act, scratch.part, scratch.part_o, scratch.part_lse, scratch.sync,
-        scratch.sync if trace is None else trace, table, kv_cache, cos_sin, positions, slot_mapping, context_lens, block_tables, m, layers.start, layers.stop,
-        p.attention_splits(m), eps, scale * LOG2E, kv_cache.stride(1), kv_cache.stride(0), block_tables.stride(0),
-        HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
-        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k("qkv"), GATE_UP_BLOCK_K=p.block_k("gate_up"), O_BLOCK_K=p.block_k("o_proj"),
-        DOWN_BLOCK_K=p.block_k("down_proj"), O_SPLITS=p.o_splits, DOWN_SPLITS=p.down_splits,
-        NUM_PROGRAMS=p.num_programs, BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)),
-        PAGE=kv_cache.size(3), ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm,
-        BIAS=qkv_bias, PREFETCH=prefetch and not INTERPRET, SPIN_ASM=spin_asm and not INTERPRET, STAGE=stage, TRACE=trace is not None,
-        num_warps=4, num_stages=2, **({"grid": (p.num_programs,)} if check_only else {}))
 
 
 def resident_programs_per_sm(compiled, device: torch.device) -> int:

@@ -52,6 +52,8 @@
 #   startup   import time of torch and nanovllm, then tools/startup_time.py (LLM(...) construction, cold and warm
 #             compiler caches): the preset with random weights, then from a checkpoint of its shapes (written once
 #             into CACHE/ckpt-qwen3-0.6b, about 10 s)
+#   persistent  tests/test_persistent_decode.py on the GPU, tools/bench_persistent.py (MODELS, default qwen3-0.6b
+#             qwen3-8b) and bench.py's batch1 scenario with the persistent decode kernel on
 #   fp8       the fp8-cache and sliding-window kernel tests, decode microbenchmarks over an fp8 cache with a tile
 #             sweep, bench.py with the model's dtype and with an fp8 cache, the presets' KL divergence
 #             (FP8_QUALITY=0 leaves it out);  kvquality: the KL divergence alone;  probe: tools/fp8_decode_probe.py
@@ -248,6 +250,11 @@ for phase in "$@"; do
         step profile_step.jsonl "$PYTHON" tools/profile_step.py --batch 64 256 --kv-cache-dtype $kv
       done ;;
     profile8b) step profile_step.jsonl "$PYTHON" tools/profile_step.py --model qwen3-8b ;;
+    persistent)  # the persistent decode kernel: its GPU tests, then against the model's graphs stage by stage
+      step test_persistent.log "$PYTHON" -m pytest tests/test_persistent_decode.py -q -m gpu
+      for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
+        step persistent.jsonl "$PYTHON" tools/bench_persistent.py --model $m --batch 1 16 --json; done
+      step persistent_engine.jsonl "$PYTHON" bench.py --scenario batch1 --persistent-decode-max-batch 16 --json ;;
     startup)
       step importtime.log "$PYTHON" -X importtime -c "import torch, nanovllm"
       step startup.jsonl "$PYTHON" tools/startup_time.py
