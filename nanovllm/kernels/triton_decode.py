@@ -1,9 +1,10 @@
-"""A dense decoder's decode step (all its layers) as one persistent Triton kernel: one program per SM loops over the
-layers and ``decode_plan``'s stages, and the stages meet at grid barriers (counters in global memory) instead of
-kernel boundaries. Written in Triton, not CUDA C++: the grid barrier and the split merges are atomics and spin loops
-that Triton expresses, the interpreter runs the same code on CPU (one program: every barrier is already met), and
-there is nothing to build at first use. While a program waits at a barrier, the weights of its next tasks are
-already on their way into L2 (``prefetch.global.L2``).
+"""A dense decoder's decode step (all its layers) as one persistent Triton kernel: a grid of programs that are all
+resident at once (the caller runs two per SM) loops over the layers and ``decode_plan``'s stages, and the stages meet
+at grid barriers (counters in global memory) instead of kernel boundaries. Written in Triton, not CUDA C++: the grid
+barrier and the split merges are atomics and spin loops that Triton expresses, the interpreter runs the same code on
+CPU (one program: every barrier is already met), and there is nothing to build at first use. Each task's next
+weights are loaded before its current chunk's math; optionally (``prefetch``) a program also asks L2 for its next
+stage's weights before it waits at a barrier.
 
 Rounding follows the unfused kernels: the norm's output, q/k after norm and rotary, each projection's output and
 the residual stream in the model's dtype, accumulators in fp32."""
