@@ -1,0 +1,60 @@
+"""The fp8-weight skinny linear (kernels/triton_fp8.py) against dequantized weights in float64: block scales and
+per-channel ones, with the SiLU-and-mul and residual fusions and the per-row activation quantization. On CPU in
+Triton's interpreter (fp32, fp16); compiled on the GPU (bf16 too)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton_fp8 = pytest.importorskip("nanovllm.kernels.triton_fp8")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+FP8_MAX = 448.0
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int] | None):
+    """(w_fp8, scales): per (bn x bk) block, or per row with block None; and the dequantized weight in float64."""
+    n, k = w.shape
+    bn, bk = block or (1, k)
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float64)
+    padded[:n, :k] = w.double()
+    amax = padded.view(nb, bn, kb, bk).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).float()
+    full = scale.double().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:n, :k]
+    q = (w.double() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.to(DEVICE), scale.to(DEVICE), q.double() * full
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x per row through e4m3 and back, as the kernel's activation quantization (float64)."""
+    scale = (x.double().abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-30)
+    return (x.double() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [(128, 128), (32, 64), None])
+@pytest.mark.parametrize("fusion", ["none", "silu_mul", "residual", "bias", "act_quant"])
+def test_fp8_skinny_linear_matches_dequantized_weights(dtype, block, fusion):
+    torch.manual_seed(0)
+    m, k, n = 5, 320, 96  # K not a multiple of the block: the last block is partial
+    x = torch.randn(m, k).to(dtype)
+    w = torch.randn(2 * n if fusion == "silu_mul" else n, k) * 0.1
+    w_fp8, scale, w_ref = quantize(w, block)
+    bias = torch.randn(n) if fusion == "bias" else None
+    residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
+    xd = quantize_rows(x) if fusion == "act_quant" else x.double()
+    ref = xd @ w_ref.T + (bias.double() if bias is not None else 0)
+    if fusion == "silu_mul":
+        ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+    if residual is not None:
+        ref = ref + residual.double()
+    out = triton_fp8.fp8_linear(x.to(DEVICE), w_fp8, scale, block,
+                                None if bias is None else bias.to(dtype).to(DEVICE),
+                                residual=None if residual is None else residual.to(DEVICE).clone(),
+                                silu_mul=fusion == "silu_mul", act_quant=fusion == "act_quant")
+    assert out.shape == (m, n) and not out.isnan().any()
+    err = float((out.double().cpu() - ref).norm() / ref.norm())
+    assert err < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], err
