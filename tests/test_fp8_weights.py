@@ -244,3 +244,30 @@ def test_modules_to_not_convert_keeps_a_layer_float(float_ckpt, tmp_path):
     assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
     assert model.model.layers[1].mlp.gate_up_proj.quant_method is None
     assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_block_fp8_experts_match_transformers_on_the_dequantized_weights(tmp_path, oracle, tp):
+    from tiny_model import build_tiny_model
+    src = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", head_dim=32, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, norm_topk_prob=True)
+    ckpt = quantize_checkpoint(src, str(tmp_path / "moe_fp8"), BLOCK)
+    block = (BLOCK, BLOCK)
+    ref = roundtrip_copy(src, str(tmp_path / "moe_dq"),
+                         lambda w: dequantize_fp8_block(*quantize_fp8_block(w, block), block))
+    prompts = random_prompts(6, 3, 40, seed=14)
+    outputs, _ = run_engine(ckpt, prompts, GREEDY, device="cpu", dtype="float32", tensor_parallel_size=tp)
+    assert_matches_oracle(oracle, ref, prompts, outputs, N)
+    experts = _load(ckpt).model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == FP8 and experts.w2_weight_scale_inv.shape == (4, 64 // BLOCK, 64 // BLOCK)
+
+
+def test_an_expert_block_that_straddles_a_shard_is_refused(tmp_path):
+    from tiny_model import build_tiny_model
+    src = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", head_dim=32, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64)
+    ckpt = quantize_checkpoint(src, str(tmp_path / "moe_fp8"), 64)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.experts\.0\.\w+_proj\."
+                                         r"weight_scale_inv' in model\.safetensors: the experts' intermediate size "
+                                         r"per rank \(32\) is not a multiple of the fp8 weight block size 64"):
+        _load(ckpt, 0, 2)

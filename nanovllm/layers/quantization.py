@@ -34,9 +34,9 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
 
 def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w_fp8 times each block's scale_inv, in ``dtype``."""
-    n, k = w_fp8.shape
-    scales = scale_inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    """w_fp8 [..., N, K] times each block's scale_inv [..., ceil(N/bn), ceil(K/bk)], in ``dtype``."""
+    n, k = w_fp8.shape[-2:]
+    scales = scale_inv.float().repeat_interleave(block[0], -2)[..., :n, :].repeat_interleave(block[1], -1)[..., :k]
     return (w_fp8.float() * scales).to(dtype)
 
 
