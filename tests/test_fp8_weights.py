@@ -195,6 +195,22 @@ def test_a_shard_that_is_not_a_multiple_of_the_block_is_refused(float_ckpt, tmp_
         _load(ckpt, 0, 2)
 
 
+def test_a_row_parallel_shard_that_is_not_a_multiple_of_the_block_is_refused(float_ckpt, tmp_path):
+    ckpt = quantize_checkpoint(float_ckpt, str(tmp_path / "b128"), 128)
+    with pytest.raises(ValueError, match=r"down_proj\.weight_scale_inv' in model\.safetensors: input features per "
+                                         r"rank \(64\) is not a multiple of the fp8 weight block size 128"):
+        _load(ckpt, 0, 2)
+
+
+def test_online_fp8_leaves_moe_experts_unquantized(tmp_path, caplog):
+    from tiny_model import build_tiny_model
+    src = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", head_dim=32, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64)
+    outputs, _ = run_engine(src, [[1, 2, 3]], GREEDY, device="cpu", quantization="fp8")
+    assert len(outputs[0]["token_ids"]) == N
+    assert "the MoE experts stay unquantized" in caplog.text
+
+
 def test_a_float_tensor_for_an_fp8_layer_is_refused(fp8_ckpt, tmp_path):
     name = "model.layers.0.mlp.up_proj.weight"
     ckpt = _edit(fp8_ckpt, tmp_path / "bad", lambda w: w.update({name: w[name].float()}))

@@ -1,5 +1,6 @@
 """Tensor-parallel linear layers: column-parallel ones split the output features (q/k/v or gate/up packed into one
-matmul), row-parallel ones the input features, all-reducing their output."""
+matmul), row-parallel ones the input features, all-reducing their output. Built inside ``quantization(...)``
+(``layers.quantization``) they hold fp8 weights and their scales; a block scale is sharded in whole blocks."""
 from __future__ import annotations
 
 import math

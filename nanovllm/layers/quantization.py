@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import threading
 
@@ -17,6 +18,8 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 QUANTIZATION_METHODS = (None, "fp8")  # Config.quantization's values
+
+logger = logging.getLogger("nanovllm")
 
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +95,8 @@ def get_quantization_config(hf_config, quantization: str | None) -> Fp8Config | 
         raise ValueError(f"quantization={quantization!r} is not supported: one of {QUANTIZATION_METHODS}")
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
+        if quantization is not None and getattr(hf_config, "num_experts", 0):
+            logger.info("quantization='fp8' quantizes the dense projections; the MoE experts stay unquantized")
         return None if quantization is None else Fp8Config()
     config = config if isinstance(config, dict) else config.to_dict()
     if config.get("quant_method") != "fp8":
