@@ -49,6 +49,8 @@ class Config:
     async_scheduling: bool | None = None  # launch step N+1 while the device runs step N; None: on for CUDA
     cpu_kvcache_space: float = 4.0  # GiB of KV cache per rank on CPU, unless num_kvcache_blocks is given
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (scales of 1.0)
+    # None or "fp8": a checkpoint's fp8 quantization_config is used either way; "fp8" quantizes a bf16 one at load
+    quantization: str | None = None
     # default sampling: "auto" (the model's generation_config.json), "vllm" (SamplingParams') or a directory
     generation_config: str = "auto"
     revision: str | None = None  # for Hub ids; tokenizer_revision defaults to it
@@ -62,6 +64,7 @@ class Config:
     # resolved in __post_init__
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
+    quant_config: object | None = field(default=None, init=False, repr=False)  # layers.quantization.Fp8Config
     torch_dtype: torch.dtype | None = field(default=None, init=False)
     kv_cache_torch_dtype: torch.dtype | None = field(default=None, init=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -80,6 +83,8 @@ class Config:
         self._check_values()
         self._resolve_paths()
         self._set(hf_config=self._load_hf_config())
+        from nanovllm.layers.quantization import get_quantization_config
+        self._set(quant_config=get_quantization_config(self.hf_config, self.quantization))
         if self.device == "auto":
             self._set(device="cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():

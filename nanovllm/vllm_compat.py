@@ -43,7 +43,6 @@ IGNORED_KEYWORDS = {
 }
 # vLLM engine keywords accepted only at the values that change nothing here: name -> (those values, why)
 UNSUPPORTED_KEYWORDS = {
-    "quantization": ((None,), "no quantized weights or kernels"),
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
     "kv_cache_memory_bytes": ((None,), "sized by num_kvcache_blocks or gpu_memory_utilization"),
     "pipeline_parallel_size": ((1,), "tensor parallelism only"),

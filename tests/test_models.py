@@ -310,8 +310,8 @@ def test_wrong_shape_is_named_under_tensor_parallelism(llama, tmp_path, name, di
     good = weights[name]
     weights[name] = torch.cat([good, good.narrow(dim, 0, 1)], dim)
     save_file(weights, os.path.join(ckpt, "model.safetensors"))
-    message = f"checkpoint tensor '{name}': has shape {tuple(weights[name].shape)} but the model expects " \
-              f"{tuple(good.shape)}"
+    message = f"checkpoint tensor '{name}' in model.safetensors: has shape {tuple(weights[name].shape)} but the " \
+              f"model expects {tuple(good.shape)}"
     with pytest.raises(ValueError, match=re.escape(message)):
         _loaded(ckpt, rank, 2)
 

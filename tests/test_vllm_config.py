@@ -28,7 +28,7 @@ PROMPTS = ["Hello, Nano-vLLM.", [1, 2, 3, 4, 5]]
 def test_ignored_keywords_are_logged_once_and_the_engine_runs(tiny, llm, caplog):
     caplog.set_level(logging.INFO, logger="nanovllm")
     ignored = dict(trust_remote_code=True, swap_space=4, disable_log_stats=True, compilation_config={"level": 3},
-                   max_seq_len_to_capture=8192, quantization=None, cpu_offload_gb=0)
+                   max_seq_len_to_capture=8192, cpu_offload_gb=0)
     engine = LLM(tiny, **ENGINE, **ignored)
     try:
         assert token_ids_of(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == \

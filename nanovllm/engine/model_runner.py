@@ -17,6 +17,7 @@ from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, bind_backend
+from nanovllm.layers.quantization import quantization, skip_unconverted_layers
 from nanovllm.layers.sampler import Sampler, prompt_logprobs
 from nanovllm.models.llama import head_dim_of
 from nanovllm.utils.context import get_context, set_context
@@ -54,8 +55,10 @@ class ModelRunner:
                 torch.set_default_dtype(default_dtype)
 
     def _load_and_prepare(self, hf_config):
-        with tensor_parallel(self.rank, self.config.tensor_parallel_size, self.group):
+        quant_config = self.config.quant_config
+        with tensor_parallel(self.rank, self.config.tensor_parallel_size, self.group), quantization(quant_config):
             self.model = self.config.model_class(hf_config, max_model_len=self.config.max_model_len)
+            skip_unconverted_layers(self.model, quant_config)
         if self.config.load_format == "dummy":
             load_dummy_weights(self.model, self.config.seed + self.rank)
         else:

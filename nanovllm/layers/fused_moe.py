@@ -1,12 +1,17 @@
 """A mixture-of-experts layer's experts (vLLM's ``FusedMoE``): ``w13_weight [E, 2 * I/tp, H]`` (gate rows, then up
-rows) and ``w2_weight [E, H, I/tp]``, sharded along the intermediate dimension as vLLM shards them."""
+rows) and ``w2_weight [E, H, I/tp]``, sharded along the intermediate dimension as vLLM shards them. In a block-wise
+fp8 model they are fp8 with ``w13_weight_scale_inv`` and ``w2_weight_scale_inv`` (the experts' ``weight_scale_inv``
+stacked), dequantized on each call (a reference, on CUDA too); ``quantization="fp8"`` leaves experts unquantized."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from nanovllm.kernels import moe_ops
-from nanovllm.layers.linear import check_shape
+from nanovllm.layers.linear import check_dtype, check_shape
+from nanovllm.layers.quantization import FP8, dequantize_fp8_block, get_quant_config
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
@@ -17,19 +22,34 @@ class FusedMoE(nn.Module):
         self.tp_group = get_tp_group()
         self.num_experts, self.top_k, self.hidden_size, self.renormalize = num_experts, top_k, hidden_size, renormalize
         self.intermediate_size_per_partition = ip = intermediate_size // self.tp_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * ip, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ip), requires_grad=False)
-        for param in (self.w13_weight, self.w2_weight):
+        config = get_quant_config()
+        self.block = config.weight_block_size if config is not None and config.is_checkpoint_fp8_serialized else None
+        dtype = None if self.block is None else FP8
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * ip, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ip, dtype=dtype), requires_grad=False)
+        params = [self.w13_weight, self.w2_weight]
+        if self.block is not None:
+            bn, bk = self.block
+            scales = (num_experts, math.ceil(2 * ip / bn), math.ceil(hidden_size / bk)), \
+                (num_experts, math.ceil(hidden_size / bn), math.ceil(ip / bk))
+            self.w13_weight_scale_inv, self.w2_weight_scale_inv = (
+                nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False) for shape in scales)
+            params += [self.w13_weight_scale_inv, self.w2_weight_scale_inv]
+            for param in params[2:]:
+                param.block = self.block
+        for param in params:
             param.weight_loader = self.weight_loader
         self._loaded: set[tuple[int, str]] = set()  # (expert, shard id) pairs the checkpoint gave
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int | None, shard_id: str):
         """Expert ``expert_id``'s gate (w1), up (w3) or down (w2) projection; with ``expert_id`` None, every
         expert's packed gate and up (w13, [E, 2 * I, H]) or down (w2, [E, H, I])."""
-        ip, e, h = self.intermediate_size_per_partition, self.num_experts, self.hidden_size
-        i, lo = ip * self.tp_size, self.tp_rank * ip
+        e = self.num_experts
         if expert_id is not None and not 0 <= expert_id < e:
             raise ValueError(f"is expert {expert_id} but the model has {e} experts")
+        ip, h = self._units(param, shard_id)
+        i, lo = ip * self.tp_size, self.tp_rank * ip
+        check_dtype(loaded, param)
         experts = range(e) if expert_id is None else [expert_id]
         target = param.data if expert_id is None else param.data[expert_id:expert_id + 1]
         if shard_id in ("w1", "w3"):
@@ -47,6 +67,17 @@ class FusedMoE(nn.Module):
         shards = ("w1", "w3") if shard_id == "w13" else (shard_id,)
         self._loaded.update((expert, shard) for expert in experts for shard in shards)
 
+    def _units(self, param: nn.Parameter, shard_id: str) -> tuple[int, int]:
+        """(intermediate rows per rank, hidden size) in ``param``'s units: a block scale's blocks, which must not
+        straddle a rank's shard or the gate/up boundary."""
+        rows, cols = getattr(param, "block", (1, 1))
+        split, other = (cols, rows) if shard_id == "w2" else (rows, cols)
+        ip = self.intermediate_size_per_partition
+        if ip % split:
+            raise ValueError(f"the experts' intermediate size per rank ({ip}) is not a multiple of the fp8 weight "
+                             f"block size {split}")
+        return ip // split, math.ceil(self.hidden_size / other)
+
     def missing_weights(self) -> list[str]:
         """The expert tensors a checkpoint that gave some of them left out ([] when it gave none)."""
         if not self._loaded:
@@ -59,6 +90,10 @@ class FusedMoE(nn.Module):
         """residual + the router-weighted sum of each token's top-k experts' MLPs of x."""
         ops = moe_ops(x)
         topk_weights, topk_ids = ops.fused_topk(router_logits, self.top_k, self.renormalize)
-        y = ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+        w13, w2 = self.w13_weight, self.w2_weight
+        if self.block is not None:
+            w13 = dequantize_fp8_block(w13, self.w13_weight_scale_inv, self.block, x.dtype)
+            w2 = dequantize_fp8_block(w2, self.w2_weight_scale_inv, self.block, x.dtype)
+        y = ops.fused_moe(x, w13, w2, topk_weights, topk_ids,
                           residual=residual if self.tp_rank == 0 else None)
         return all_reduce(y, self.tp_group)

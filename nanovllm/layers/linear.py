@@ -1,11 +1,15 @@
 """Tensor-parallel linear layers: column-parallel ones split the output features (q/k/v or gate/up packed into one
-matmul), row-parallel ones the input features, all-reducing their output."""
+matmul), row-parallel ones the input features, all-reducing their output. Built inside ``quantization(...)``
+(``layers.quantization``) they hold fp8 weights and their scales; a block scale is sharded in whole blocks."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from nanovllm.kernels import dense_ops
+from nanovllm.layers.quantization import FP8, get_quant_config
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
@@ -15,6 +19,25 @@ def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
         raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)}")
 
 
+def check_dtype(loaded: torch.Tensor, param: torch.Tensor):
+    """An fp8 tensor goes to an fp8 parameter only, and only an fp8 one does (a bf16 weight would lose its scale)."""
+    if (loaded.dtype == FP8) != (param.dtype == FP8):
+        why = "config.json's quantization_config makes this layer fp8" if param.dtype == FP8 else \
+            "the model is not fp8 here (config.json's quantization_config, modules_to_not_convert)"
+        raise ValueError(f"is {loaded.dtype} but the model expects {param.dtype}: {why}")
+
+
+def blocks(param: torch.Tensor, dim: int, size: int, what: str) -> int:
+    """``size`` weight rows (dim 0) or columns (dim 1) as ``param``'s: a scale's blocks, which must not straddle
+    a split (a packed part's end, a rank's shard); a per-channel scale has one column whatever the size."""
+    block = getattr(param, "block", (1, 1))[dim]
+    if block is None:
+        return 1
+    if size % block:
+        raise ValueError(f"{what} ({size}) is not a multiple of the fp8 weight block size {block}")
+    return size // block
+
+
 class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool):
         super().__init__()
@@ -22,31 +45,54 @@ class LinearBase(nn.Module):
         self.tp_group = get_tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        config = get_quant_config()
+        self.quant_method = None if config is None else config.get_quant_method(self)
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
-    def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...]) -> torch.Tensor:
-        """This rank's slice along ``dim`` (None: all) of a checkpoint tensor of ``full_shape``."""
+    def unquantize(self):
+        """Back to a plain weight in the default dtype (a layer ``modules_to_not_convert`` names)."""
+        self.weight = nn.Parameter(torch.empty(self.weight.shape, device=self.weight.device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        for name in ("weight_scale_inv", "weight_scale"):
+            if hasattr(self, name):
+                delattr(self, name)
+        self.quant_method = None
+
+    def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...],
+               param: torch.Tensor) -> torch.Tensor:
+        """This rank's slice along ``dim`` (None: all) of a checkpoint tensor of ``full_shape`` for ``param``."""
         check_shape(loaded, full_shape)
+        check_dtype(loaded, param)
         if dim is None or self.tp_size == 1:
             return loaded
         size = loaded.size(dim) // self.tp_size
         return loaded.narrow(dim, self.tp_rank * size, size)
 
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
+                silu_mul: bool = False) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias, residual, silu_mul)
+        return dense_ops(x).linear(x, self.weight, bias, residual=residual, silu_mul=silu_mul)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_ops(x).linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
+    quantizable = False  # the MoE router: unquantized, as vLLM builds it
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, output_size, bias)
         self.weight.replicated_rank = self.tp_rank  # dummy weights: the same on every rank
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        param.data.copy_(self._shard(loaded, None, param.shape))
+        param.data.copy_(self._shard(loaded, None, param.shape, param))
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -57,14 +103,19 @@ class MergedColumnParallelLinear(LinearBase):
         super().__init__(input_size, sum(output_sizes) // get_tp()[1], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        full = (self.output_sizes[shard_id], *param.shape[1:])
-        param.data.narrow(0, offset, size).copy_(self._shard(loaded, 0, full))
+        split = len(self.output_sizes) > 1 or self.tp_size > 1
+        per_rank = " per rank" if self.tp_size > 1 else ""
+        sizes = [blocks(param, 0, n // self.tp_size, f"{self.part_name(i)}'s rows{per_rank}") if split
+                 else math.ceil(n / getattr(param, "block", (1,))[0]) for i, n in enumerate(self.output_sizes)]
+        full = (sizes[shard_id] * self.tp_size, *param.shape[1:])
+        param.data.narrow(0, sum(sizes[:shard_id]), sizes[shard_id]).copy_(self._shard(loaded, 0, full, param))
+
+    def part_name(self, shard_id: int) -> str:
+        return f"output part {shard_id}"
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         """With ``silu_mul``, SiLU(gate) * up of the two parts."""
-        return dense_ops(x).linear(x, self.weight, self.bias, silu_mul=silu_mul)
+        return self._linear(x, self.bias, silu_mul=silu_mul)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -78,18 +129,23 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         super().weight_loader(param, loaded, "qkv".index(shard_id))
 
+    def part_name(self, shard_id: int) -> str:
+        return f"{'qkv'[shard_id]}_proj"
+
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size // get_tp()[1], output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        dim = 1 if param.dim() == 2 else None  # the bias is whole on every rank
+        dim = 1 if param.dim() == 2 and getattr(param, "block", (1, 1))[1] else None  # the bias is whole
+        if dim is not None and self.tp_size > 1:
+            blocks(param, 1, self.weight.size(1), "input features per rank")
         full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(param.shape))
-        param.data.copy_(self._shard(loaded, dim, full))
+        param.data.copy_(self._shard(loaded, dim, full, param))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T + bias, added in place to ``residual``; both on rank 0 only, before the all-reduce."""
         first = self.tp_rank == 0
-        y = dense_ops(x).linear(x, self.weight, self.bias if first else None, residual=residual if first else None)
+        y = self._linear(x, self.bias if first else None, residual=residual if first else None)
         return all_reduce(y, self.tp_group)

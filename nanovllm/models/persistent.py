@@ -23,7 +23,9 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor, tp_size: int) -> list[
         reasons.append("a mixture of experts")
     if attn.o_proj.bias is not None or layer.mlp.gate_up_proj.bias is not None:
         reasons.append("o_proj or MLP biases")
-    if kv_cache.dtype != attn.qkv_proj.weight.dtype:
+    if attn.qkv_proj.quant_method is not None:
+        reasons.append("fp8 weights")
+    elif kv_cache.dtype != attn.qkv_proj.weight.dtype:
         reasons.append(f"kv_cache_dtype {kv_cache.dtype}")
     if len({x.self_attn.attn.sliding_window for x in decoder.layers}) > 1:
         reasons.append("sliding windows on some layers only")

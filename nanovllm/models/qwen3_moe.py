@@ -13,7 +13,7 @@ from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.models.llama import DecoderMLP, DecoderOptions, LlamaForCausalLM, check_silu
 
 # the experts' checkpoint tensors: one per expert and projection (the Hub's), or packed per layer
-_PER_EXPERT = re.compile(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(r"(.*\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?")
 _PACKED = re.compile(r"(.*\.experts\.)(gate_up_proj|down_proj)")
 _SHARDS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"), "down_proj": ("w2_weight", "w2"),
            "gate_up_proj": ("w13_weight", "w13")}
@@ -62,7 +62,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         """(parameter, weight_loader's arguments) of an expert's checkpoint tensor, else None."""
         if match := _PER_EXPERT.fullmatch(name):
             param, shard = _SHARDS[match[3]]
-            return match[1] + param, (int(match[2]), shard)
+            return match[1] + param + (match[4] or ""), (int(match[2]), shard)
         if match := _PACKED.fullmatch(name):
             param, shard = _SHARDS[match[2]]
             return match[1] + param, (None, shard)

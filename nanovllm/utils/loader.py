@@ -140,24 +140,31 @@ def load_model(model: nn.Module, path: str):
     own_target = getattr(model, "checkpoint_target", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[int] = set()  # ids: a tied parameter is loaded under any of its names
+    names: set[str] = set()
+    fp8_weights: dict[str, str] = {}  # an fp8 tensor's name: its file
     for file in checkpoint_files(path):
+        base = os.path.basename(file)
         try:
             with safe_open(file, "pt", "cpu") as f:
                 for name in f.keys():
+                    names.add(name)
                     if name.endswith(SKIPPED_TENSORS) or _load_kv_scale(model, name, f):
                         continue
                     target, shard_args = own_target(name) or _packed_target(name, packed)
                     if target not in params:
-                        raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} matches no "
+                        raise ValueError(f"checkpoint tensor {name!r} in {base} matches no "
                                          f"parameter of {type(model).__name__}")
-                    param = params[target]
+                    param, tensor = params[target], f.get_tensor(name)
+                    if tensor.dtype == torch.float8_e4m3fn:
+                        fp8_weights[name] = base
                     try:
-                        getattr(param, "weight_loader", _default_weight_loader)(param, f.get_tensor(name), *shard_args)
+                        getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
                     except ValueError as e:
-                        raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+                        raise ValueError(f"checkpoint tensor {name!r} in {base}: {e}") from None
                     loaded.add(id(param))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file: {e}") from None
+    _check_fp8_scales(fp8_weights, names)
     missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
     # a module whose parameters take many tensors (a mixture of experts) names those it got no value for
     missing += [f"{name} ({', '.join(parts[:4])}{' ...' if len(parts) > 4 else ''})"
@@ -166,16 +173,26 @@ def load_model(model: nn.Module, path: str):
         raise ValueError(f"checkpoint has no weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
 
+def _check_fp8_scales(fp8_weights: dict[str, str], names: set[str]):
+    """Every fp8 weight comes with its block scales (``<name>_scale_inv``)."""
+    for name, base in fp8_weights.items():
+        if name + "_scale_inv" not in names:
+            raise ValueError(f"checkpoint tensor {name!r} in {base}: is float8_e4m3fn but the checkpoint has no "
+                             f"{name + '_scale_inv'!r} (its block scales)")
+
+
 @torch.no_grad()
 def load_dummy_weights(model: nn.Module, seed: int = 0):
-    """N(0, 0.02) weights and biases, unit norm weights; parameters marked ``replicated_rank`` (a MoE router)
-    get rank 0's values on every rank (``seed`` is the engine's plus the rank)."""
+    """N(0, 0.02) weights and biases, unit norm weights and fp8 block scales; parameters marked
+    ``replicated_rank`` (a MoE router) get rank 0's values on every rank (``seed`` is the engine's plus the rank)."""
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed)
     replicated: torch.Generator | None = None  # one stream for all of them, in order
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "weight_scale_inv")):
             param.fill_(1.0)
+        elif param.dtype == torch.float8_e4m3fn:  # no random kernels for fp8
+            param.copy_(torch.empty(param.shape, device=device).normal_(0.0, 0.02, generator=generator))
         elif hasattr(param, "replicated_rank"):
             if replicated is None:
                 replicated = torch.Generator(device).manual_seed(seed - param.replicated_rank)

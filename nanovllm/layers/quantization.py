@@ -1,0 +1,194 @@
+"""fp8 (e4m3) linear weights, vLLM's ``quantization="fp8"``: block-wise fp8 checkpoints (the Qwen3-*-FP8 layout:
+``weight`` in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block, the multiplier despite its name)
+and online quantization of a bf16/fp32 checkpoint at load (a scale per output channel, activations quantized per
+token). The forwards here are references in plain PyTorch, on CPU and on CUDA alike: a block-wise weight is
+dequantized to the activation dtype on each call, the online one emulates the fp8 GEMM in float32."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+QUANTIZATION_METHODS = (None, "fp8")  # Config.quantization's values
+
+logger = logging.getLogger("nanovllm")
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]) with w ~= w_fp8 * scale_inv over each block; a block's
+    scale is its amax / 448, so its largest value maps to e4m3's largest (an all-zero block gets scale 1)."""
+    n, k = w.shape
+    bn, bk = block
+    padded = F.pad(w.float(), (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.size(0) // bn, bn, padded.size(1) // bk, bk)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:n, :k]
+    return q.to(FP8).contiguous(), scale
+
+
+def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_fp8 [..., N, K] times each block's scale_inv [..., ceil(N/bn), ceil(K/bk)], in ``dtype``."""
+    n, k = w_fp8.shape[-2:]
+    scales = scale_inv.float().repeat_interleave(block[0], -2)[..., :n, :].repeat_interleave(block[1], -1)[..., :k]
+    return (w_fp8.float() * scales).to(dtype)
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8, scale [N, 1]): one scale per row (an output channel of a weight, a token of an activation)."""
+    return quantize_fp8_block(w, (1, w.size(1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """vLLM's ``Fp8Config``: a checkpoint's fp8 ``quantization_config``, or online quantization (not serialized)."""
+    is_checkpoint_fp8_serialized: bool = False
+    weight_block_size: tuple[int, int] | None = None
+    ignored_layers: tuple[str, ...] = ()  # config.json's modules_to_not_convert
+
+    @classmethod
+    def from_config(cls, config: dict) -> Fp8Config:
+        """From config.json's ``quantization_config``; what the reference forward cannot honour is refused."""
+        if config.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config fmt={config['fmt']!r} is not supported: e4m3 only")
+        if config.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"quantization_config activation_scheme={config['activation_scheme']!r} is not "
+                             "supported: 'dynamic' only")
+        block = config.get("weight_block_size")
+        if block is None:
+            raise ValueError("fp8 checkpoints without weight_block_size (per-tensor scales) are not supported: "
+                             "block-wise ones only")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config weight_block_size must be two positive ints, got {block!r}")
+        ignored = config.get("modules_to_not_convert") or config.get("ignored_layers") or ()
+        if not (isinstance(ignored, (list, tuple)) and all(isinstance(m, str) for m in ignored)):
+            raise ValueError(f"quantization_config modules_to_not_convert must be a list of names, got {ignored!r}")
+        return cls(True, tuple(block), tuple(ignored))
+
+    def get_quant_method(self, layer: nn.Module) -> Fp8LinearMethod | None:
+        """The method of a linear layer; None for those built unquantized (the MoE router, as in vLLM)."""
+        return Fp8LinearMethod(self) if getattr(layer, "quantizable", True) else None
+
+    def is_layer_skipped(self, names: list[str]) -> bool:
+        """Whether a layer of these checkpoint names (a packed layer's parts) stays unquantized, as transformers
+        reads ``modules_to_not_convert``: a name containing an entry. Parts of one layer must agree."""
+        skipped = [any(m in name for m in self.ignored_layers) for name in names]
+        if any(skipped) and not all(skipped):
+            raise ValueError(f"modules_to_not_convert skips some of {names} only: a packed layer is all fp8 or none")
+        return bool(skipped) and all(skipped)
+
+
+def get_quantization_config(hf_config, quantization: str | None) -> Fp8Config | None:
+    """The model's quantization: a checkpoint's ``quantization_config`` wins (``quantization`` None or "fp8"
+    alike, as in vLLM); else ``quantization="fp8"`` quantizes a bf16/fp32 checkpoint at load."""
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={quantization!r} is not supported: one of {QUANTIZATION_METHODS}")
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        if quantization is not None and getattr(hf_config, "num_experts", 0):
+            logger.info("quantization='fp8' quantizes the dense projections; the MoE experts stay unquantized")
+        return None if quantization is None else Fp8Config()
+    config = config if isinstance(config, dict) else config.to_dict()
+    if config.get("quant_method") != "fp8":
+        raise ValueError(f"the checkpoint's quantization_config quant_method={config.get('quant_method')!r} is "
+                         "not supported: 'fp8' (block-wise) only")
+    return Fp8Config.from_config(config)
+
+
+def _param(data: torch.Tensor, loader, block: tuple[int, int | None] | None = None) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=False)
+    param.weight_loader = loader
+    if block is not None:
+        param.block = block
+    return param
+
+
+class Fp8LinearMethod:
+    """Creates a linear layer's fp8 weight and scales, and runs its forward (``LinearBase`` calls these). A scale
+    tensor's ``block``: how many weight rows and columns one of its elements covers (None: all columns)."""
+
+    def __init__(self, quant_config: Fp8Config):
+        self.quant_config = quant_config
+        self.block = quant_config.weight_block_size
+
+    def create_weights(self, layer: nn.Module):
+        n, k = layer.weight.shape
+        device = layer.weight.device
+        if self.quant_config.is_checkpoint_fp8_serialized:
+            layer.weight = _param(torch.empty(n, k, dtype=FP8, device=device), layer.weight_loader)
+            scales = torch.empty(math.ceil(n / self.block[0]), math.ceil(k / self.block[1]), device=device)
+            layer.weight_scale_inv = _param(scales.float(), layer.weight_loader, self.block)
+        else:  # the scale is a buffer: it is loaded with the weight
+            layer.weight = _param(torch.empty(n, k, dtype=FP8, device=device),
+                                  lambda param, loaded, *shard: self.load_online(layer, param, loaded, *shard))
+            layer.register_buffer("weight_scale", torch.ones(n, 1, dtype=torch.float32, device=device))
+            layer.weight_scale.block = (1, None)
+
+    @staticmethod
+    def load_online(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, *shard):
+        """A bf16/fp32 checkpoint tensor quantized per output row, then loaded (and sharded) as an fp8 one."""
+        if loaded.dtype == FP8:
+            raise ValueError("is float8_e4m3fn but config.json has no fp8 quantization_config to give its scales")
+        q, scale = quantize_fp8_per_channel(loaded)
+        layer.weight_loader(param, q, *shard)
+        layer.weight_loader(layer.weight_scale, scale, *shard)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+              silu_mul: bool) -> torch.Tensor:
+        """The layer's ``linear``: a block-wise weight dequantized to x's dtype, or the online fp8 GEMM emulated
+        in float32 with x quantized per token."""
+        from nanovllm.kernels import dense_ops, reference
+        if self.quant_config.is_checkpoint_fp8_serialized:
+            w = dequantize_fp8_block(layer.weight, layer.weight_scale_inv, self.block, x.dtype)
+            return dense_ops(x).linear(x, w, bias, residual=residual, silu_mul=silu_mul)
+        x_q, x_scale = quantize_fp8_per_channel(x.reshape(-1, x.size(-1)))
+        w = layer.weight.float() * layer.weight_scale
+        y = reference.linear(x_q.float() * x_scale, w, None if bias is None else bias.float(), silu_mul=silu_mul)
+        y = y.to(x.dtype).view(*x.shape[:-1], y.size(-1))
+        return y if residual is None else residual.add_(y)
+
+
+class _QuantState(threading.local):
+    config: Fp8Config | None = None
+
+
+_QUANT = _QuantState()
+
+
+def get_quant_config() -> Fp8Config | None:
+    """The quantization of the model this thread builds (None: unquantized)."""
+    return _QUANT.config
+
+
+@contextlib.contextmanager
+def quantization(config: Fp8Config | None):
+    """Layers built inside take ``config``'s quantization, as ``tensor_parallel`` gives them their rank."""
+    previous, _QUANT.config = _QUANT.config, config
+    try:
+        yield
+    finally:
+        _QUANT.config = previous
+
+
+def skip_unconverted_layers(model: nn.Module, config: Fp8Config | None):
+    """Rebuilds unquantized the linear layers that ``modules_to_not_convert`` names (known by name only once built)."""
+    if config is None or not config.ignored_layers:
+        return
+    packed = getattr(model, "packed_modules_mapping", {})
+    for prefix, module in model.named_modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        name = prefix.rpartition(".")[2]
+        parts = [f"{prefix[:-len(name)]}{ckpt}" for ckpt, (target, _) in packed.items() if target == name]
+        if config.is_layer_skipped(parts or [prefix]):
+            module.unquantize()

@@ -1,0 +1,289 @@
+"""Specification of fp8 weights on CPU: a block-wise fp8 checkpoint written by tools/quantize_fp8.py, and
+``quantization="fp8"`` on a float checkpoint, give the greedy tokens and logprobs of transformers running the
+same weights quantized and dequantized (TP=1 and TP=2); bad scales and unsplittable layers are refused by name."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from conftest import CPU_ENGINE, assert_matches_oracle, assert_prompt_logprobs, random_prompts, run_engine
+from safetensors.torch import load_file, save_file
+from tiny_model import build_tiny_qwen3
+from transformers import AutoConfig
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.quantization import (
+    FP8,
+    dequantize_fp8_block,
+    get_quantization_config,
+    quantization,
+    quantize_fp8_block,
+    quantize_fp8_per_channel,
+    skip_unconverted_layers,
+)
+from nanovllm.models import get_model_class
+from nanovllm.utils import loader
+from nanovllm.utils.distributed import tensor_parallel
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from quantize_fp8 import PROJECTION, quantize_checkpoint  # noqa: E402
+
+BLOCK = 32  # the tiny model's q/k/v (128/64/64 rows) and gate/up (128) split into 32-row blocks, also per rank
+N = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def float_ckpt(tmp_path_factory) -> str:
+    return build_tiny_qwen3(str(tmp_path_factory.mktemp("fp8") / "float"), head_dim=32, hidden_size=64,
+                            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(float_ckpt, tmp_path_factory) -> str:
+    return quantize_checkpoint(float_ckpt, str(tmp_path_factory.mktemp("fp8") / "block"), BLOCK)
+
+
+def roundtrip_copy(src: str, dst: str, roundtrip) -> str:
+    """A float copy of ``src`` whose projections are ``roundtrip(w)``: the weights an fp8 engine computes with."""
+    from tiny_model import build_byte_tokenizer
+    build_byte_tokenizer(dst)
+    for name in os.listdir(src):
+        if name.endswith(".json"):
+            with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
+                g.write(f.read())
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    save_file({n: roundtrip(w) if PROJECTION.fullmatch(n) else w for n, w in weights.items()},
+              os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def block_oracle_ckpt(float_ckpt, tmp_path_factory) -> str:
+    block = (BLOCK, BLOCK)
+    return roundtrip_copy(float_ckpt, str(tmp_path_factory.mktemp("fp8") / "block_dq"),
+                          lambda w: dequantize_fp8_block(*quantize_fp8_block(w, block), block))
+
+
+def test_block_roundtrip_bounds_the_error():
+    w = torch.randn(70, 45) * torch.logspace(-3, 1, 45)
+    q, scale = quantize_fp8_block(w, (32, 16))
+    assert q.dtype == FP8 and scale.shape == (3, 3)
+    back = dequantize_fp8_block(q, scale, (32, 16))
+    assert ((back - w).abs() <= 2 ** -4 * w.abs() + scale.max() * 2 ** -9).all()
+    assert torch.equal(dequantize_fp8_block(*quantize_fp8_block(torch.zeros(4, 4))), torch.zeros(4, 4))
+
+
+def test_the_tool_writes_the_fp8_layout(fp8_ckpt):
+    with open(os.path.join(fp8_ckpt, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3",
+                                                       "activation_scheme": "dynamic",
+                                                       "weight_block_size": [BLOCK, BLOCK]}
+    weights = load_file(os.path.join(fp8_ckpt, "model.safetensors"))
+    assert weights["model.layers.0.self_attn.k_proj.weight"].dtype == FP8
+    assert weights["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (64 // BLOCK, 64 // BLOCK)
+    assert weights["model.layers.1.mlp.down_proj.weight_scale_inv"].dtype == torch.float32
+    assert weights["model.embed_tokens.weight"].dtype == torch.float32
+    assert os.path.isfile(os.path.join(fp8_ckpt, "tokenizer.json"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_block_fp8_checkpoint_matches_transformers_on_the_dequantized_weights(fp8_ckpt, block_oracle_ckpt,
+                                                                              oracle, tp):
+    prompts = random_prompts(8, 3, 40, seed=11)
+    outputs, _ = run_engine(fp8_ckpt, prompts, GREEDY, device="cpu", dtype="float32", tensor_parallel_size=tp)
+    assert_matches_oracle(oracle, block_oracle_ckpt, prompts, outputs, N)
+    llm = LLM(fp8_ckpt, **CPU_ENGINE, dtype="float32", tensor_parallel_size=tp)
+    try:
+        if tp == 1:
+            layer = llm.model_runner.model.model.layers[0].mlp.gate_up_proj
+            assert layer.weight.dtype == FP8 and layer.weight_scale_inv.shape == (256 // BLOCK, 64 // BLOCK)
+        prompt = prompts[0]
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+        assert_prompt_logprobs(oracle.model(block_oracle_ckpt), prompt, out.prompt_logprobs, 3, tol=1e-3)
+    finally:
+        llm.exit()
+
+
+def fake_quantized_activations(model, row_shards: int):
+    """Hooks giving each projection of a transformers model its input quantized per token and dequantized, as the
+    online fp8 forward computes; row-parallel layers (o, down) quantize each rank's ``row_shards`` part apart."""
+    def dequantized(x):
+        q, scale = quantize_fp8_per_channel(x.reshape(-1, x.size(-1)))
+        return (q.float() * scale).view_as(x)
+
+    def hook(shards):
+        return lambda module, args: (torch.cat([dequantized(p) for p in args[0].chunk(shards, -1)], -1),)
+    for name, module in model.named_modules():
+        if re.fullmatch(r".*\.(q|k|v|o|gate|up|down)_proj", name):
+            module.register_forward_pre_hook(hook(row_shards if name.endswith(("o_proj", "down_proj")) else 1))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_online_fp8_matches_transformers_on_fp8_weights_and_activations(float_ckpt, tmp_path, oracle, tp):
+    ckpt = roundtrip_copy(float_ckpt, str(tmp_path / "channel_dq"),
+                          lambda w: (lambda q, s: q.float() * s)(*quantize_fp8_per_channel(w)))
+    fake_quantized_activations(oracle.model(ckpt), tp)
+    prompts = random_prompts(8, 3, 40, seed=12)
+    llm = LLM(float_ckpt, **CPU_ENGINE, dtype="float32", quantization="fp8", tensor_parallel_size=tp)
+    try:
+        if tp == 1:
+            layer = llm.model_runner.model.model.layers[0].self_attn.o_proj
+            assert layer.weight.dtype == FP8 and layer.weight_scale.shape == (64, 1)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1, prompt_logprobs=3),
+                           use_tqdm=False)[0]
+    finally:
+        llm.exit()
+    assert_matches_oracle(oracle, ckpt, prompts, [{"token_ids": o.outputs[0].token_ids} for o in outputs], N)
+    assert_prompt_logprobs(oracle.model(ckpt), prompts[0], out.prompt_logprobs, 3, tol=1e-3)
+
+
+def _load(path: str, rank: int = 0, size: int = 1):
+    hf = AutoConfig.from_pretrained(path)
+    with tensor_parallel(rank, size), quantization(config := get_quantization_config(hf, None)):
+        model = get_model_class(hf)(hf)
+        skip_unconverted_layers(model, config)
+    loader.load_model(model, path)
+    return model
+
+
+def _edit(src: str, dst, edit) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    weights = load_file(path)
+    edit(weights)
+    save_file(weights, path)
+    return str(dst)
+
+
+SCALE = "model.layers.1.mlp.down_proj.weight_scale_inv"
+
+
+def test_a_missing_scale_is_named_with_its_file(fp8_ckpt, tmp_path):
+    ckpt = _edit(fp8_ckpt, tmp_path / "bad", lambda w: w.pop(SCALE))
+    with pytest.raises(ValueError, match=re.escape("checkpoint tensor 'model.layers.1.mlp.down_proj.weight' in "
+                                                   f"model.safetensors: is float8_e4m3fn but the checkpoint has no "
+                                                   f"'{SCALE}'")):
+        _load(ckpt)
+
+
+def test_a_scale_of_the_wrong_shape_is_named_with_its_file(fp8_ckpt, tmp_path):
+    ckpt = _edit(fp8_ckpt, tmp_path / "bad", lambda w: w.update({SCALE: torch.ones(3, 4)}))
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{SCALE}' in model.safetensors: has shape "
+                                                   "(3, 4) but the model expects (2, 4)")):
+        _load(ckpt)
+
+
+def test_a_part_that_is_not_a_multiple_of_the_block_is_refused(float_ckpt, tmp_path):
+    ckpt = quantize_checkpoint(float_ckpt, str(tmp_path / "b128"), 128)  # k_proj: 64 rows
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.self_attn\.k_proj\.weight_scale_inv'"
+                                         r" in model\.safetensors: k_proj's rows \(64\) is not a multiple of the fp8 "
+                                         r"weight block size 128"):
+        _load(ckpt)
+
+
+def test_a_shard_that_is_not_a_multiple_of_the_block_is_refused(float_ckpt, tmp_path):
+    ckpt = quantize_checkpoint(float_ckpt, str(tmp_path / "b64"), 64)
+    with pytest.raises(ValueError, match=r"k_proj's rows per rank \(32\) is not a multiple of the fp8 weight block"):
+        _load(ckpt, 0, 2)
+
+
+def test_a_row_parallel_shard_that_is_not_a_multiple_of_the_block_is_refused(float_ckpt, tmp_path):
+    ckpt = quantize_checkpoint(float_ckpt, str(tmp_path / "b128"), 128)
+    with pytest.raises(ValueError, match=r"down_proj\.weight_scale_inv' in model\.safetensors: input features per "
+                                         r"rank \(64\) is not a multiple of the fp8 weight block size 128"):
+        _load(ckpt, 0, 2)
+
+
+def test_online_fp8_leaves_moe_experts_unquantized(tmp_path, caplog):
+    from tiny_model import build_tiny_model
+    src = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", head_dim=32, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64)
+    outputs, _ = run_engine(src, [[1, 2, 3]], GREEDY, device="cpu", quantization="fp8")
+    assert len(outputs[0]["token_ids"]) == N
+    assert "the MoE experts stay unquantized" in caplog.text
+
+
+def test_a_float_tensor_for_an_fp8_layer_is_refused(fp8_ckpt, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    ckpt = _edit(fp8_ckpt, tmp_path / "bad", lambda w: w.update({name: w[name].float()}))
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{name}' in model.safetensors: is "
+                                                   "torch.float32 but the model expects torch.float8_e4m3fn")):
+        _load(ckpt)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused(fp8_ckpt, tmp_path):
+    from conftest import edited_checkpoint
+    ckpt = edited_checkpoint(fp8_ckpt, tmp_path / "bad", quantization_config=None)
+    with pytest.raises(ValueError, match="is torch.float8_e4m3fn but the model expects torch.float32"):
+        LLM(ckpt, **CPU_ENGINE)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(quant_method="awq"), "quant_method='awq' is not supported"),
+    (dict(activation_scheme="static"), "activation_scheme='static' is not supported"),
+    (dict(fmt="e5m2"), "fmt='e5m2' is not supported"),
+    (dict(weight_block_size=None), "without weight_block_size"),
+])
+def test_unsupported_quantization_configs_are_refused_by_name(fp8_ckpt, tmp_path, changes, match):
+    from conftest import edited_checkpoint
+    ckpt = edited_checkpoint(fp8_ckpt, tmp_path / "bad", quantization_config=lambda c: {**c, **changes})
+    with pytest.raises(ValueError, match=match):
+        LLM(ckpt, **CPU_ENGINE)
+
+
+def test_quantization_values(float_ckpt, fp8_ckpt):
+    with pytest.raises(ValueError, match="quantization='int8' is not supported"):
+        LLM(float_ckpt, **CPU_ENGINE, quantization="int8")
+    llm = LLM(fp8_ckpt, **CPU_ENGINE, quantization="fp8")  # a block-wise checkpoint stays block-wise
+    try:
+        assert llm.model_runner.model.model.layers[0].self_attn.qkv_proj.weight_scale_inv.shape == (8, 2)
+    finally:
+        llm.exit()
+
+
+def test_modules_to_not_convert_keeps_a_layer_float(float_ckpt, tmp_path):
+    from conftest import edited_checkpoint
+    src = quantize_checkpoint(float_ckpt, str(tmp_path / "q"), BLOCK)
+    ckpt = _edit(src, tmp_path / "skip", lambda w: [w.update({n: w[n].float()}) or w.pop(n + "_scale_inv")
+                                                    for n in list(w) if "layers.1.mlp" in n and n.endswith("weight")])
+    ckpt = edited_checkpoint(ckpt, tmp_path / "skip2", quantization_config=lambda c: {
+        **c, "modules_to_not_convert": ["lm_head", "model.layers.1.mlp"]})
+    model = _load(ckpt)
+    assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.gate_up_proj.quant_method is None
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_block_fp8_experts_match_transformers_on_the_dequantized_weights(tmp_path, oracle, tp):
+    from tiny_model import build_tiny_model
+    src = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", head_dim=32, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64, norm_topk_prob=True)
+    ckpt = quantize_checkpoint(src, str(tmp_path / "moe_fp8"), BLOCK)
+    block = (BLOCK, BLOCK)
+    ref = roundtrip_copy(src, str(tmp_path / "moe_dq"),
+                         lambda w: dequantize_fp8_block(*quantize_fp8_block(w, block), block))
+    prompts = random_prompts(6, 3, 40, seed=14)
+    outputs, _ = run_engine(ckpt, prompts, GREEDY, device="cpu", dtype="float32", tensor_parallel_size=tp)
+    assert_matches_oracle(oracle, ref, prompts, outputs, N)
+    experts = _load(ckpt).model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == FP8 and experts.w2_weight_scale_inv.shape == (4, 64 // BLOCK, 64 // BLOCK)
+
+
+def test_an_expert_block_that_straddles_a_shard_is_refused(tmp_path):
+    from tiny_model import build_tiny_model
+    src = build_tiny_model(str(tmp_path / "moe"), "qwen3_moe", head_dim=32, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=64)
+    ckpt = quantize_checkpoint(src, str(tmp_path / "moe_fp8"), 64)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.experts\.0\.\w+_proj\."
+                                         r"weight_scale_inv' in model\.safetensors: the experts' intermediate size "
+                                         r"per rank \(32\) is not a multiple of the fp8 weight block size 64"):
+        _load(ckpt, 0, 2)
