@@ -287,3 +287,18 @@ def test_an_expert_block_that_straddles_a_shard_is_refused(tmp_path):
                                          r"weight_scale_inv' in model\.safetensors: the experts' intermediate size "
                                          r"per rank \(32\) is not a multiple of the fp8 weight block size 64"):
         _load(ckpt, 0, 2)
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckpt, monkeypatch, online):
+    """The decode-sized Triton kernel (run here in the interpreter) in place of the dequantizing reference."""
+    from nanovllm import kernels
+    from nanovllm.kernels import triton_fp8
+    prompts = random_prompts(3, 3, 30, seed=13)
+    path, kw = (float_ckpt, dict(quantization="fp8")) if online else (fp8_ckpt, {})
+    reference, _ = run_engine(path, prompts, GREEDY, device="cpu", dtype="float32", **kw)
+    calls = []
+    monkeypatch.setattr(kernels, "fp8_ops", lambda x: calls.append(x.size(0)) or triton_fp8)
+    with_kernel, _ = run_engine(path, prompts, GREEDY, device="cpu", dtype="float32", **kw)
+    assert calls and max(calls) > triton_fp8.SKINNY_MAX_M and min(calls) <= 3  # prefill stays on the reference
+    assert [o["token_ids"] for o in with_kernel] == [o["token_ids"] for o in reference]

@@ -22,6 +22,11 @@ def dense_ops(x: torch.Tensor) -> ModuleType:
     return _triton_module("triton_linear", reference) if x.is_cuda else reference
 
 
+def fp8_ops(x: torch.Tensor) -> ModuleType | None:
+    """Triton's fp8-weight linear for a CUDA tensor (when triton is installed), else None (the reference)."""
+    return _triton_module("triton_fp8", None) if x.is_cuda else None
+
+
 def moe_ops(x: torch.Tensor) -> ModuleType:
     return _triton_module("triton_moe", moe_reference) if x.is_cuda else moe_reference
 

@@ -145,10 +145,19 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
               silu_mul: bool) -> torch.Tensor:
-        """The layer's ``linear``: a block-wise weight dequantized to x's dtype, or the online fp8 GEMM emulated
-        in float32 with x quantized per token."""
+        """The layer's ``linear``: up to SKINNY_MAX_M rows on CUDA, ``triton_fp8``'s kernel on the fp8 weight; else
+        a block-wise weight dequantized to x's dtype, or the online fp8 GEMM emulated in float32 with x quantized
+        per token."""
+        from nanovllm import kernels
         from nanovllm.kernels import dense_ops, reference
-        if self.quant_config.is_checkpoint_fp8_serialized:
+        serialized = self.quant_config.is_checkpoint_fp8_serialized
+        fp8 = kernels.fp8_ops(x)
+        if fp8 is not None and x.dim() == 2 and x.size(0) <= fp8.SKINNY_MAX_M and x.stride(-1) == 1 and (
+                not serialized or self.block[1] in (16, 32, 64, 128, 256)):  # decode: the weights read as fp8
+            scale, block = (layer.weight_scale_inv, self.block) if serialized else (layer.weight_scale, None)
+            return fp8.fp8_linear(x, layer.weight, scale, block, bias, residual=residual, silu_mul=silu_mul,
+                                  act_quant=not serialized)
+        if serialized:
             w = dequantize_fp8_block(layer.weight, layer.weight_scale_inv, self.block, x.dtype)
             return dense_ops(x).linear(x, w, bias, residual=residual, silu_mul=silu_mul)
         x_q, x_scale = quantize_fp8_per_channel(x.reshape(-1, x.size(-1)))
