@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, PretrainedConfig, set_seed
 
+from nanovllm.layers.quantization import get_quantization_config
 from nanovllm.logits_processor import load_logits_processors
 from nanovllm.sampling_params import check_bool, check_int
 
@@ -82,11 +83,9 @@ class Config:
         self._set(**{name: defaults[name] for name in _NONE_IS_DEFAULT if getattr(self, name) is None})
         self._check_values()
         self._resolve_paths()
-        self._set(hf_config=self._load_hf_config())
-        from nanovllm.layers.quantization import get_quantization_config
-        self._set(quant_config=get_quantization_config(self.hf_config, self.quantization))
-        if self.device == "auto":
-            self._set(device="cuda" if torch.cuda.is_available() else "cpu")
+        hf_config = self._load_hf_config()
+        self._set(hf_config=hf_config, quant_config=get_quantization_config(hf_config, self.quantization))
+        self._set(device=("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device)
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available")
         if self.async_scheduling is None:
