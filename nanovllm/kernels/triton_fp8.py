@@ -12,7 +12,7 @@ import triton.language as tl
 
 from nanovllm.kernels import dot_precision
 from nanovllm.kernels.triton_attention import FP8_MAX, _round_to_e4m3
-from nanovllm.kernels.triton_linear import SKINNY_MAX_M, silu_mul_rounded
+from nanovllm.kernels.triton_linear import SKINNY_MAX_M, skinny_epilogue
 
 # the interpreter's float -> e4m3 cast does not carry into the exponent: it rounds in fp32 arithmetic instead
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -78,16 +78,8 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stri
             w_up = _dequantized(w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols, ks, w_mask, k0, stride_s, dtype,
                                 SCALE_N, SCALE_K, PER_CHANNEL)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    if BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if SILU_MUL:
-            acc_up += tl.load(b_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    if SILU_MUL:
-        acc = silu_mul_rounded(acc, acc_up, x_ptr)
-    if RESIDUAL:
-        acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=out_mask)
+    skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
+                    SILU_MUL, BIAS, RESIDUAL)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,

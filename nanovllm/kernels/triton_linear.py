@@ -62,6 +62,22 @@ def silu_mul_rounded(gate, up, x_ptr):
     return (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
 
 
+@triton.jit
+def skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
+                    SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Stores the skinny linear's tile: + bias, SiLU(gate) * up, + residual, in x's dtype."""
+    if BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc_up += tl.load(b_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SILU_MUL:
+        acc = silu_mul_rounded(acc, acc_up, x_ptr)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(x_ptr.dtype.element_ty), mask=out_mask)
+
+
 @triton.jit(do_not_specialize=["m"])  # one compilation for every batch size (CUDA graph buckets)
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_r, stride_y,
                           SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -73,10 +89,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
-    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if SILU_MUL:
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # SILU_MUL's (unused otherwise)
     w_rows = cols.to(tl.int64)[:, None] * stride_w
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -89,16 +103,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
         if SILU_MUL:
             w_up = tl.load(w_ptr + n * stride_w + w_rows + ks[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    if BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if SILU_MUL:
-            acc_up += tl.load(b_ptr + n + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out_mask = row_mask[:, None] & col_mask[None, :]
-    if SILU_MUL:
-        acc = silu_mul_rounded(acc, acc_up, x_ptr)
-    if RESIDUAL:
-        acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(dtype), mask=out_mask)
+    skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
+                    SILU_MUL, BIAS, RESIDUAL)
 
 
 def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
