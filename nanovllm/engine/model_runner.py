@@ -22,7 +22,7 @@ from nanovllm.layers.sampler import Sampler, prompt_logprobs
 from nanovllm.models.llama import head_dim_of
 from nanovllm.utils.context import get_context, set_context
 from nanovllm.utils.distributed import TPGroup, tensor_parallel
-from nanovllm.utils.loader import load_dummy_weights, load_model
+from nanovllm.utils.loader import check_weights, load_dummy_weights, load_model, update_weights
 
 logger = logging.getLogger("nanovllm")
 
@@ -79,6 +79,17 @@ class ModelRunner:
         self.allocate_kv_cache()
         if self.is_cuda and not self.config.enforce_eager:
             self.capture_cudagraph()
+
+    def check_weights(self, weights: list[tuple[str, torch.Tensor]]):
+        """A ValueError naming the first (checkpoint name, tensor) pair that ``update_weights`` would refuse."""
+        check_weights(self.model, weights)
+
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]], checked: bool = False):
+        """Loads (checkpoint name, tensor) pairs into this rank's part of the model, in place (captured CUDA graphs
+        and the persistent decode kernel keep their pointers); ``checked``: ``check_weights`` passed already."""
+        if not checked:
+            check_weights(self.model, weights)
+        update_weights(self.model, weights)
 
     def capture_cudagraph(self):
         max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size

@@ -21,6 +21,7 @@ from nanovllm.utils.distributed import TPGroup, forget_in_forked_child, free_por
 
 SEGMENT_PREFIX = "nanovllm-"
 SEGMENT_SIZE = 2 ** 20  # the first segment; a larger call moves to a larger one
+UPDATE_BATCH_BYTES = 32 * 2 ** 20  # the tensors of one update_weights call to the workers (a larger one alone)
 JOIN_TIMEOUT_S = 5.0  # a worker told to exit gets this long before it is killed
 MAIN_GUARD_HINT = ("workers start by 'spawn', which imports the main script again: create the LLM under "
                    "`if __name__ == \"__main__\":`")

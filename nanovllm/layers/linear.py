@@ -3,7 +3,9 @@ matmul), row-parallel ones the input features, all-reducing their output. Built 
 (``layers.quantization``) they hold fp8 weights and their scales; a block scale is sharded in whole blocks."""
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 from torch import nn
@@ -13,10 +15,34 @@ from nanovllm.layers.quantization import FP8, get_quant_config
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
+class ShapeChecked(Exception):
+    """Raised by ``check_shape`` inside ``shapes_only()`` once a shape passed: the loader stops before writing."""
+
+
+class _DryRun(threading.local):
+    active = False
+
+
+_DRY_RUN = _DryRun()
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """A dry run of weight loaders (``update_weights`` checks every tensor before changing any): every loader
+    checks its tensor's dtype and whole shape before it writes, and here ``check_shape`` ends it there."""
+    previous, _DRY_RUN.active = _DRY_RUN.active, True
+    try:
+        yield
+    finally:
+        _DRY_RUN.active = previous
+
+
 def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
     """Checks a whole checkpoint tensor's shape (the loader adds its name to the error)."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)}")
+    if _DRY_RUN.active:
+        raise ShapeChecked
 
 
 def check_dtype(loaded: torch.Tensor, param: torch.Tensor):
@@ -67,8 +93,8 @@ class LinearBase(nn.Module):
     def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...],
                param: torch.Tensor) -> torch.Tensor:
         """This rank's slice along ``dim`` (None: all) of a checkpoint tensor of ``full_shape`` for ``param``."""
-        check_shape(loaded, full_shape)
         check_dtype(loaded, param)
+        check_shape(loaded, full_shape)
         if dim is None or self.tp_size == 1:
             return loaded
         size = loaded.size(dim) // self.tp_size

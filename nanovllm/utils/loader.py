@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanovllm.layers.linear import check_shape
+from nanovllm.layers.linear import ShapeChecked, check_shape, shapes_only
 
 INDEX_FILE = "model.safetensors.index.json"
 # buffers old checkpoints saved (Llama's rotary tables); the model computes its own
@@ -134,10 +134,16 @@ def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
     return True
 
 
-def load_model(model: nn.Module, path: str):
+def target_resolver(model: nn.Module):
+    """A function from a checkpoint tensor's name to (parameter name, weight_loader's extra arguments): a model's
+    own names first (a mixture of experts' per-expert tensors), then the packed ones (q/k/v, gate/up)."""
     packed = getattr(model, "packed_modules_mapping", {})
-    # a model's own names first (a mixture of experts' per-expert tensors), then the packed ones
     own_target = getattr(model, "checkpoint_target", lambda name: None)
+    return lambda name: own_target(name) or _packed_target(name, packed)
+
+
+def load_model(model: nn.Module, path: str):
+    resolve = target_resolver(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[int] = set()  # ids: a tied parameter is loaded under any of its names
     names: set[str] = set()
@@ -150,7 +156,7 @@ def load_model(model: nn.Module, path: str):
                     names.add(name)
                     if name.endswith(SKIPPED_TENSORS) or _load_kv_scale(model, name, f):
                         continue
-                    target, shard_args = own_target(name) or _packed_target(name, packed)
+                    target, shard_args = resolve(name)
                     if target not in params:
                         raise ValueError(f"checkpoint tensor {name!r} in {base} matches no "
                                          f"parameter of {type(model).__name__}")
@@ -171,6 +177,52 @@ def load_model(model: nn.Module, path: str):
                 for name, module in model.named_modules() if (parts := getattr(module, "missing_weights", list)())]
     if missing:
         raise ValueError(f"checkpoint has no weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _weight_targets(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[tuple | None]:
+    """(parameter, weight_loader's extra arguments) of each named tensor, None for one skipped as ``load_model``
+    skips it; a ValueError naming the first that matches no parameter."""
+    resolve = target_resolver(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    targets = []
+    for name, _ in weights:
+        if name.endswith(SKIPPED_TENSORS):
+            targets.append(None)
+            continue
+        target, shard_args = resolve(name)
+        if target not in params:
+            raise ValueError(f"update_weights: tensor {name!r} matches no parameter of {type(model).__name__}")
+        targets.append((params[target], shard_args))
+    return targets
+
+
+@torch.no_grad()
+def check_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
+    """A dry run of ``update_weights``: a ValueError naming the first tensor whose name matches no parameter, or
+    whose dtype or shape its weight loader refuses; nothing is written."""
+    with shapes_only():
+        for (name, tensor), target in zip(weights, _weight_targets(model, weights)):
+            if target is None:
+                continue
+            param, shard_args = target
+            try:
+                getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
+            except ShapeChecked:
+                continue
+            except ValueError as e:
+                raise ValueError(f"update_weights: tensor {name!r}: {e}") from None
+            raise RuntimeError(f"the weight loader of {name!r} wrote without checking its shape")
+
+
+@torch.no_grad()
+def update_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
+    """Copies (checkpoint name, tensor) pairs into ``model``'s parameters through their weight loaders (packing,
+    sharding, fp8 quantization, a cast to the parameter's dtype), in place: every parameter keeps its storage.
+    Unchecked: a refused tensor could leave the ones before it loaded, so ``check_weights`` runs first."""
+    for (_, tensor), target in zip(weights, _weight_targets(model, weights)):
+        if target is not None:
+            param, shard_args = target
+            getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
 
 
 def _check_fp8_scales(fp8_weights: dict[str, str], names: set[str]):

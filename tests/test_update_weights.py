@@ -1,0 +1,136 @@
+"""Specification of ``LLM.update_weights``: an engine started on checkpoint A and given checkpoint B's
+transformers ``named_parameters()`` generates B's greedy output token for token (TP=1 and TP=2, tied
+embeddings, online fp8); a bad name or shape is refused before anything changes; parameters keep their storage;
+the prefix cache is reset; an update while requests run is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CPU_ENGINE, assert_matches_oracle, random_prompts, token_ids_of
+from tiny_model import build_tiny_qwen3
+
+from nanovllm import LLM, SamplingParams
+
+N = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+PROMPTS = random_prompts(4, 20, 60, seed=41)  # longer than a block: their full blocks enter the prefix cache
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[str, str]:
+    """Checkpoints A and B: one architecture, different random weights."""
+    root = tmp_path_factory.mktemp("update")
+    return build_tiny_qwen3(str(root / "a"), seed=0), build_tiny_qwen3(str(root / "b"), seed=1)
+
+
+def weights_of(oracle, path: str) -> list[tuple[str, torch.Tensor]]:
+    return list(oracle.model(path).named_parameters())
+
+
+def generate(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return token_ids_of(llm.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def storage(llm: LLM) -> dict[str, int]:
+    model = llm.model_runner.model
+    return {name: t.data_ptr() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def test_update_weights_gives_the_new_model(pair, oracle):
+    a, b = pair
+    with LLM(a, **CPU_ENGINE) as llm:
+        before, ptrs = generate(llm), storage(llm)
+        assert llm.scheduler.block_manager.hash_to_block_id  # A's prompts are cached
+        llm.update_weights(weights_of(oracle, b))
+        hits = llm.scheduler.block_manager.num_cache_hits
+        after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.scheduler.block_manager.num_cache_hits == hits  # the prefix cache was reset: no A prefix reused
+        assert storage(llm) == ptrs  # every parameter and buffer kept its storage (CUDA graphs stay valid)
+    assert_matches_oracle(oracle, b, PROMPTS, after, N)
+    assert_matches_oracle(oracle, a, PROMPTS, [{"token_ids": t} for t in before], N)
+    assert token_ids_of(after) != before
+
+
+def test_update_weights_tensor_parallel(pair, oracle, monkeypatch):
+    """TP=2: each worker gets the full tensors over the call channel, in batches that keep the shared memory at
+    its first size, and keeps its shard."""
+    from nanovllm.engine import llm_engine, worker_group
+    a, b = pair
+    monkeypatch.setattr(llm_engine, "UPDATE_BATCH_BYTES", 2 ** 16)
+    assert len(list(llm_engine.weight_batches(weights_of(oracle, b), 2 ** 16))) > 2
+    with LLM(a, **CPU_ENGINE, tensor_parallel_size=2) as llm:
+        generate(llm)
+        llm.update_weights(weights_of(oracle, b))
+        assert llm.workers.channel.shm.size == worker_group.SEGMENT_SIZE
+        after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="'model.norm.weight'.*has shape"):
+            llm.update_weights([*weights_of(oracle, a)[:-1], ("model.norm.weight", torch.ones(3))])
+        assert generate(llm) == token_ids_of(after)
+    assert_matches_oracle(oracle, b, PROMPTS, after, N)
+
+
+def test_tied_embeddings_and_bf16_tensors(tmp_path, oracle):
+    """A tied model's parameters come without ``lm_head.weight`` (the embedding sets both), or with it; any float
+    dtype is cast to the model's."""
+    a, b = (build_tiny_qwen3(str(tmp_path / name), seed=seed, tie_word_embeddings=True) for name, seed in
+            (("a", 0), ("b", 1)))
+    weights = weights_of(oracle, b)
+    assert not any(name == "lm_head.weight" for name, _ in weights)
+    with LLM(a, **CPU_ENGINE) as llm:
+        llm.update_weights(weights)
+        after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.update_weights([(name, t.to(torch.bfloat16)) for name, t in oracle.model(a).state_dict().items()])
+        assert "lm_head.weight" in oracle.model(a).state_dict()
+        assert generate(llm) != token_ids_of(after)  # A's weights, rounded to bf16
+    assert_matches_oracle(oracle, b, PROMPTS, after, N)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (("model.layers.0.mlp.nope.weight", torch.zeros(4)), "'model.layers.0.mlp.nope.weight' matches no parameter"),
+    (("model.layers.1.mlp.down_proj.weight", torch.zeros(64, 127)),
+     r"'model.layers.1.mlp.down_proj.weight'.*has shape \(64, 127\) but the model expects \(64, 128\)"),
+    (("model.layers.1.self_attn.k_proj.weight", torch.zeros(32, 64)), r"'model.layers.1.self_attn.k_proj.weight'"),
+])
+def test_refused_update_changes_nothing(pair, oracle, bad, message):
+    """The bad tensor comes last: had the others been loaded as they were checked, the outputs would be B's."""
+    a, b = pair
+    with LLM(a, **CPU_ENGINE) as llm:
+        before = generate(llm)
+        with pytest.raises(ValueError, match=message):
+            llm.update_weights([*weights_of(oracle, b), bad])
+        assert generate(llm) == before
+
+
+def test_bad_arguments_are_type_errors(pair):
+    with LLM(pair[0], **CPU_ENGINE) as llm:
+        with pytest.raises(TypeError, match="iterable of"):
+            llm.update_weights(torch.zeros(3))
+        with pytest.raises(TypeError, match=r"weights\[0\] must be a \(name, tensor\) pair"):
+            llm.update_weights([("model.norm.weight",)])
+        with pytest.raises(TypeError, match="'model.norm.weight' is torch.int64"):
+            llm.update_weights([("model.norm.weight", torch.ones(64, dtype=torch.int64))])
+
+
+def test_refused_while_requests_run(pair, oracle):
+    a, b = pair
+    with LLM(a, **CPU_ENGINE) as llm:
+        request = llm.add_request(PROMPTS[0], GREEDY)
+        llm.step()
+        with pytest.raises(ValueError, match="1 completions are unfinished"):
+            llm.update_weights(weights_of(oracle, b))
+        llm.abort_request(request)
+        llm.update_weights(weights_of(oracle, b))
+        after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_matches_oracle(oracle, b, PROMPTS, after, N)
+
+
+def test_online_fp8_quantizes_the_new_weights(pair, oracle):
+    """``quantization="fp8"``: the float tensors are quantized by the layers' online loader, as at load."""
+    a, b = pair
+    with LLM(b, **CPU_ENGINE, quantization="fp8") as llm:
+        expected = generate(llm)
+    with LLM(a, **CPU_ENGINE, quantization="fp8") as llm:
+        ptrs = storage(llm)
+        llm.update_weights(weights_of(oracle, b))
+        assert generate(llm) == expected
+        assert storage(llm) == ptrs
