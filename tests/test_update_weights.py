@@ -54,10 +54,10 @@ def test_update_weights_gives_the_new_model(pair, oracle):
 def test_update_weights_tensor_parallel(pair, oracle, monkeypatch):
     """TP=2: each worker gets the full tensors over the call channel, in batches that keep the shared memory at
     its first size, and keeps its shard."""
-    from nanovllm.engine import llm_engine, worker_group
+    from nanovllm.engine import weight_update, worker_group
     a, b = pair
-    monkeypatch.setattr(llm_engine, "UPDATE_BATCH_BYTES", 2 ** 16)
-    assert len(list(llm_engine.weight_batches(weights_of(oracle, b), 2 ** 16))) > 2
+    monkeypatch.setattr(weight_update, "UPDATE_BATCH_BYTES", 2 ** 16)
+    assert len(list(weight_update.weight_batches(weights_of(oracle, b), 2 ** 16))) > 2
     with LLM(a, **CPU_ENGINE, tensor_parallel_size=2) as llm:
         generate(llm)
         llm.update_weights(weights_of(oracle, b))

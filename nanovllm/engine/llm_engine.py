@@ -21,7 +21,8 @@ from nanovllm.engine.outputs import request_output, step_output
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.engine.vllm_logits import VllmLogitsProcessors
-from nanovllm.engine.worker_group import UPDATE_BATCH_BYTES, WorkerGroup
+from nanovllm.engine.weight_update import update_weights
+from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
@@ -38,43 +39,6 @@ def prompt_list(prompts) -> list:
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
     return list(prompts)
-
-
-def weight_list(weights) -> list[tuple[str, torch.Tensor]]:
-    """``update_weights``' (name, tensor) pairs as a list, each tensor detached; a TypeError naming the first
-    that is not a pair of a string and a floating-point tensor."""
-    if isinstance(weights, (str, bytes, dict, torch.Tensor)) or not isinstance(weights, Iterable):
-        hint = " (a state_dict: pass its .items())" if isinstance(weights, dict) else ""
-        raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}{hint}")
-    checked = []
-    for i, pair in enumerate(weights):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
-                and isinstance(pair[1], torch.Tensor)):
-            raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got {pair!r:.80}")
-        name, tensor = pair
-        if not tensor.is_floating_point():
-            raise TypeError(f"update_weights: tensor {name!r} is {tensor.dtype}: a floating-point tensor is needed")
-        checked.append((name, tensor.detach()))
-    return checked
-
-
-def weight_batches(weights: list[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list]:
-    """``weights`` in consecutive batches of up to ``max_bytes`` of tensor data (a larger tensor alone)."""
-    batch, size = [], 0
-    for name, tensor in weights:
-        if batch and size + tensor.nbytes > max_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append((name, tensor))
-        size += tensor.nbytes
-    if batch:
-        yield batch
-
-
-def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the CPU, owning no more storage than its own elements (a pickled view carries all of it)."""
-    tensor = tensor.cpu()
-    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
 
 
 class LLMEngine(VllmCompatMixin):
@@ -132,30 +96,10 @@ class LLMEngine(VllmCompatMixin):
         self.exit()
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replaces the model's weights in place with (checkpoint name, tensor) pairs, as a transformers model's
-        ``named_parameters()`` gives them (q/k/v and gate/up unfused, ``lm_head.weight`` optional when tied; any
-        subset): every name and shape is checked before anything changes (a ValueError naming the tensor), then
-        each goes through its parameter's weight loader (fusing, TP sharding, fp8 quantization, a cast to the
-        model's dtype). Parameters keep their storage, so captured CUDA graphs stay valid; the prefix cache is
-        reset. Refused while requests are unfinished (let them finish or abort them). Under TP every worker gets
-        the full tensors through shared memory, a batch at a time: a GPU tensor goes there through the host."""
-        weights = weight_list(weights)
-        self.core.drain_if_idle()
-        with self.core.lock:
-            runner, workers = self._resources.runner, self._resources.workers
-            if runner is None:
-                raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
-            if not self.core.is_finished():
-                scheduler = self.core.scheduler
-                raise ValueError(f"update_weights() while {len(scheduler.waiting) + len(scheduler.running)} "
-                                 "completions are unfinished: let them finish or abort them first")
-            runner.check_weights(weights)
-            for batch in weight_batches(weights, UPDATE_BATCH_BYTES):
-                if workers is not None:
-                    portable = [(name, host_copy(tensor)) for name, tensor in batch]
-                    self.core.call_or_shut_down(workers.call, "update_weights", portable)
-                self.core.call_or_shut_down(runner.update_weights, batch, True)
-            self.core.scheduler.block_manager.reset_prefix_cache()
+        """Replaces the weights in place with (checkpoint name, tensor) pairs as a transformers model's
+        ``named_parameters()`` gives them (any subset); every name and shape checked first (a ValueError, nothing
+        changed), storage kept (graphs stay valid), the prefix cache reset. ``weight_update`` has the details."""
+        update_weights(self, weights)
 
     def add_request(self, *args, **kwargs) -> Request | None:
         """nano-vllm's ``add_request(prompt, sampling_params)``, returning the ``Request``, or vLLM's
