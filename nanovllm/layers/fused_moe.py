@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import moe_ops
-from nanovllm.layers.linear import check_dtype, check_shape
+from nanovllm.layers.linear import blocks, check_dtype, check_shape
 from nanovllm.layers.quantization import FP8, dequantize_fp8_block, get_quant_config
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
@@ -70,13 +70,9 @@ class FusedMoE(nn.Module):
     def _units(self, param: nn.Parameter, shard_id: str) -> tuple[int, int]:
         """(intermediate rows per rank, hidden size) in ``param``'s units: a block scale's blocks, which must not
         straddle a rank's shard or the gate/up boundary."""
-        rows, cols = getattr(param, "block", (1, 1))
-        split, other = (cols, rows) if shard_id == "w2" else (rows, cols)
-        ip = self.intermediate_size_per_partition
-        if ip % split:
-            raise ValueError(f"the experts' intermediate size per rank ({ip}) is not a multiple of the fp8 weight "
-                             f"block size {split}")
-        return ip // split, math.ceil(self.hidden_size / other)
+        split = 1 if shard_id == "w2" else 0
+        ip = blocks(param, split, self.intermediate_size_per_partition, "the experts' intermediate size per rank")
+        return ip, math.ceil(self.hidden_size / getattr(param, "block", (1, 1))[1 - split])
 
     def missing_weights(self) -> list[str]:
         """The expert tensors a checkpoint that gave some of them left out ([] when it gave none)."""

@@ -164,7 +164,7 @@ def load_model(model: nn.Module, path: str):
                     if tensor.dtype == torch.float8_e4m3fn:
                         fp8_weights[name] = base
                     try:
-                        getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
+                        _load_one(param, shard_args, tensor)
                     except ValueError as e:
                         raise ValueError(f"checkpoint tensor {name!r} in {base}: {e}") from None
                     loaded.add(id(param))
@@ -177,6 +177,11 @@ def load_model(model: nn.Module, path: str):
                 for name, module in model.named_modules() if (parts := getattr(module, "missing_weights", list)())]
     if missing:
         raise ValueError(f"checkpoint has no weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _load_one(param: nn.Parameter, shard_args: tuple, tensor: torch.Tensor):
+    """One checkpoint tensor through its parameter's weight loader (load_model's, check_weights', update_weights')."""
+    getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
 
 
 def _weight_targets(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[tuple | None]:
@@ -204,9 +209,8 @@ def check_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
         for (name, tensor), target in zip(weights, _weight_targets(model, weights)):
             if target is None:
                 continue
-            param, shard_args = target
             try:
-                getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
+                _load_one(*target, tensor)
             except ShapeChecked:
                 continue
             except ValueError as e:
@@ -221,8 +225,7 @@ def update_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
     Unchecked: a refused tensor could leave the ones before it loaded, so ``check_weights`` runs first."""
     for (_, tensor), target in zip(weights, _weight_targets(model, weights)):
         if target is not None:
-            param, shard_args = target
-            getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
+            _load_one(*target, tensor)
 
 
 def _check_fp8_scales(fp8_weights: dict[str, str], names: set[str]):
