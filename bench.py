@@ -173,11 +173,14 @@ def run_nanovllm(args, prompts, params) -> float:
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               async_scheduling=False if args.no_async_scheduling else None,
               kv_cache_dtype=args.kv_cache_dtype, persistent_decode_max_batch=args.persistent_decode_max_batch,
+              quantization=args.quantization,
               **({} if args.block_size is None else dict(kvcache_block_size=args.block_size)))
     args.block_size = llm.config.kvcache_block_size
     args.async_scheduling = llm.config.async_scheduling
     args.attention_backend = llm.model_runner.attention_backend.name
     args.kv_cache_tokens = llm.config.num_kvcache_blocks * args.block_size  # what the cache holds
+    quant = llm.config.quant_config  # the roofline counts the weights in bf16 all the same
+    args.weights = "bf16" if quant is None else "fp8 block-wise" if quant.weight_block_size else "fp8 per-channel"
     if args.scenario == "default":
         llm.generate(warmup_prompts(prompts, llm.config.hf_config.vocab_size), SamplingParams(max_tokens=2),
                      use_tqdm=False)
@@ -282,6 +285,8 @@ def main():
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flash-attn", "torch"])
     parser.add_argument("--block-size", type=int, help="kvcache_block_size (default: the engine's)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    parser.add_argument("--quantization", choices=["fp8"],
+                        help="fp8: quantize the weights at load (per channel); a *-fp8 preset is block-wise fp8")
     parser.add_argument("--json", action="store_true", help="print one JSON result line")
     parser.add_argument("--profile", action="store_true",
                         help="measure the GPU's busy share of the run with torch.profiler (slows the run a little)")
@@ -298,7 +303,8 @@ def main():
     result = dict(engine=args.engine, model=args.model, scenario=args.scenario,
                   attention_backend=args.attention_backend, tp=args.tp, block_size=args.block_size,
                   kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
-                  cuda_graphs=not args.enforce_eager, persistent_decode_max_batch=args.persistent_decode_max_batch,
+                  weights=getattr(args, "weights", None), cuda_graphs=not args.enforce_eager,
+                  persistent_decode_max_batch=args.persistent_decode_max_batch,
                   async_scheduling=getattr(args, "async_scheduling", None),
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),

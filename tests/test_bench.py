@@ -38,16 +38,29 @@ def test_roofline_matches_the_reference_arithmetic():
     assert round(limit.tok_per_s) == 37_767
 
 
-def test_bench_runs_on_cpu(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_bench_runs_on_cpu(tmp_path, quantization):
     from tiny_model import build_tiny_qwen3
     path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--num-seqs", "4",
-                           "--max-input-len", "130", "--max-output-len", "110", "--json"],
+                           "--max-input-len", "130", "--max-output-len", "110", "--json",
+                           *(["--quantization", quantization] if quantization else [])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     _, params = bench.workload(4, 100, 130, 110)
     assert result["output_tokens"] == sum(sp.max_tokens for sp in params) and result["tok_per_s"] > 0
+    assert result["weights"] == ("fp8 per-channel" if quantization else "bf16")
+
+
+def test_fp8_presets_are_qwens_block_wise_checkpoints():
+    """qwen3-*-fp8: the model's config.json with Qwen3-*-FP8's quantization_config (e4m3, 128x128 blocks)."""
+    from nanovllm.layers.quantization import get_quantization_config
+    fp8, bf16 = preset_config("qwen3-8b-fp8"), preset_config("qwen3-8b")
+    assert fp8.hidden_size == bf16.hidden_size and fp8.num_hidden_layers == bf16.num_hidden_layers
+    config = get_quantization_config(fp8, None)
+    assert config.is_checkpoint_fp8_serialized and config.weight_block_size == (128, 128)
+    assert get_quantization_config(bf16, None) is None
 
 
 def test_profile_step_times_every_phase(tiny):

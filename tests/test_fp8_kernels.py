@@ -58,3 +58,45 @@ def test_fp8_skinny_linear_matches_dequantized_weights(dtype, block, fusion):
     assert out.shape == (m, n) and not out.isnan().any()
     err = float((out.double().cpu() - ref).norm() / ref.norm())
     assert err < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], err
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x per row and group of ``group`` columns through e4m3 and back, in float32 as the GEMM's quantization."""
+    m, k = x.shape
+    out = torch.empty(m, k, dtype=torch.float64)
+    for g in range(0, k, group):
+        part = x[:, g:g + group].float()
+        amax = part.abs().amax(1, keepdim=True)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        out[:, g:g + group] = (part / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [(128, 128), (32, 64), None])
+@pytest.mark.parametrize("m,fusion", [(17, "none"), (70, "silu_mul"), (130, "residual"), (33, "bias")])
+def test_fp8_gemm_matches_quantized_operands(dtype, block, m, fusion):
+    """More than SKINNY_MAX_M rows: x quantized per token (per-channel weights) or per token and group of bk
+    columns (block-wise), both operands multiplied in fp8; against the same quantization in float64."""
+    torch.manual_seed(1)
+    k, n = 320, 200  # partial K block, partial N tile, several M tiles at m = 130
+    x = torch.randn(m, k).to(dtype)
+    x[3] = 0.0  # a zero row's scale is 1, not 0/0
+    w = torch.randn(2 * n if fusion == "silu_mul" else n, k) * 0.1
+    w_fp8, scale, w_ref = quantize(w, block)
+    bias = torch.randn(n) if fusion == "bias" else None
+    residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
+    ref = quantize_groups(x, k if block is None else block[1]) @ w_ref.T
+    ref = ref + (bias.double() if bias is not None else 0)
+    if fusion == "silu_mul":
+        ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+    if residual is not None:
+        ref = ref + residual.double()
+    out = triton_fp8.fp8_linear(x.to(DEVICE), w_fp8, scale, block,
+                                None if bias is None else bias.to(dtype).to(DEVICE),
+                                residual=None if residual is None else residual.to(DEVICE).clone(),
+                                silu_mul=fusion == "silu_mul", act_quant=block is None)
+    assert out.shape == (m, n) and not out.isnan().any()
+    err = float((out.double().cpu() - ref).norm() / ref.norm())
+    assert err < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], err
+    assert float((out[3].double().cpu() - ref[3]).abs().max()) < 1e-2

@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 
 PATTERNS = {"ld.shared.b8": r"ld\.shared\.b8", "st.shared.b8": r"st\.shared\.b8", "ldmatrix": r"\bldmatrix",
             "cvt.e4m3x2": r"e4m3x2", "mma.sync": r"\bmma\.sync", "wgmma": r"\bwgmma\.mma_async",
-            "cp.async": r"\bcp\.async\.(?:ca|cg)"}
+            "cp.async": r"\bcp\.async\.(?:ca|cg)", "tma": r"cp\.async\.bulk\.tensor"}
 
 
 def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, unaligned=("m", "stride_bt")):
@@ -39,6 +39,22 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
     options = dict(num_warps=num_warps, num_stages=num_stages)
     return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _registers(ptx: str) -> int | None:
+    """Registers a thread, from ptxas (the one in Triton's wheel) on the PTX; None when it cannot run."""
+    import subprocess
+    import tempfile
+
+    import triton
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True)
+    found = re.search(r"Used (\d+) registers", run.stderr)
+    return int(found.group(1)) if found else None
 
 
 def decode(kv: str, block_n: int = 128, num_warps: int = 4):
@@ -66,7 +82,23 @@ def prefill(kv: str):
     return _compile(ta._prefill_kernel, sig, const, 8, 3)
 
 
-KERNELS = {"decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
+def fp8_gemm(block: bool, block_m: int = 128, block_n: int = 128):
+    """The fp8 GEMM (prefill, decode batches over 16 rows) with block-wise or per-channel scales."""
+    from nanovllm.kernels import triton_fp8 as tf
+    sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
+           "res_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32", "k": "i32", "stride_a": "i32",
+           "stride_as": "i32", "stride_w": "i32", "stride_ws": "i32", "stride_r": "i32", "stride_y": "i32"}
+    cfg = tf.gemm_config(block_m, 1 << 20)
+    cfg.update(BLOCK_M=block_m, BLOCK_N=block_n)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    const = dict(SCALE_N=128 if block else 1, SCALE_K=128 if block else 4096, PER_CHANNEL=not block, BIAS=False,
+                 RESIDUAL=False, **cfg)
+    return _compile(tf._fp8_gemm_kernel, sig, const, warps, stages, unaligned=("m", "stride_as"))
+
+
+KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True), "fp8 GEMM per-channel": lambda: fp8_gemm(False),
+           "fp8 GEMM block-wise 64x64": lambda: fp8_gemm(True, 64, 64),
+           "decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
            "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64), "prefill paged bf16": lambda: prefill("bf16"),
            "prefill paged fp8": lambda: prefill("fp8e4nv")}
 
@@ -84,6 +116,7 @@ def main():
         ptx = kernel.asm["ptx"]
         rows[name] = {key: len(re.findall(pattern, ptx)) for key, pattern in PATTERNS.items()}
         rows[name]["shared_bytes"] = kernel.metadata.shared
+        rows[name]["registers"] = _registers(ptx)
         if args.ptx_dir:
             os.makedirs(args.ptx_dir, exist_ok=True)
             stem = os.path.join(args.ptx_dir, name.replace(" ", "_").replace(",", ""))
@@ -93,7 +126,7 @@ def main():
     if args.json:
         print(json.dumps(rows))
         return
-    keys = list(PATTERNS) + ["shared_bytes"]
+    keys = list(PATTERNS) + ["shared_bytes", "registers"]
     print("| kernel | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
     for name, row in rows.items():
         print(f"| {name} | " + " | ".join(str(row[k]) for k in keys) + " |")

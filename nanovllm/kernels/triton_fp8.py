@@ -1,7 +1,11 @@
-"""fp8 (e4m3) weights in Triton: the skinny linear for up to SKINNY_MAX_M rows (decode batches), which reads each
-weight byte once and dequantizes it in registers, with the block scales of an fp8 checkpoint ([N / bn, K / bk]) or
-one scale per output channel ([N, 1]). ``act_quant`` also quantizes each row of x to e4m3 with its own scale first,
-as online fp8 quantization's GEMM does. Rounding and fusions follow ``triton_linear``'s skinny kernel."""
+"""fp8 (e4m3) weights in Triton, with the block scales of an fp8 checkpoint ([N / bn, K / bk]) or one scale per
+output channel ([N, 1]):
+- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once and dequantizes it
+  in registers; ``act_quant`` also quantizes each row of x to e4m3 with its own scale first, as online fp8
+  quantization's GEMM does. Rounding and fusions follow ``triton_linear``'s skinny kernel;
+- the GEMM, for more rows (prefill, large decode batches): x quantized to e4m3 (per token for per-channel weights,
+  per token and group of bk columns for block-wise ones, as vLLM and transformers do), both operands multiplied on
+  the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
 
 import os
@@ -12,7 +16,7 @@ import triton.language as tl
 
 from nanovllm.kernels import dot_precision
 from nanovllm.kernels.triton_attention import FP8_MAX, _round_to_e4m3
-from nanovllm.kernels.triton_linear import SKINNY_MAX_M, skinny_epilogue
+from nanovllm.kernels.triton_linear import SKINNY_MAX_M, silu_and_mul, skinny_epilogue
 
 # the interpreter's float -> e4m3 cast does not carry into the exponent: it rounds in fp32 arithmetic instead
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
@@ -82,26 +86,147 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stri
                     SILU_MUL, BIAS, RESIDUAL)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None, silu_mul: bool = False,
-               act_quant: bool = False) -> torch.Tensor:
-    """x [m <= SKINNY_MAX_M, K] @ the fp8 weight [N, K] dequantized: by its block scales
-    [ceil(N / bn), ceil(K / bk)] (``block`` = (bn, bk)) or, with ``block`` None, by one scale per row [N, 1].
-    Returns residual += y when ``residual`` is given (in place)."""
+def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None, residual: torch.Tensor | None, silu_mul: bool, act_quant: bool,
+               config: dict | None = None):
+    """``fp8_linear`` for m <= SKINNY_MAX_M rows: the weight dequantized in registers (x quantized per row first
+    with ``act_quant``), the fusions in the epilogue; ``config``: BLOCK_N, num_warps, num_stages."""
     m, k = x.shape
-    assert m <= SKINNY_MAX_M and x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn
     n = weight.size(0) // (2 if silu_mul else 1)
     scale_n, scale_k = block if block is not None else (1, k)
     block_k = min(128, triton.next_power_of_2(scale_k)) if block is None else scale_k
-    assert block is None or (block_k & (block_k - 1) == 0 and block_k >= 16), "bk: a power of two >= 16"
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        block_n = 32 if n >= 32 * 120 else 16
-        _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
+        cfg = dict(config or dict(BLOCK_N=32 if n >= 32 * 120 else 16, num_warps=4, num_stages=3))
+        _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x, weight, scale, bias if bias is not None else x, residual if residual is not None else x, y, m, k, n,
             x.stride(0), weight.stride(0), scale.stride(0), residual.stride(0) if residual is not None else 0,
             y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k if block is not None else 1, PER_CHANNEL=block is None,
             ACT_QUANT=act_quant, SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
-            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-            PRECISION=dot_precision(x.dtype), ROUND_FP8=_ROUND_FP8, num_warps=4, num_stages=3)
+            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
+            ROUND_FP8=_ROUND_FP8, **cfg)
     return y
+
+
+# ---- the tensor-core GEMM: x quantized to e4m3 (per token, or per token and group of bk columns), then fp8 x fp8
+@triton.jit(do_not_specialize=["m"])
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_s, GROUP, BLOCK: tl.constexpr,
+                            ROUND_FP8: tl.constexpr):
+    """Row ``program_id(0)``'s columns [g * GROUP, (g + 1) * GROUP) to e4m3, g = ``program_id(1)``, with their
+    scale (amax / 448, 1 for zeros) in s[row, g]."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    start = g * GROUP
+    end = tl.minimum(start + GROUP, k)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(start, end, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + ks, mask=ks < end, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    amax_all = tl.max(amax, 0)
+    scale = tl.where(amax_all > 0, amax_all / FP8_MAX, 1.0)
+    for k0 in range(start, end, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + ks, mask=ks < end, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        if ROUND_FP8:
+            q = _round_to_e4m3(q)
+        tl.store(q_ptr + row * stride_q + ks, q.to(tl.float8e4nv), mask=ks < end)
+    tl.store(s_ptr + row * stride_s + g, scale)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3 [m, k], scales [m, ceil(k / group)] in float32): x ~= q * scale over each row's group."""
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, groups)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), group,
+                                             BLOCK=min(1024, triton.next_power_of_2(group)), ROUND_FP8=_ROUND_FP8)
+    return q, s
+
+
+@triton.jit(do_not_specialize=["m"])
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, res_ptr, y_ptr, m, n, k, stride_a, stride_as, stride_w,
+                     stride_ws, stride_r, stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                     PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile of y = (a * a_scale) @ (w * w_scale).T (+ bias, + residual), a and w in e4m3 and
+    multiplied on the tensor cores in fp8. PER_CHANNEL: one scale per row of a and of w, applied once at the end;
+    else a's scale per (row, group of SCALE_K) and w's per (SCALE_N x SCALE_K) block, applied per K block."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)  # GROUP_M row tiles sweep the columns together: w stays in L2
+    first_m = group * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < m, cols < n
+    safe_rows, safe_cols = tl.where(row_mask, rows, 0), tl.where(col_mask, cols, 0)
+    a_rows = a_ptr + safe_rows.to(tl.int64)[:, None] * stride_a
+    w_rows = w_ptr + safe_cols.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + ks[None, :], mask=(ks < k)[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=(ks < k)[None, :], other=0.0)
+        if PER_CHANNEL:
+            acc = tl.dot(a, tl.trans(w), acc)
+        else:
+            a_scale = tl.load(as_ptr + safe_rows * stride_as + k0 // SCALE_K)
+            w_scale = tl.load(ws_ptr + (safe_cols // SCALE_N) * stride_ws + k0 // SCALE_K)
+            acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
+    if PER_CHANNEL:
+        acc *= tl.load(as_ptr + safe_rows * stride_as)[:, None] * tl.load(ws_ptr + safe_cols * stride_ws)[None, :]
+    skinny_epilogue(acc, acc, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
+                    False, BIAS, RESIDUAL)
+
+
+def gemm_config(m: int, n: int) -> dict:
+    """64 rows a tile up to 64 rows (one warpgroup's wgmma), else 128; 128 columns while that gives every SM a
+    tile, else 64; K 128 a step (one block of the scales)."""
+    block_m = 64 if m <= 64 else 128
+    block_n = 128 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= 132 else 64
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=4 if block_m == 64 else 8,
+                num_stages=4 if block_m == 64 else 3)
+
+
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+             bias: torch.Tensor | None, residual: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
+    """``fp8_linear`` on the tensor cores: x quantized per token (``block`` None) or per token and group of bk."""
+    m, k = x.shape
+    n = weight.size(0)
+    scale_n, scale_k = block if block is not None else (1, k)
+    cfg = dict(config or gemm_config(m, n))
+    if block is not None:
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_k)  # a K step within one block of the scales
+    a, a_scale = quantize_activations(x, scale_k)
+    y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _fp8_gemm_kernel[grid](a, a_scale, weight, scale, bias if bias is not None else y,
+                           residual if residual is not None else y, y, m, n, k, a.stride(0), a_scale.stride(0),
+                           weight.stride(0), scale.stride(0), residual.stride(0) if residual is not None else 0,
+                           y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k, PER_CHANNEL=block is None,
+                           BIAS=bias is not None, RESIDUAL=residual is not None, **cfg)
+    return y
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None, silu_mul: bool = False,
+               act_quant: bool = False) -> torch.Tensor:
+    """x [m, K] @ the fp8 weight [N, K] dequantized: by its block scales [ceil(N / bn), ceil(K / bk)] (``block`` =
+    (bn, bk)) or, with ``block`` None, by one scale per row [N, 1]. Returns residual += y when ``residual`` is
+    given (in place). Up to SKINNY_MAX_M rows, the skinny kernel (x quantized per row only with ``act_quant``);
+    more go to the tensor-core GEMM, x quantized per token (per-row scales) or per token and group of bk."""
+    m, k = x.shape
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn
+    assert block is None or (block[1] & (block[1] - 1) == 0 and block[1] >= 16), "bk: a power of two >= 16"
+    if m <= SKINNY_MAX_M:
+        return fp8_skinny(x, weight, scale, block, bias, residual, silu_mul, act_quant)
+    if not silu_mul:
+        return fp8_gemm(x, weight, scale, block, bias, residual)
+    y = silu_and_mul(fp8_gemm(x, weight, scale, block, bias, None))
+    return y if residual is None else residual.add_(y)

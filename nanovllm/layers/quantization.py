@@ -1,8 +1,9 @@
 """fp8 (e4m3) linear weights, vLLM's ``quantization="fp8"``: block-wise fp8 checkpoints (the Qwen3-*-FP8 layout:
 ``weight`` in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block, the multiplier despite its name)
 and online quantization of a bf16/fp32 checkpoint at load (a scale per output channel, activations quantized per
-token). The forwards here are references in plain PyTorch, on CPU and on CUDA alike: a block-wise weight is
-dequantized to the activation dtype on each call, the online one emulates the fp8 GEMM in float32."""
+token). On CUDA the forwards are ``kernels/triton_fp8.py``'s; the references here, in plain PyTorch, run on CPU: a
+block-wise weight is dequantized to the activation dtype on each call, the online one emulates the fp8 GEMM in
+float32."""
 from __future__ import annotations
 
 import contextlib
@@ -145,15 +146,15 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
               silu_mul: bool) -> torch.Tensor:
-        """The layer's ``linear``: up to SKINNY_MAX_M rows on CUDA, ``triton_fp8``'s kernel on the fp8 weight; else
-        a block-wise weight dequantized to x's dtype, or the online fp8 GEMM emulated in float32 with x quantized
-        per token."""
+        """The layer's ``linear``: on CUDA, ``triton_fp8``'s kernels on the fp8 weight; else (the reference) a
+        block-wise weight dequantized to x's dtype, or the online fp8 GEMM emulated in float32 with x quantized per
+        token."""
         from nanovllm import kernels
         from nanovllm.kernels import dense_ops, reference
         serialized = self.quant_config.is_checkpoint_fp8_serialized
         fp8 = kernels.fp8_ops(x)
-        if fp8 is not None and x.dim() == 2 and x.size(0) <= fp8.SKINNY_MAX_M and x.stride(-1) == 1 and (
-                not serialized or self.block[1] in (16, 32, 64, 128, 256)):  # decode: the weights read as fp8
+        if fp8 is not None and x.dim() == 2 and x.stride(-1) == 1 and (
+                not serialized or self.block[1] in (16, 32, 64, 128, 256)):
             scale, block = (layer.weight_scale_inv, self.block) if serialized else (layer.weight_scale, None)
             return fp8.fp8_linear(x, layer.weight, scale, block, bias, residual=residual, silu_mul=silu_mul,
                                   act_quant=not serialized)

@@ -38,6 +38,11 @@ PRESETS: dict[str, tuple[str, dict]] = {  # name: (transformers' config class, i
                                              num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                                              decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)),
 }
+# Qwen's own fp8 checkpoints (Qwen3-*-FP8): the same models, e4m3 weights with a scale per 128x128 block
+_FP8 = dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                 "weight_block_size": [128, 128]})
+PRESETS.update({f"{name}-fp8": (cls, dict(fields, **_FP8)) for name, (cls, fields) in list(PRESETS.items())
+                if name.startswith("qwen3-")})
 
 
 def preset_config(name: str) -> PretrainedConfig:
