@@ -28,10 +28,16 @@ def quantize(w: torch.Tensor, block: tuple[int, int] | None):
     return q.to(DEVICE), scale.to(DEVICE), q.double() * full
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """x per row through e4m3 and back, as the kernel's activation quantization (float64)."""
-    scale = (x.double().abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-30)
-    return (x.double() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale
+def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x per row and group of ``group`` columns through e4m3 and back, in float32 as the GEMM's quantization."""
+    m, k = x.shape
+    out = torch.empty(m, k, dtype=torch.float64)
+    for g in range(0, k, group):
+        part = x[:, g:g + group].float()
+        amax = part.abs().amax(1, keepdim=True)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        out[:, g:g + group] = (part / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale
+    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -45,7 +51,7 @@ def test_fp8_skinny_linear_matches_dequantized_weights(dtype, block, fusion):
     w_fp8, scale, w_ref = quantize(w, block)
     bias = torch.randn(n) if fusion == "bias" else None
     residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
-    xd = quantize_rows(x) if fusion == "act_quant" else x.double()
+    xd = quantize_groups(x, k) if fusion == "act_quant" else x.double()
     ref = xd @ w_ref.T + (bias.double() if bias is not None else 0)
     if fusion == "silu_mul":
         ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
@@ -58,18 +64,6 @@ def test_fp8_skinny_linear_matches_dequantized_weights(dtype, block, fusion):
     assert out.shape == (m, n) and not out.isnan().any()
     err = float((out.double().cpu() - ref).norm() / ref.norm())
     assert err < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], err
-
-
-def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x per row and group of ``group`` columns through e4m3 and back, in float32 as the GEMM's quantization."""
-    m, k = x.shape
-    out = torch.empty(m, k, dtype=torch.float64)
-    for g in range(0, k, group):
-        part = x[:, g:g + group].float()
-        amax = part.abs().amax(1, keepdim=True)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        out[:, g:g + group] = (part / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale
-    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -36,8 +36,9 @@ ROWS = (1, 4, 16, 32, 64, 128, 256, 1024, 8192)
 GEMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=st)
                 for bm, bn, w, st in [(64, 64, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 4),
                                       (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]]
-SKINNY_CONFIGS = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-                  for bn, w, st in [(16, 4, 4), (32, 4, 4), (64, 4, 3), (32, 8, 4), (64, 8, 3), (128, 8, 3)]]
+SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+                  for bn, bk, w, st in [(16, 512, 4, 3), (16, 1024, 4, 2), (32, 256, 4, 4), (32, 512, 4, 4),
+                                        (32, 1024, 8, 2), (64, 512, 8, 3)]]
 
 
 def _weights(n: int, k: int, copies: int):

@@ -23,88 +23,84 @@ _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _row_scales(x_ptr, rows, row_mask, k, stride_x, BLOCK_K: tl.constexpr):
-    """Each row's e4m3 scale: its amax / 448 (1 for a zero row)."""
-    amax = tl.zeros([rows.shape[0]], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :],
-                    other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
-    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
-
-
-@triton.jit
-def _dequantized(w_ptr, s_ptr, w_rows, cols, ks, mask, k0, stride_s, dtype: tl.constexpr, SCALE_N: tl.constexpr,
-                 SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K] tile of w times its scales, in ``dtype`` (the chunk lies in one block of K)."""
-    w = tl.load(w_ptr + w_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+def _scaled_partial(acc, x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s, dtype: tl.constexpr,
+                    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """acc + x @ w[:, ks].T with w's e4m3 bytes converted exactly to ``dtype``; block-wise, the chunk's product
+    times its block's scale (per-channel scales are applied once, at the end)."""
+    w = tl.load(w_ptr + w_rows + ks[None, :], mask=col_mask[:, None] & (ks < k)[None, :], other=0.0).to(dtype)
     if PER_CHANNEL:
-        scale = tl.load(s_ptr + cols * stride_s)
-    else:
-        scale = tl.load(s_ptr + (cols // SCALE_N) * stride_s + k0 // SCALE_K)
-    return (w * scale[:, None]).to(dtype)
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    scale = tl.load(s_ptr + (cols // SCALE_N) * stride_s + kj // SCALE_K, mask=col_mask & (kj < k), other=0.0)
+    return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION) * scale[None, :]
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_s, stride_r,
-                       stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_s,
+                       stride_r, stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
                        ACT_QUANT: tl.constexpr, SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PRECISION: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """BLOCK_N columns of y = x @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows; SILU_MUL: w is [gate; up]
-    (scale rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual."""
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """BLOCK_N columns of y = x @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows, BLOCK_K columns of K a step
+    in chunks of CHUNK_K (one block of the scales each); ACT_QUANT: x is e4m3 with a scale per row in xs;
+    SILU_MUL: w is [gate; up] (scale rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
-    dtype = x_ptr.dtype.element_ty
-    if ACT_QUANT:
-        x_scale = _row_scales(x_ptr, rows, row_mask, k, stride_x, BLOCK_K)[:, None]
+    dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     safe_cols = tl.where(col_mask, cols, 0)
     w_rows = safe_cols.to(tl.int64)[:, None] * stride_w
     for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < k
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        if ACT_QUANT:
-            q = tl.minimum(tl.maximum(x.to(tl.float32) / x_scale, -FP8_MAX), FP8_MAX)
-            q = _round_to_e4m3(q) if ROUND_FP8 else q.to(tl.float8e4nv).to(tl.float32)
-            x = (q * x_scale).to(dtype)
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w = _dequantized(w_ptr, s_ptr, w_rows, safe_cols, ks, w_mask, k0, stride_s, dtype, SCALE_N, SCALE_K,
-                         PER_CHANNEL)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        for j in tl.static_range(BLOCK_K // CHUNK_K):
+            kj = k0 + j * CHUNK_K
+            ks = kj + tl.arange(0, CHUNK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :],
+                        other=0.0).to(dtype)
+            acc = _scaled_partial(acc, x, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k, stride_s, dtype,
+                                  SCALE_N, SCALE_K, PER_CHANNEL, PRECISION)
+            if SILU_MUL:
+                acc_up = _scaled_partial(acc_up, x, w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols, col_mask, ks,
+                                         kj, k, stride_s, dtype, SCALE_N, SCALE_K, PER_CHANNEL, PRECISION)
+    if PER_CHANNEL:
+        acc *= tl.load(s_ptr + safe_cols * stride_s)[None, :]
         if SILU_MUL:
-            w_up = _dequantized(w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols, ks, w_mask, k0, stride_s, dtype,
-                                SCALE_N, SCALE_K, PER_CHANNEL)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
+            acc_up *= tl.load(s_ptr + (n + safe_cols) * stride_s)[None, :]
+    if ACT_QUANT:
+        x_scale = tl.load(xs_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        acc *= x_scale
+        acc_up *= x_scale
+    skinny_epilogue(acc, acc_up, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
                     SILU_MUL, BIAS, RESIDUAL)
+
+
+def skinny_config(n: int) -> dict:
+    """Columns 32 wide, or 16 where that leaves too few programs; 512 bytes of each weight row a step."""
+    return dict(BLOCK_N=32 if n >= 32 * 120 else 16, BLOCK_K=512, num_warps=4, num_stages=3)
 
 
 def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                bias: torch.Tensor | None, residual: torch.Tensor | None, silu_mul: bool, act_quant: bool,
                config: dict | None = None):
-    """``fp8_linear`` for m <= SKINNY_MAX_M rows: the weight dequantized in registers (x quantized per row first
-    with ``act_quant``), the fusions in the epilogue; ``config``: BLOCK_N, num_warps, num_stages."""
+    """``fp8_linear`` for m <= SKINNY_MAX_M rows: the weight's e4m3 bytes converted in registers, its scales (and
+    with ``act_quant`` x's per-row ones, x quantized first) on the products; ``config``: ``skinny_config``'s keys."""
     m, k = x.shape
     n = weight.size(0) // (2 if silu_mul else 1)
-    scale_n, scale_k = block if block is not None else (1, k)
-    block_k = min(128, triton.next_power_of_2(scale_k)) if block is None else scale_k
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        cfg = dict(config or dict(BLOCK_N=32 if n >= 32 * 120 else 16, num_warps=4, num_stages=3))
+        cfg = dict(config or skinny_config(n))
+        chunk = cfg["BLOCK_K"] if block is None else min(block[1], cfg["BLOCK_K"])
+        x_in, x_scale = quantize_activations(x, k) if act_quant else (x, x)
         _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, weight, scale, bias if bias is not None else x, residual if residual is not None else x, y, m, k, n,
-            x.stride(0), weight.stride(0), scale.stride(0), residual.stride(0) if residual is not None else 0,
-            y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k if block is not None else 1, PER_CHANNEL=block is None,
-            ACT_QUANT=act_quant, SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
-            BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_K=block_k, PRECISION=dot_precision(x.dtype),
-            ROUND_FP8=_ROUND_FP8, **cfg)
+            x_in, x_scale, weight, scale, bias if bias is not None else x, residual if residual is not None else x, y,
+            m, k, n, x_in.stride(0), weight.stride(0), scale.stride(0),
+            residual.stride(0) if residual is not None else 0, y.stride(0),
+            SCALE_N=block[0] if block is not None else 1, SCALE_K=block[1] if block is not None else 1,
+            PER_CHANNEL=block is None, ACT_QUANT=act_quant, SILU_MUL=silu_mul, BIAS=bias is not None,
+            RESIDUAL=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk,
+            PRECISION=dot_precision(x.dtype), **cfg)
     return y
 
 
@@ -186,12 +182,10 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, res_ptr, y_ptr, m, n, 
 
 
 def gemm_config(m: int, n: int) -> dict:
-    """64 rows a tile up to 64 rows (one warpgroup's wgmma), else 128; 128 columns while that gives every SM a
-    tile, else 64; K 128 a step (one block of the scales)."""
-    block_m = 64 if m <= 64 else 128
-    block_n = 128 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= 132 else 64
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=4 if block_m == 64 else 8,
-                num_stages=4 if block_m == 64 else 3)
+    """64 rows a tile (one warpgroup's wgmma); 128 columns while that gives every SM a tile, else 64; K 128 a step
+    (one block of the scales); four stages (``tools/bench_fp8.py --sweep``'s choice at 64-8192 rows)."""
+    block_n = 128 if triton.cdiv(m, 64) * triton.cdiv(n, 128) >= 132 else 64
+    return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -209,7 +203,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     _fp8_gemm_kernel[grid](a, a_scale, weight, scale, bias if bias is not None else y,
                            residual if residual is not None else y, y, m, n, k, a.stride(0), a_scale.stride(0),
                            weight.stride(0), scale.stride(0), residual.stride(0) if residual is not None else 0,
-                           y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k, PER_CHANNEL=block is None,
+                           y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k if block is not None else 1, PER_CHANNEL=block is None,
                            BIAS=bias is not None, RESIDUAL=residual is not None, **cfg)
     return y
 
