@@ -203,8 +203,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     _fp8_gemm_kernel[grid](a, a_scale, weight, scale, bias if bias is not None else y,
                            residual if residual is not None else y, y, m, n, k, a.stride(0), a_scale.stride(0),
                            weight.stride(0), scale.stride(0), residual.stride(0) if residual is not None else 0,
-                           y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k if block is not None else 1, PER_CHANNEL=block is None,
-                           BIAS=bias is not None, RESIDUAL=residual is not None, **cfg)
+                           y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k if block is not None else 1,
+                           PER_CHANNEL=block is None, BIAS=bias is not None, RESIDUAL=residual is not None, **cfg)
     return y
 
 
