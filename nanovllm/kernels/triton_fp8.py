@@ -91,7 +91,7 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         cfg = dict(config or skinny_config(n))
-        chunk = cfg["BLOCK_K"] if block is None else min(block[1], cfg["BLOCK_K"])
+        chunk = min(128 if block is None else block[1], cfg["BLOCK_K"])  # [BLOCK_N, 512] tiles spill at silu_mul
         x_in, x_scale = quantize_activations(x, k) if act_quant else (x, x)
         _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
             x_in, x_scale, weight, scale, bias if bias is not None else x, residual if residual is not None else x, y,
