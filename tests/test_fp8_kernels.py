@@ -40,19 +40,16 @@ def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block", [(128, 128), (32, 64), None])
-@pytest.mark.parametrize("fusion", ["none", "silu_mul", "residual", "bias", "act_quant"])
-def test_fp8_skinny_linear_matches_dequantized_weights(dtype, block, fusion):
-    torch.manual_seed(0)
-    m, k, n = 5, 320, 96  # K not a multiple of the block: the last block is partial
-    x = torch.randn(m, k).to(dtype)
+def check_linear(x: torch.Tensor, x_ref: torch.Tensor, n: int, block, fusion: str, act_quant: bool):
+    """fp8_linear of x (``fusion``: none, silu_mul, residual or bias) against x_ref @ the dequantized weight in
+    float64, within the output dtype's tolerance; returns (out, ref) in float64 on the CPU."""
+    m, k = x.shape
+    dtype = x.dtype
     w = torch.randn(2 * n if fusion == "silu_mul" else n, k) * 0.1
     w_fp8, scale, w_ref = quantize(w, block)
     bias = torch.randn(n) if fusion == "bias" else None
     residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
-    xd = quantize_groups(x, k) if fusion == "act_quant" else x.double()
-    ref = xd @ w_ref.T + (bias.double() if bias is not None else 0)
+    ref = x_ref @ w_ref.T + (bias.double() if bias is not None else 0)
     if fusion == "silu_mul":
         ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
     if residual is not None:
@@ -60,10 +57,23 @@ def test_fp8_skinny_linear_matches_dequantized_weights(dtype, block, fusion):
     out = triton_fp8.fp8_linear(x.to(DEVICE), w_fp8, scale, block,
                                 None if bias is None else bias.to(dtype).to(DEVICE),
                                 residual=None if residual is None else residual.to(DEVICE).clone(),
-                                silu_mul=fusion == "silu_mul", act_quant=fusion == "act_quant")
+                                silu_mul=fusion == "silu_mul", act_quant=act_quant)
     assert out.shape == (m, n) and not out.isnan().any()
     err = float((out.double().cpu() - ref).norm() / ref.norm())
     assert err < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], err
+    return out.double().cpu(), ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [(128, 128), (32, 64), None])
+@pytest.mark.parametrize("fusion", ["none", "silu_mul", "residual", "bias", "act_quant"])
+def test_fp8_skinny_linear_matches_dequantized_weights(dtype, block, fusion):
+    torch.manual_seed(0)
+    m, k, n = 5, 320, 96  # K not a multiple of the block: the last block is partial
+    x = torch.randn(m, k).to(dtype)
+    act_quant = fusion == "act_quant"
+    check_linear(x, quantize_groups(x, k) if act_quant else x.double(), n, block, "none" if act_quant else fusion,
+                 act_quant)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -76,21 +86,6 @@ def test_fp8_gemm_matches_quantized_operands(dtype, block, m, fusion):
     k, n = 320, 200  # partial K block, partial N tile, several M tiles at m = 130
     x = torch.randn(m, k).to(dtype)
     x[3] = 0.0  # a zero row's scale is 1, not 0/0
-    w = torch.randn(2 * n if fusion == "silu_mul" else n, k) * 0.1
-    w_fp8, scale, w_ref = quantize(w, block)
-    bias = torch.randn(n) if fusion == "bias" else None
-    residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
-    ref = quantize_groups(x, k if block is None else block[1]) @ w_ref.T
-    ref = ref + (bias.double() if bias is not None else 0)
-    if fusion == "silu_mul":
-        ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
-    if residual is not None:
-        ref = ref + residual.double()
-    out = triton_fp8.fp8_linear(x.to(DEVICE), w_fp8, scale, block,
-                                None if bias is None else bias.to(dtype).to(DEVICE),
-                                residual=None if residual is None else residual.to(DEVICE).clone(),
-                                silu_mul=fusion == "silu_mul", act_quant=block is None)
-    assert out.shape == (m, n) and not out.isnan().any()
-    err = float((out.double().cpu() - ref).norm() / ref.norm())
-    assert err < {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype], err
-    assert float((out[3].double().cpu() - ref[3]).abs().max()) < 1e-2
+    out, ref = check_linear(x, quantize_groups(x, k if block is None else block[1]), n, block, fusion,
+                            block is None)
+    assert float((out[3] - ref[3]).abs().max()) < 1e-2
