@@ -289,9 +289,11 @@ def test_an_expert_block_that_straddles_a_shard_is_refused(tmp_path):
         _load(ckpt, 0, 2)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors through Triton: its interpreter")
 @pytest.mark.parametrize("online", [False, True])
 def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckpt, monkeypatch, online):
-    """The decode-sized Triton kernel (run here in the interpreter) in place of the dequantizing reference."""
+    """The Triton kernels (run here in the interpreter) in place of the reference: the GEMM for prefill, the
+    skinny kernel for decode."""
     from nanovllm import kernels
     from nanovllm.kernels import triton_fp8
     prompts = random_prompts(3, 3, 30, seed=13)
@@ -300,5 +302,5 @@ def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckp
     calls = []
     monkeypatch.setattr(kernels, "fp8_ops", lambda x: calls.append(x.size(0)) or triton_fp8)
     with_kernel, _ = run_engine(path, prompts, GREEDY, device="cpu", dtype="float32", **kw)
-    assert calls and max(calls) > triton_fp8.SKINNY_MAX_M and min(calls) <= 3  # prefill stays on the reference
+    assert calls and max(calls) > triton_fp8.SKINNY_MAX_M and min(calls) <= 3  # prefill, then decode
     assert [o["token_ids"] for o in with_kernel] == [o["token_ids"] for o in reference]
