@@ -1,8 +1,8 @@
 """fp8 (e4m3) weights in Triton, with the block scales of an fp8 checkpoint ([N / bn, K / bk]) or one scale per
 output channel ([N, 1]):
-- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once and dequantizes it
-  in registers; ``act_quant`` also quantizes each row of x to e4m3 with its own scale first, as online fp8
-  quantization's GEMM does. Rounding and fusions follow ``triton_linear``'s skinny kernel;
+- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once, converts it to
+  x's dtype in registers (exactly) and puts the scales on each chunk's product; ``act_quant`` quantizes each row of
+  x to e4m3 with its own scale first, as online fp8 quantization's GEMM does. Fusions follow ``triton_linear``'s;
 - the GEMM, for more rows (prefill, large decode batches): x quantized to e4m3 (per token for per-channel weights,
   per token and group of bk columns for block-wise ones, as vLLM and transformers do), both operands multiplied on
   the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
