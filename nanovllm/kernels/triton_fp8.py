@@ -1,11 +1,12 @@
 """fp8 (e4m3) weights in Triton, with the block scales of an fp8 checkpoint ([N / bn, K / bk]) or one scale per
-output channel ([N, 1]):
-- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once, converts it to
-  x's dtype in registers (exactly) and puts the scales on each chunk's product; ``act_quant`` quantizes each row of
-  x to e4m3 with its own scale first, as online fp8 quantization's GEMM does. Fusions follow ``triton_linear``'s;
-- the GEMM, for more rows (prefill, large decode batches): x quantized to e4m3 (per token for per-channel weights,
-  per token and group of bk columns for block-wise ones, as vLLM and transformers do), both operands multiplied on
-  the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
+output channel ([N, 1]). Activations are quantized to e4m3 too (W8A8, as vLLM does), at every batch size: per token
+for per-channel weights, per token and group of bk columns for block-wise ones.
+- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once, quantizes x in
+  registers (each program its own copy: x is small) and multiplies on the fp8 MMA (or, in the interpreter and for
+  fp32, both operands converted exactly to x's dtype), the scales on each chunk's product. Fusions follow
+  ``triton_linear``'s;
+- the GEMM, for more rows (prefill, large decode batches): x quantized by a kernel of its own, both operands
+  multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
 
 import os
@@ -20,29 +21,50 @@ from nanovllm.kernels.triton_linear import SKINNY_MAX_M, silu_and_mul, skinny_ep
 
 # the interpreter's float -> e4m3 cast does not carry into the exponent: it rounds in fp32 arithmetic instead
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
+# tl.dot straight on e4m3 operands in the skinny kernel (sm_89+ MMA) instead of converting both to x's dtype first
+FP8_DOT = os.environ.get("NANOVLLM_FP8_DOT", "1") == "1"
 
 
 @triton.jit
-def _scaled_partial(acc, x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s, dtype: tl.constexpr,
-                    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                    PRECISION: tl.constexpr):
-    """acc + x @ w[:, ks].T with w's e4m3 bytes converted exactly to ``dtype``; block-wise, the chunk's product
-    times its block's scale (per-channel scales are applied once, at the end)."""
-    w = tl.load(w_ptr + w_rows + ks[None, :], mask=col_mask[:, None] & (ks < k)[None, :], other=0.0).to(dtype)
-    if PER_CHANNEL:
-        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    scale = tl.load(s_ptr + (cols // SCALE_N) * stride_s + kj // SCALE_K, mask=col_mask & (kj < k), other=0.0)
-    return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION) * scale[None, :]
+def _to_e4m3(x, scale, ROUND_FP8: tl.constexpr):
+    """x [rows, cols] divided by each row's ``scale`` [rows], clamped to e4m3's range and rounded to it (RNE)."""
+    q = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -FP8_MAX), FP8_MAX)
+    if ROUND_FP8:
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _row_scale(amax):
+    """The e4m3 scale of rows of this absolute maximum: amax / 448, and 1 for a row of zeros."""
+    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+@triton.jit
+def _chunk_product(x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s, scale, dtype: tl.constexpr,
+                   SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """x (e4m3, one chunk of K) @ w[:, ks].T times ``scale`` (x's per-row scales as a column) and, block-wise, the
+    weight block's scales (per-channel ones are applied once, at the end); on the fp8 MMA or in ``dtype``."""
+    w = tl.load(w_ptr + w_rows + ks[None, :], mask=col_mask[:, None] & (ks < k)[None, :], other=0.0)
+    if FP8_DOT:
+        part = tl.dot(x, tl.trans(w))
+    else:  # e4m3 -> dtype is exact
+        part = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), input_precision=PRECISION)
+    if not PER_CHANNEL:
+        scale = scale * tl.load(s_ptr + (cols // SCALE_N) * stride_s + kj // SCALE_K, mask=col_mask, other=0.0)[None, :]
+    return part * scale
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_s,
-                       stride_r, stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                       ACT_QUANT: tl.constexpr, SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """BLOCK_N columns of y = x @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows, BLOCK_K columns of K a step
-    in chunks of CHUNK_K (one block of the scales each); ACT_QUANT: x is e4m3 with a scale per row in xs;
+def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_s, stride_r,
+                       stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                       SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr, FP8_DOT: tl.constexpr,
+                       PRECISION: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """BLOCK_N columns of y = quantize(x) @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows, BLOCK_K columns of K
+    a step in chunks of CHUNK_K. x is quantized to e4m3 here: per row (PER_CHANNEL: the row's amax over all of K, a
+    first pass) or per row and chunk (block-wise: CHUNK_K is the weight's block in K, so a chunk is one group).
     SILU_MUL: w is [gate; up] (scale rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -53,25 +75,33 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k,
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     safe_cols = tl.where(col_mask, cols, 0)
     w_rows = safe_cols.to(tl.int64)[:, None] * stride_w
+    x_rows = x_ptr + rows[:, None] * stride_x
+    x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    if PER_CHANNEL:  # each row's scale over all of K (x is small and stays in L2)
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, k, CHUNK_K):
+            ks = k0 + tl.arange(0, CHUNK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+        x_scale = _row_scale(amax)
     for k0 in range(0, k, BLOCK_K):
         for j in tl.static_range(BLOCK_K // CHUNK_K):
             kj = k0 + j * CHUNK_K
             ks = kj + tl.arange(0, CHUNK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :],
-                        other=0.0).to(dtype)
-            acc = _scaled_partial(acc, x, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k, stride_s, dtype,
-                                  SCALE_N, SCALE_K, PER_CHANNEL, PRECISION)
+            x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :], other=0.0)
+            if not PER_CHANNEL:
+                x_scale = _row_scale(tl.max(tl.abs(x.to(tl.float32)), 1))
+            xq = _to_e4m3(x, x_scale, ROUND_FP8)
+            acc += _chunk_product(xq, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k, stride_s,
+                                  x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL, FP8_DOT, PRECISION)
             if SILU_MUL:
-                acc_up = _scaled_partial(acc_up, x, w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols, col_mask, ks,
-                                         kj, k, stride_s, dtype, SCALE_N, SCALE_K, PER_CHANNEL, PRECISION)
+                acc_up += _chunk_product(xq, w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols, col_mask, ks, kj,
+                                         k, stride_s, x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL,
+                                         FP8_DOT, PRECISION)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + safe_cols * stride_s)[None, :]
         if SILU_MUL:
             acc_up *= tl.load(s_ptr + (n + safe_cols) * stride_s)[None, :]
-    if ACT_QUANT:
-        x_scale = tl.load(xs_ptr + rows, mask=row_mask, other=0.0)[:, None]
-        acc *= x_scale
-        acc_up *= x_scale
     skinny_epilogue(acc, acc_up, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
                     SILU_MUL, BIAS, RESIDUAL)
 
@@ -82,25 +112,27 @@ def skinny_config(n: int) -> dict:
 
 
 def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None, residual: torch.Tensor | None, silu_mul: bool, act_quant: bool,
-               config: dict | None = None):
-    """``fp8_linear`` for m <= SKINNY_MAX_M rows: the weight's e4m3 bytes converted in registers, its scales (and
-    with ``act_quant`` x's per-row ones, x quantized first) on the products; ``config``: ``skinny_config``'s keys."""
+               bias: torch.Tensor | None, residual: torch.Tensor | None, silu_mul: bool, config: dict | None = None,
+               fp8_dot: bool | None = None):
+    """``fp8_linear`` for m <= SKINNY_MAX_M rows, x quantized inside the kernel; ``config``: ``skinny_config``'s
+    keys; ``fp8_dot``: multiply on the fp8 MMA (default: FP8_DOT, off in the interpreter and for fp32)."""
     m, k = x.shape
     n = weight.size(0) // (2 if silu_mul else 1)
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         cfg = dict(config or skinny_config(n))
-        chunk = min(128 if block is None else block[1], cfg["BLOCK_K"])  # [BLOCK_N, 512] tiles spill at silu_mul
-        x_in, x_scale = quantize_activations(x, k) if act_quant else (x, x)
+        chunk = 128 if block is None else block[1]  # [BLOCK_N, 512] tiles spill at silu_mul
+        if fp8_dot is None:
+            fp8_dot = FP8_DOT and not _ROUND_FP8 and x.dtype != torch.float32
         _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x_in, x_scale, weight, scale, bias if bias is not None else x, residual if residual is not None else x, y,
-            m, k, n, x_in.stride(0), weight.stride(0), scale.stride(0),
+            x, weight, scale, bias if bias is not None else x, residual if residual is not None else x, y,
+            m, k, n, x.stride(0), weight.stride(0), scale.stride(0),
             residual.stride(0) if residual is not None else 0, y.stride(0),
             SCALE_N=block[0] if block is not None else 1, SCALE_K=block[1] if block is not None else 1,
-            PER_CHANNEL=block is None, ACT_QUANT=act_quant, SILU_MUL=silu_mul, BIAS=bias is not None,
-            RESIDUAL=residual is not None, BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk,
-            PRECISION=dot_precision(x.dtype), **cfg)
+            PER_CHANNEL=block is None, SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
+            BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, FP8_DOT=fp8_dot,
+            PRECISION=dot_precision(x.dtype), ROUND_FP8=_ROUND_FP8,
+            **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
     return y
 
 
@@ -209,17 +241,18 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None, silu_mul: bool = False,
-               act_quant: bool = False) -> torch.Tensor:
-    """x [m, K] @ the fp8 weight [N, K] dequantized: by its block scales [ceil(N / bn), ceil(K / bk)] (``block`` =
-    (bn, bk)) or, with ``block`` None, by one scale per row [N, 1]. Returns residual += y when ``residual`` is
-    given (in place). Up to SKINNY_MAX_M rows, the skinny kernel (x quantized per row only with ``act_quant``);
-    more go to the tensor-core GEMM, x quantized per token (per-row scales) or per token and group of bk."""
+               bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+               silu_mul: bool = False) -> torch.Tensor:
+    """quantize(x) [m, K] @ the fp8 weight [N, K] dequantized: by its block scales [ceil(N / bn), ceil(K / bk)]
+    (``block`` = (bn, bk)) or, with ``block`` None, by one scale per row [N, 1]. x is quantized to e4m3 per token
+    (per-channel weights) or per token and group of bk columns (block-wise), at every batch size, as vLLM does.
+    Returns residual += y when ``residual`` is given (in place). Up to SKINNY_MAX_M rows the skinny kernel, more the
+    tensor-core GEMM."""
     m, k = x.shape
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn
-    assert block is None or (block[1] & (block[1] - 1) == 0 and block[1] >= 16), "bk: a power of two >= 16"
+    assert block is None or (block[1] & (block[1] - 1) == 0 and 16 <= block[1] <= 512), "bk: a power of two, 16-512"
     if m <= SKINNY_MAX_M:
-        return fp8_skinny(x, weight, scale, block, bias, residual, silu_mul, act_quant)
+        return fp8_skinny(x, weight, scale, block, bias, residual, silu_mul)
     if not silu_mul:
         return fp8_gemm(x, weight, scale, block, bias, residual)
     y = silu_and_mul(fp8_gemm(x, weight, scale, block, bias, None))

@@ -1,9 +1,9 @@
 """fp8 (e4m3) linear weights, vLLM's ``quantization="fp8"``: block-wise fp8 checkpoints (the Qwen3-*-FP8 layout:
 ``weight`` in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block, the multiplier despite its name)
 and online quantization of a bf16/fp32 checkpoint at load (a scale per output channel, activations quantized per
-token). On CUDA the forwards are ``kernels/triton_fp8.py``'s; the references here, in plain PyTorch, run on CPU: a
-block-wise weight is dequantized to the activation dtype on each call, the online one emulates the fp8 GEMM in
-float32."""
+token). Both run W8A8 as vLLM does: activations are quantized to e4m3 per token (online) or per token and group of
+the weight's block in K (block-wise). On CUDA the forwards are ``kernels/triton_fp8.py``'s; the reference here, in
+plain PyTorch, runs on CPU and emulates the same fp8 GEMM in float32."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +19,7 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 QUANTIZATION_METHODS = (None, "fp8")  # Config.quantization's values
+FP8_GROUPS = (16, 32, 64, 128, 256, 512)  # the block sizes in K that the Triton kernels take
 
 logger = logging.getLogger("nanovllm")
 
@@ -146,24 +147,20 @@ class Fp8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
               silu_mul: bool) -> torch.Tensor:
-        """The layer's ``linear``: on CUDA, ``triton_fp8``'s kernels on the fp8 weight; else (the reference) a
-        block-wise weight dequantized to x's dtype, or the online fp8 GEMM emulated in float32 with x quantized per
-        token."""
+        """The layer's ``linear``, W8A8: x quantized per token (online) or per token and group of bk columns
+        (block-wise). On CUDA ``triton_fp8``'s kernels; else the reference, the fp8 GEMM emulated in float32."""
         from nanovllm import kernels
-        from nanovllm.kernels import dense_ops, reference
+        from nanovllm.kernels import reference
         serialized = self.quant_config.is_checkpoint_fp8_serialized
+        scale, block = (layer.weight_scale_inv, self.block) if serialized else (layer.weight_scale, None)
         fp8 = kernels.fp8_ops(x)
-        if fp8 is not None and x.dim() == 2 and x.stride(-1) == 1 and (
-                not serialized or self.block[1] in (16, 32, 64, 128, 256)):
-            scale, block = (layer.weight_scale_inv, self.block) if serialized else (layer.weight_scale, None)
-            return fp8.fp8_linear(x, layer.weight, scale, block, bias, residual=residual, silu_mul=silu_mul,
-                                  act_quant=not serialized)
-        if serialized:
-            w = dequantize_fp8_block(layer.weight, layer.weight_scale_inv, self.block, x.dtype)
-            return dense_ops(x).linear(x, w, bias, residual=residual, silu_mul=silu_mul)
-        x_q, x_scale = quantize_fp8_per_channel(x.reshape(-1, x.size(-1)))
-        w = layer.weight.float() * layer.weight_scale
-        y = reference.linear(x_q.float() * x_scale, w, None if bias is None else bias.float(), silu_mul=silu_mul)
+        if fp8 is not None and x.dim() == 2 and x.stride(-1) == 1 and (block is None or block[1] in FP8_GROUPS):
+            return fp8.fp8_linear(x, layer.weight, scale, block, bias, residual=residual, silu_mul=silu_mul)
+        x2 = x.reshape(-1, x.size(-1))
+        group = (1, x2.size(1) if block is None else block[1])
+        x_dq = dequantize_fp8_block(*quantize_fp8_block(x2, group), group)
+        w = dequantize_fp8_block(layer.weight, scale, block or (1, layer.weight.size(1)))
+        y = reference.linear(x_dq, w, None if bias is None else bias.float(), silu_mul=silu_mul)
         y = y.to(x.dtype).view(*x.shape[:-1], y.size(-1))
         return y if residual is None else residual.add_(y)
 
