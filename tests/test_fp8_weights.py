@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import CPU_ENGINE, assert_matches_oracle, assert_prompt_logprobs, random_prompts, run_engine
+from conftest import CPU_ENGINE, assert_matches_oracle, random_prompts, run_engine
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_qwen3
 from transformers import AutoConfig
@@ -91,57 +91,88 @@ def test_the_tool_writes_the_fp8_layout(fp8_ckpt):
     assert os.path.isfile(os.path.join(fp8_ckpt, "tokenizer.json"))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_block_fp8_checkpoint_matches_transformers_on_the_dequantized_weights(fp8_ckpt, block_oracle_ckpt,
-                                                                              oracle, tp):
-    prompts = random_prompts(8, 3, 40, seed=11)
-    outputs, _ = run_engine(fp8_ckpt, prompts, GREEDY, device="cpu", dtype="float32", tensor_parallel_size=tp)
-    assert_matches_oracle(oracle, block_oracle_ckpt, prompts, outputs, N)
-    llm = LLM(fp8_ckpt, **CPU_ENGINE, dtype="float32", tensor_parallel_size=tp)
+# Quantized activations make a forward discontinuous: an ulp between two correct implementations (fused ops, another
+# matmul blocking, TP's reductions, a batch of another size) now and then moves an activation across an e4m3 rounding
+# boundary, a step of 1/16 to 1/8 of it. So the W8A8 comparisons hold 90% of the logprobs to float32's noise and
+# bound the rest by what such steps moved here (up to 0.23 in a logprob on these random models, 0.03 in a top-2
+# gap), with a margin. A wrong scale or shard moves every logprob by far more.
+W8A8_TYPICAL, W8A8_WORST, W8A8_TIE = 1e-4, 0.5, 5e-2
+
+
+def assert_w8a8_matches(oracle, path: str, model, prompts, outputs, logprob_outputs):
+    """Greedy tokens under the near-tie rule at W8A8_TIE, and every prompt's logprobs (the actual token and the top
+    3): 90% within W8A8_TYPICAL, all within W8A8_WORST, against transformers' ``model`` of ``path``."""
+    assert_matches_oracle(oracle, path, prompts, outputs, N, max_near_ties=len(prompts) // 4, tie=W8A8_TIE)
+    diffs = []
+    with torch.no_grad():
+        for prompt, out in zip(prompts, logprob_outputs, strict=True):
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+            for pos in range(1, len(prompt)):
+                entry = out.prompt_logprobs[pos]
+                assert prompt[pos] in entry and len(entry) in (3, 4), (pos, entry)
+                diffs += [abs(lp.logprob - float(ref[pos - 1, t])) for t, lp in entry.items()]
+    diffs = torch.tensor(diffs)
+    typical = float((diffs < W8A8_TYPICAL).double().mean())
+    assert typical >= 0.9 and diffs.max() < W8A8_WORST, (typical, diffs.max())
+
+
+def generate_both(path: str, prompts, model_check=None, **kw):
+    """(greedy outputs, prompt-logprob outputs) of ``prompts`` from one engine; ``model_check(model)`` first at
+    TP 1."""
+    llm = LLM(path, **CPU_ENGINE, dtype="float32", **kw)
     try:
-        if tp == 1:
-            layer = llm.model_runner.model.model.layers[0].mlp.gate_up_proj
-            assert layer.weight.dtype == FP8 and layer.weight_scale_inv.shape == (256 // BLOCK, 64 // BLOCK)
-        prompt = prompts[0]
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=3),
-                           use_tqdm=False)[0]
-        assert_prompt_logprobs(oracle.model(block_oracle_ckpt), prompt, out.prompt_logprobs, 3, tol=1e-3)
+        if model_check is not None and kw.get("tensor_parallel_size", 1) == 1:
+            model_check(llm.model_runner.model.model)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        greedy = [{"token_ids": o.outputs[0].token_ids} for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        return greedy, llm.generate(batch, SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)
     finally:
         llm.exit()
 
 
-def fake_quantized_activations(model, row_shards: int):
-    """Hooks giving each projection of a transformers model its input quantized per token and dequantized, as the
-    online fp8 forward computes; row-parallel layers (o, down) quantize each rank's ``row_shards`` part apart."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_block_fp8_checkpoint_matches_transformers_on_the_dequantized_weights(fp8_ckpt, block_oracle_ckpt,
+                                                                              oracle, tp):
+    model = fake_quantized_activations(oracle.model(block_oracle_ckpt), group=BLOCK)
+    prompts = random_prompts(8, 3, 40, seed=11)
+    def model_check(m):
+        layer = m.layers[0].mlp.gate_up_proj
+        assert layer.weight.dtype == FP8 and layer.weight_scale_inv.shape == (256 // BLOCK, 64 // BLOCK)
+    greedy, logprobs = generate_both(fp8_ckpt, prompts, model_check, tensor_parallel_size=tp)
+    assert_w8a8_matches(oracle, block_oracle_ckpt, model, prompts, greedy, logprobs)
+
+
+def fake_quantized_activations(model, row_shards: int = 1, group: int | None = None):
+    """Hooks giving each dense projection of a transformers model its input quantized to e4m3 and back, as the fp8
+    forward computes: per token (online fp8; row-parallel layers, o and down, quantize each rank's ``row_shards``
+    part apart) or per token and ``group`` of columns (block-wise: a rank's part is whole groups). Once a model."""
     def dequantized(x):
-        q, scale = quantize_fp8_per_channel(x.reshape(-1, x.size(-1)))
-        return (q.float() * scale).view_as(x)
+        x2 = x.reshape(-1, x.size(-1))
+        shape = (1, group or x2.size(1))
+        return dequantize_fp8_block(*quantize_fp8_block(x2, shape), shape).view_as(x)
 
     def hook(shards):
         return lambda module, args: (torch.cat([dequantized(p) for p in args[0].chunk(shards, -1)], -1),)
+    if getattr(model, "fake_quantized", False):
+        return model
+    model.fake_quantized = True
     for name, module in model.named_modules():
         if re.fullmatch(r".*\.(q|k|v|o|gate|up|down)_proj", name):
             module.register_forward_pre_hook(hook(row_shards if name.endswith(("o_proj", "down_proj")) else 1))
+    return model
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_online_fp8_matches_transformers_on_fp8_weights_and_activations(float_ckpt, tmp_path, oracle, tp):
     ckpt = roundtrip_copy(float_ckpt, str(tmp_path / "channel_dq"),
                           lambda w: (lambda q, s: q.float() * s)(*quantize_fp8_per_channel(w)))
-    fake_quantized_activations(oracle.model(ckpt), tp)
+    model = fake_quantized_activations(oracle.model(ckpt), tp)
     prompts = random_prompts(8, 3, 40, seed=12)
-    llm = LLM(float_ckpt, **CPU_ENGINE, dtype="float32", quantization="fp8", tensor_parallel_size=tp)
-    try:
-        if tp == 1:
-            layer = llm.model_runner.model.model.layers[0].self_attn.o_proj
-            assert layer.weight.dtype == FP8 and layer.weight_scale.shape == (64, 1)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        out = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=1, prompt_logprobs=3),
-                           use_tqdm=False)[0]
-    finally:
-        llm.exit()
-    assert_matches_oracle(oracle, ckpt, prompts, [{"token_ids": o.outputs[0].token_ids} for o in outputs], N)
-    assert_prompt_logprobs(oracle.model(ckpt), prompts[0], out.prompt_logprobs, 3, tol=1e-3)
+    def model_check(m):
+        layer = m.layers[0].self_attn.o_proj
+        assert layer.weight.dtype == FP8 and layer.weight_scale.shape == (64, 1)
+    greedy, logprobs = generate_both(float_ckpt, prompts, model_check, quantization="fp8", tensor_parallel_size=tp)
+    assert_w8a8_matches(oracle, ckpt, model, prompts, greedy, logprobs)
 
 
 def _load(path: str, rank: int = 0, size: int = 1):
@@ -271,9 +302,10 @@ def test_block_fp8_experts_match_transformers_on_the_dequantized_weights(tmp_pat
     block = (BLOCK, BLOCK)
     ref = roundtrip_copy(src, str(tmp_path / "moe_dq"),
                          lambda w: dequantize_fp8_block(*quantize_fp8_block(w, block), block))
+    model = fake_quantized_activations(oracle.model(ref), group=BLOCK)  # attention's projections; experts: W8A16
     prompts = random_prompts(6, 3, 40, seed=14)
-    outputs, _ = run_engine(ckpt, prompts, GREEDY, device="cpu", dtype="float32", tensor_parallel_size=tp)
-    assert_matches_oracle(oracle, ref, prompts, outputs, N)
+    greedy, logprobs = generate_both(ckpt, prompts, tensor_parallel_size=tp)
+    assert_w8a8_matches(oracle, ref, model, prompts, greedy, logprobs)
     experts = _load(ckpt).model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == FP8 and experts.w2_weight_scale_inv.shape == (4, 64 // BLOCK, 64 // BLOCK)
 
@@ -290,18 +322,27 @@ def test_an_expert_block_that_straddles_a_shard_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors through Triton: its interpreter")
-@pytest.mark.parametrize("online", [True])
+@pytest.mark.parametrize("online", [True, False])
 def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckpt, monkeypatch, online):
     """The Triton kernels (run here in the interpreter) in place of the reference: the GEMM for prefill, the
-    skinny kernel for decode. Online fp8 only: for a block-wise checkpoint the GEMM quantizes the activations per
-    token and group (as vLLM does) while the reference keeps them in the model's dtype, so the paths may differ."""
+    skinny kernel for decode, both quantizing the activations as the reference does. Their sums go in another
+    order, so the sampled tokens' logprobs, up to where the two first differ, are held to the W8A8 criteria."""
     from nanovllm import kernels
     from nanovllm.kernels import triton_fp8
     prompts = random_prompts(3, 3, 30, seed=13)
     path, kw = (float_ckpt, dict(quantization="fp8")) if online else (fp8_ckpt, {})
-    reference, _ = run_engine(path, prompts, GREEDY, device="cpu", dtype="float32", **kw)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+    reference, _ = run_engine(path, prompts, params, device="cpu", dtype="float32", **kw)
     calls = []
     monkeypatch.setattr(kernels, "fp8_ops", lambda x: calls.append(x.size(0)) or triton_fp8)
-    with_kernel, _ = run_engine(path, prompts, GREEDY, device="cpu", dtype="float32", **kw)
+    with_kernel, _ = run_engine(path, prompts, params, device="cpu", dtype="float32", **kw)
     assert calls and max(calls) > triton_fp8.SKINNY_MAX_M and min(calls) <= 3  # prefill, then decode
-    assert [o["token_ids"] for o in with_kernel] == [o["token_ids"] for o in reference]
+    diffs = []
+    for ref, got in zip(reference, with_kernel, strict=True):
+        for a, b, lp_a, lp_b in zip(ref["token_ids"], got["token_ids"], ref["logprobs"], got["logprobs"]):
+            diffs.append(abs(lp_a[a].logprob - lp_b[a].logprob) if a == b else float("nan"))
+            if a != b:
+                break
+    diffs = torch.tensor(diffs)
+    assert diffs.numel() >= len(prompts) * N // 2, "the paths parted within the first half of the tokens"
+    assert float((diffs < W8A8_TYPICAL).double().mean()) >= 0.9 and not diffs.isnan().sum() > 1, diffs
