@@ -277,10 +277,10 @@ def _fp8_experts(experts: int, n: int, k: int, block: tuple[int, int], g: torch.
     magnitude by up to 2^8 (so a scale read from the wrong block, row or expert changes the result)."""
     bn, bk = block
     factor = 2.0 ** torch.randint(-4, 5, (experts, -(-n // bn), -(-k // bk)), generator=g).float()
-    w = torch.randn(experts, n, k, generator=g) / k ** 0.5
-    w = w * factor.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    w = torch.randn(experts, n, k, generator=g).to(DEVICE) / k ** 0.5
+    w *= factor.to(DEVICE).repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
     quantized = [quantize_fp8_block(w[e], block) for e in range(experts)]
-    return (torch.stack([q for q, _ in quantized]).to(DEVICE), torch.stack([s for _, s in quantized]).to(DEVICE))
+    return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
 
 
 def _fp8_moe_inputs(m, hidden, inter, experts, top_k, block, dtype, seed, skew=False):
@@ -403,32 +403,51 @@ def test_fused_moe_at_qwen3_30b_a3b_shapes(m):
     _check_fused_moe(m, 2048, 768, 128, 8, torch.bfloat16, seed=m, residual=m == 64)
 
 
+@pytest.fixture(scope="module")
+def qwen3_30b_fp8_experts():
+    """Qwen3-30B-A3B-FP8's experts: 128 of H 2048 x I 768 in e4m3 with 128x128 blocks, built once."""
+    g = torch.Generator().manual_seed(30)
+    w13, s13 = _fp8_experts(128, 2 * 768, 2048, (128, 128), g)
+    w2, s2 = _fp8_experts(128, 2048, 768, (128, 128), g)
+    return w13, w2, dict(w13_scale=s13, w2_scale=s2, block_shape=(128, 128))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64, 2048])
-def test_fp8_fused_moe_at_qwen3_30b_a3b_shapes(m):
-    """Qwen3-30B-A3B-FP8's experts (H 2048, I 768, 128 experts, top-8, 128x128 blocks), x in bf16, the default
-    tiles of each batch size; the reference dequantizes in float64."""
-    x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(m, 2048, 768, 128, 8, (128, 128), torch.bfloat16, seed=m)
-    res = torch.randn(m, 2048, device=DEVICE).to(torch.bfloat16) if m == 64 else None
+def test_fp8_fused_moe_at_qwen3_30b_a3b_shapes(qwen3_30b_fp8_experts, m):
+    """Top-8 of the 128 experts, x in bf16, the default tiles of each batch size; the reference dequantizes the
+    experts in float64."""
+    w13, w2, fp8 = qwen3_30b_fp8_experts
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2048, generator=g).to(torch.bfloat16).to(DEVICE)
+    res = torch.randn(m, 2048, generator=g).to(torch.bfloat16).to(DEVICE) if m == 64 else None
+    tw, ti = _route(m, 128, 8, g, skew=False)
     assert _fp8_error(x, w13, w2, tw, ti, fp8, res) < TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
-def test_fused_moe_in_a_cuda_graph():
-    """Captured once, replayed on new routing (as decode graphs replay): the same values as eager calls."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_in_a_cuda_graph(fp8):
+    """Captured once, replayed on new routing (as decode graphs replay): the same values as eager calls; with
+    bf16 experts and with fp8 ones (128x128 blocks)."""
     x, w13, w2, tw, ti = _moe_inputs(48, 256, 128, 32, 4, torch.bfloat16, seed=5)
-    eager = triton_moe.fused_moe(x, w13, w2, tw, ti)
+    scales = {}
+    if fp8:
+        g = torch.Generator().manual_seed(7)
+        (w13, s13), (w2, s2) = _fp8_experts(32, 256, 256, (128, 128), g), _fp8_experts(32, 256, 128, (128, 128), g)
+        scales = dict(w13_scale=s13, w2_scale=s2, block_shape=(128, 128))
+    eager = triton_moe.fused_moe(x, w13, w2, tw, ti, **scales)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_moe.fused_moe(x, w13, w2, tw, ti)
+        out = triton_moe.fused_moe(x, w13, w2, tw, ti, **scales)
     graph.replay()
     assert torch.equal(out, eager)
     x2, _, _, tw2, ti2 = _moe_inputs(48, 256, 128, 32, 4, torch.bfloat16, seed=6)
     for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
         dst.copy_(src)
     graph.replay()
-    assert torch.equal(out, triton_moe.fused_moe(x, w13, w2, tw, ti))
+    assert torch.equal(out, triton_moe.fused_moe(x, w13, w2, tw, ti, **scales))
 
 
 @pytest.mark.gpu
