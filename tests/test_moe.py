@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from tiny_model import build_tiny_model
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.kernels import moe_reference
+from nanovllm.layers.quantization import FP8, quantize_fp8_block
 
 triton_moe = pytest.importorskip("nanovllm.kernels.triton_moe")
 
@@ -186,17 +188,20 @@ def test_qwen3_30b_a3b_preset_builds():
 
 
 # ---- the kernel against the reference -------------------------------------------------------------
+def _route(m: int, experts: int, top_k: int, g: torch.Generator, skew: bool):
+    logits = torch.randn(m, experts, generator=g)
+    if skew:  # most tokens to two experts: runs of many tiles for one expert, most experts untouched
+        logits[:, 3] += 8.0
+        logits[:, 5] += 7.0
+    return moe_reference.fused_topk(logits.to(DEVICE), top_k, renormalize=True)
+
+
 def _moe_inputs(m: int, hidden: int, inter: int, experts: int, top_k: int, dtype, seed: int, skew: bool = False):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, hidden, generator=g).to(dtype).to(DEVICE)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype).to(DEVICE)
     w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype).to(DEVICE)
-    logits = torch.randn(m, experts, generator=g)
-    if skew:  # most tokens to two experts: runs of many tiles for one expert, most experts untouched
-        logits[:, 3] += 8.0
-        logits[:, 5] += 7.0
-    topk_weights, topk_ids = moe_reference.fused_topk(logits.to(DEVICE), top_k, renormalize=True)
-    return x, w13, w2, topk_weights, topk_ids
+    return (x, w13, w2, *_route(m, experts, top_k, g, skew))
 
 
 def _check_fused_moe(m, hidden, inter, experts, top_k, dtype, seed=0, skew=False, config=None, residual=False):
@@ -266,6 +271,130 @@ def test_fused_topk_kernel_matches_reference(renormalize):
         assert torch.equal(ref_ids32, ref_ids) and torch.allclose(ref_w32.double(), ref_w, atol=1e-6)
 
 
+# ---- fp8 experts: e4m3 weights with block scales, against the reference on the same weights dequantized ---------
+def _fp8_experts(experts: int, n: int, k: int, block: tuple[int, int], g: torch.Generator):
+    """(e4m3 weights [E, n, k], scales [E, ceil(n / bn), ceil(k / bk)]) of random weights whose blocks differ in
+    magnitude by up to 2^8 (so a scale read from the wrong block, row or expert changes the result)."""
+    bn, bk = block
+    factor = 2.0 ** torch.randint(-4, 5, (experts, -(-n // bn), -(-k // bk)), generator=g).float()
+    w = torch.randn(experts, n, k, generator=g).to(DEVICE) / k ** 0.5
+    w *= factor.to(DEVICE).repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    quantized = [quantize_fp8_block(w[e], block) for e in range(experts)]
+    return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
+
+
+def _fp8_moe_inputs(m, hidden, inter, experts, top_k, block, dtype, seed, skew=False):
+    """x, the fp8 experts, the routing, and the scales and block as ``fused_moe``'s keywords."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g).to(dtype).to(DEVICE)
+    w13, s13 = _fp8_experts(experts, 2 * inter, hidden, block, g)
+    w2, s2 = _fp8_experts(experts, hidden, inter, block, g)
+    return (x, w13, w2, *_route(m, experts, top_k, g, skew), dict(w13_scale=s13, w2_scale=s2, block_shape=block))
+
+
+def _fp8_error(x, w13, w2, tw, ti, fp8, residual=None, config=None, kernel_fp8=None):
+    """The kernel's relative error against the reference in float64 (the experts dequantized exactly);
+    ``kernel_fp8``: other scales for the kernel alone."""
+    ref = moe_reference.fused_moe(x.double(), w13, w2, tw, ti, **fp8)
+    if residual is not None:
+        ref = ref + residual.double()
+    out = triton_moe.fused_moe(x, w13, w2, tw, ti, residual=None if residual is None else residual.clone(),
+                               config=config, **(kernel_fp8 or fp8))
+    assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any()
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+# (hidden, inter, block, tiles): hidden 80 leaves a partial block in K (w13) and in N (w2); the first case steps
+# through each 64-column block of the scales in two K steps of 32, its 64-row blocks in column tiles of 32; the
+# second's 64-wide tiles span four 16-row blocks, its K steps cut to one 32-column block, I = 48 a partial K block
+FP8_CASES = {"bn64_bk64_tiles32": (80, 64, (64, 64), SMALL),
+             "bn16_bk32_tiles64": (80, 48, (16, 32), dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4,
+                                                           num_stages=2))}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,skew,residual", [(1, False, False), (7, False, True), (40, True, False)],
+                         ids=["decode1", "batch7_residual", "skewed40"])
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_fused_moe_matches_dequantized_reference(case, m, skew, residual, dtype):
+    """8 experts, top-2; skewed routing puts ~40 rows (three tiles of 16) on one expert."""
+    hidden, inter, block, config = FP8_CASES[case]
+    x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(m, hidden, inter, 8, 2, block, dtype, seed=m, skew=skew)
+    res = torch.randn(m, hidden, device=DEVICE).to(dtype) if residual else None
+    assert _fp8_error(x, w13, w2, tw, ti, fp8, res, config) < TOL[dtype]
+
+
+def test_fp8_fused_moe_reads_each_blocks_own_scale():
+    """A mutation check: the kernel given the scales of the neighbouring expert, row block or column block (what
+    a wrong index would read) misses the reference by far more than the tolerance, so the test above would fail."""
+    hidden, inter, block, config = FP8_CASES["bn64_bk64_tiles32"]
+    x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(7, hidden, inter, 8, 2, block, torch.float32, seed=9)
+    assert _fp8_error(x, w13, w2, tw, ti, fp8, config=config) < TOL[torch.float32]
+    for dim in (0, 1, 2):
+        wrong = dict(fp8, w13_scale=fp8["w13_scale"].roll(1, dim).contiguous(),
+                     w2_scale=fp8["w2_scale"].roll(1, dim).contiguous())
+        assert _fp8_error(x, w13, w2, tw, ti, fp8, config=config, kernel_fp8=wrong) > 100 * TOL[torch.float32], dim
+
+
+def test_fp8_fused_moe_block_the_kernel_cannot_step_through():
+    """bk = 48 (not a power of two): the experts are dequantized first, then the same kernel; same result."""
+    x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(5, 96, 48, 4, 2, (16, 48), torch.float32, seed=11)
+    assert _fp8_error(x, w13, w2, tw, ti, fp8, config=SMALL) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("fused_moe", [moe_reference.fused_moe, triton_moe.fused_moe], ids=["reference", "triton"])
+def test_fp8_fused_moe_refuses_missing_or_misshapen_scales(fused_moe):
+    x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(3, 64, 32, 4, 2, (32, 32), torch.float32, seed=12)
+    with pytest.raises(ValueError, match="need w13_scale, w2_scale and block_shape; got w13_scale, w2_scale"):
+        fused_moe(x, w13, w2, tw, ti, w13_scale=fp8["w13_scale"], w2_scale=fp8["w2_scale"])
+    with pytest.raises(ValueError, match=r"w13_scale is torch.float32 \(4, 2, 2\) but experts \(4, 64, 64\) with "
+                                         r"block_shape \(32, 16\) need float32 \(4, 2, 4\)"):
+        fused_moe(x, w13, w2, tw, ti, **dict(fp8, block_shape=(32, 16)))
+    with pytest.raises(ValueError, match=r"w2_scale is torch.float32 \(4, 1, 1\) but experts \(4, 64, 32\) "
+                                         r"with block_shape \(32, 32\) need float32 \(4, 2, 1\)"):
+        fused_moe(x, w13, w2, tw, ti, **dict(fp8, w2_scale=fp8["w2_scale"][:, :1, :1]))
+    dense = w13.float(), w2.float()
+    with pytest.raises(ValueError, match="w13_scale, w2_scale, block_shape given but the experts are torch.float32"):
+        fused_moe(x, *dense, tw, ti, **fp8)
+    with pytest.raises(TypeError, match="w13 is torch.float8_e4m3fn but w2 is torch.float32"):
+        fused_moe(x, w13, dense[1], tw, ti, **fp8)
+
+
+def test_fused_moe_layer_hands_its_fp8_experts_to_the_kernel(monkeypatch):
+    """FusedMoE of a block-wise fp8 model passes the e4m3 experts, their scales and block to the kernel (no
+    dequantized copy), which gives the reference layer's output."""
+    from nanovllm.layers import fused_moe as layer_module
+    from nanovllm.layers.fused_moe import FusedMoE
+    from nanovllm.layers.quantization import Fp8Config, quantization
+    with quantization(Fp8Config(True, (32, 32))):
+        layer = FusedMoE(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64, renormalize=True)
+    g = torch.Generator().manual_seed(13)
+    for name, (n, k) in (("w13", (128, 64)), ("w2", (64, 64))):
+        w, s = _fp8_experts(4, n, k, (32, 32), g)
+        getattr(layer, f"{name}_weight").data.copy_(w)
+        getattr(layer, f"{name}_weight_scale_inv").data.copy_(s)
+    layer.to(DEVICE)
+    x = torch.randn(6, 64, generator=g).to(DEVICE)
+    logits = torch.randn(6, 4, generator=g).to(DEVICE)
+    ref = layer(x, logits) if not CUDA else None
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((args[1].dtype, args[2].dtype, kw["block_shape"]))
+        return triton_moe.fused_moe(*args, **kw)
+    ops = SimpleNamespace(fused_topk=triton_moe.fused_topk, fused_moe=spy)
+    monkeypatch.setattr(layer_module, "moe_ops", lambda x: ops)
+    out = layer(x, logits)
+    assert seen == [(FP8, FP8, (32, 32))]
+    tw, ti = moe_reference.fused_topk(logits, 2, True)
+    expected = moe_reference.fused_moe(x.double(), layer.w13_weight, layer.w2_weight, tw, ti,
+                                       w13_scale=layer.w13_weight_scale_inv, w2_scale=layer.w2_weight_scale_inv,
+                                       block_shape=(32, 32))
+    assert float((out.double() - expected).norm() / expected.norm()) < TOL[torch.float32]
+    if ref is not None:  # the CPU layer (the reference path) agrees too
+        assert float((ref.double() - expected).norm() / expected.norm()) < TOL[torch.float32]
+
+
 # ---- on the GPU: Qwen3-30B-A3B's shapes, CUDA graphs, the engine ------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 64, 256, 2048])
@@ -274,22 +403,51 @@ def test_fused_moe_at_qwen3_30b_a3b_shapes(m):
     _check_fused_moe(m, 2048, 768, 128, 8, torch.bfloat16, seed=m, residual=m == 64)
 
 
+@pytest.fixture(scope="module")
+def qwen3_30b_fp8_experts():
+    """Qwen3-30B-A3B-FP8's experts: 128 of H 2048 x I 768 in e4m3 with 128x128 blocks, built once."""
+    g = torch.Generator().manual_seed(30)
+    w13, s13 = _fp8_experts(128, 2 * 768, 2048, (128, 128), g)
+    w2, s2 = _fp8_experts(128, 2048, 768, (128, 128), g)
+    return w13, w2, dict(w13_scale=s13, w2_scale=s2, block_shape=(128, 128))
+
+
 @pytest.mark.gpu
-def test_fused_moe_in_a_cuda_graph():
-    """Captured once, replayed on new routing (as decode graphs replay): the same values as eager calls."""
+@pytest.mark.parametrize("m", [1, 64, 2048])
+def test_fp8_fused_moe_at_qwen3_30b_a3b_shapes(qwen3_30b_fp8_experts, m):
+    """Top-8 of the 128 experts, x in bf16, the default tiles of each batch size; the reference dequantizes the
+    experts in float64."""
+    w13, w2, fp8 = qwen3_30b_fp8_experts
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 2048, generator=g).to(torch.bfloat16).to(DEVICE)
+    res = torch.randn(m, 2048, generator=g).to(torch.bfloat16).to(DEVICE) if m == 64 else None
+    tw, ti = _route(m, 128, 8, g, skew=False)
+    assert _fp8_error(x, w13, w2, tw, ti, fp8, res) < TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_fused_moe_in_a_cuda_graph(fp8):
+    """Captured once, replayed on new routing (as decode graphs replay): the same values as eager calls; with
+    bf16 experts and with fp8 ones (128x128 blocks)."""
     x, w13, w2, tw, ti = _moe_inputs(48, 256, 128, 32, 4, torch.bfloat16, seed=5)
-    eager = triton_moe.fused_moe(x, w13, w2, tw, ti)
+    scales = {}
+    if fp8:
+        g = torch.Generator().manual_seed(7)
+        (w13, s13), (w2, s2) = _fp8_experts(32, 256, 256, (128, 128), g), _fp8_experts(32, 256, 128, (128, 128), g)
+        scales = dict(w13_scale=s13, w2_scale=s2, block_shape=(128, 128))
+    eager = triton_moe.fused_moe(x, w13, w2, tw, ti, **scales)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_moe.fused_moe(x, w13, w2, tw, ti)
+        out = triton_moe.fused_moe(x, w13, w2, tw, ti, **scales)
     graph.replay()
     assert torch.equal(out, eager)
     x2, _, _, tw2, ti2 = _moe_inputs(48, 256, 128, 32, 4, torch.bfloat16, seed=6)
     for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
         dst.copy_(src)
     graph.replay()
-    assert torch.equal(out, triton_moe.fused_moe(x, w13, w2, tw, ti))
+    assert torch.equal(out, triton_moe.fused_moe(x, w13, w2, tw, ti, **scales))
 
 
 @pytest.mark.gpu

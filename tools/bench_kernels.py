@@ -11,7 +11,9 @@ kernel (M <= 16), with ``--sweep`` over its tile sizes. MoE (``--only moe``): Qw
 2048 x 768, top-8; one layer) at 1-4096 tokens, the fused kernel against a loop over the experts the batch
 touches of cuBLAS GEMMs (gather, gate/up, SiLU-and-mul, down, weighted index_add; the routing found
 beforehand, so the loop has no host sync), both replayed from CUDA Graphs over 8 routings, in expert weight
-bytes read per second (each touched expert once; ``layer_us`` adds the top-k), ``--sweep`` over its tiles.
+bytes read per second (each touched expert once; ``layer_us`` adds the top-k), ``--sweep`` over its tiles; beside
+it the same experts in block-wise fp8 (Qwen3-30B-A3B-FP8's 128x128 blocks, x in bf16) through the fp8 kernel, in
+their e4m3 and scale bytes read per second (``fp8_*``; ``fp8_speedup``: the bf16 kernel's time over the fp8 one's).
 Shapes: Qwen3-0.6B's attention (16 query / 8
 KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
 calls are captured in a CUDA Graph and replayed, as the engine runs them. ``--kv-cache-dtype fp8``: the
@@ -197,6 +199,9 @@ MOE_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=
                for bm, bn, bk, w, st in [(16, 32, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
                                          (32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
                                          (128, 128, 64, 8, 3)]]
+MOE_FP8_CONFIGS = MOE_CONFIGS + [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
+                                 for bm, bn, w, st in [(16, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 3)]]
+MOE_FP8_BLOCK = (128, 128)
 
 
 def _expert_loop(x, w13, w2, plan):
@@ -209,13 +214,26 @@ def _expert_loop(x, w13, w2, plan):
     return out
 
 
+def _fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert of w [E, N, K] quantized block-wise: (e4m3 [E, N, K], scales [E, N / bn, K / bk])."""
+    from nanovllm.layers.quantization import quantize_fp8_block
+    quantized = [quantize_fp8_block(w[e], block) for e in range(w.size(0))]
+    return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
+
+
 def moe_rows(sweep: bool, bw: float, routings: int = 8):
-    """The fused MoE kernel against the per-expert cuBLAS loop at Qwen3-30B-A3B's shapes (one layer)."""
+    """The fused MoE kernel against the per-expert cuBLAS loop at Qwen3-30B-A3B's shapes (one layer), and the
+    fp8 kernel on the same experts quantized block-wise."""
+    from nanovllm.layers.quantization import dequantize_fp8_block
     rows = []
     e, top_k, h, i = (MOE_SHAPE[name] for name in ("experts", "top_k", "hidden", "inter"))
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DTYPE) / h ** 0.5
     w2 = torch.randn(e, h, i, device="cuda", dtype=DTYPE) / i ** 0.5
     expert_bytes = 3 * h * i * DTYPE.itemsize
+    (q13, s13), (q2, s2) = _fp8_experts(w13, MOE_FP8_BLOCK), _fp8_experts(w2, MOE_FP8_BLOCK)
+    fp8 = dict(w13_scale=s13, w2_scale=s2, block_shape=MOE_FP8_BLOCK)
+    fp8_expert_bytes = (q13[0].numel() + q2[0].numel()) + 4 * (s13[0].numel() + s2[0].numel())
+    dq13, dq2 = (dequantize_fp8_block(q, sc, MOE_FP8_BLOCK, DTYPE) for q, sc in ((q13, s13), (q2, s2)))
     for m in (1, 16, 64, 256, 1024, 4096):
         x = torch.randn(m, h, device="cuda", dtype=DTYPE)
         logits = [torch.randn(m, e, device="cuda", dtype=DTYPE) for _ in range(routings)]
@@ -239,11 +257,23 @@ def moe_rows(sweep: bool, bw: float, routings: int = 8):
                    fused_us=t_fused * 1e6, fused_of_copy=nbytes / t_fused / bw, layer_us=t_layer * 1e6,
                    loop_us=t_loop * 1e6, loop_of_copy=nbytes / t_loop / bw, speedup=t_loop / t_fused, rel_err=err,
                    config=tmoe.moe_config(m, e, top_k))
+        fp8_bytes = touched * fp8_expert_bytes
+        fused_fp8 = [partial(tmoe.fused_moe, x, q13, q2, w, ids, **fp8) for w, ids in routed]
+        t_fp8 = bench_graph_each(fused_fp8)
+        ref_fp8 = _expert_loop(x, dq13, dq2, plans[0]).float()  # cuBLAS on the experts dequantized to bf16
+        row.update(fp8_weight_mb=fp8_bytes / 1e6, fp8_us=t_fp8 * 1e6, fp8_of_copy=fp8_bytes / t_fp8 / bw,
+                   fp8_speedup=t_fused / t_fp8,
+                   fp8_rel_err=float((fused_fp8[0]().float() - ref_fp8).norm() / ref_fp8.norm()))
         if sweep and m in (1, 64, 256, 4096):
             best = fastest(t_fused, ((cfg, partial(bench_graph_each, [partial(tmoe.fused_moe, x, w13, w2, w, ids,
                                                                               config=cfg) for w, ids in routed], 30))
                                      for cfg in MOE_CONFIGS))
             row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw, best_config=best[1])
+            best = fastest(t_fp8, ((cfg, partial(bench_graph_each, [partial(tmoe.fused_moe, x, q13, q2, w, ids,
+                                                                            config=cfg, **fp8)
+                                                                    for w, ids in routed], 30))
+                                   for cfg in MOE_FP8_CONFIGS))
+            row.update(fp8_best_us=best[0] * 1e6, fp8_best_of_copy=fp8_bytes / best[0] / bw, fp8_best_config=best[1])
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

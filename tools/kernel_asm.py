@@ -1,7 +1,7 @@
-"""The attention kernels compiled for an H200 (sm_90) on any machine, no GPU needed: counts of the PTX
-instructions that tell how tiles move (byte-wise shared-memory traffic, ldmatrix, fp8 conversions, the
-tensor-core products), and each kernel's shared memory. Triton's wheel carries the compiler; the kernels must
-be real JIT functions, so TRITON_INTERPRET must be unset (the script refuses otherwise).
+"""The attention, fp8 GEMM and fused MoE kernels compiled for an H200 (sm_90) on any machine, no GPU needed:
+counts of the PTX instructions that tell how tiles move (byte-wise shared-memory traffic, ldmatrix, fp8
+conversions, the tensor-core products), and each kernel's shared memory. Triton's wheel carries the compiler;
+the kernels must be real JIT functions, so TRITON_INTERPRET must be unset (the script refuses otherwise).
 
     python tools/kernel_asm.py [--json] [--ptx-dir DIR]
 
@@ -96,11 +96,29 @@ def fp8_gemm(block: bool, block_m: int = 128, block_n: int = 128):
     return _compile(tf._fp8_gemm_kernel, sig, const, warps, stages, unaligned=("m", "stride_as"))
 
 
+def moe(fp8: bool, block_m: int):
+    """The fused MoE's gate/up GEMM (SiLU-and-mul) at Qwen3-30B-A3B's shapes, bf16 experts or block-wise fp8 ones
+    (128x128 blocks, x in bf16), with ``moe_config``'s tiles for BLOCK_M ``block_m`` (16: decode, 64: prefill)."""
+    from nanovllm.kernels import triton_moe as tm
+    sig = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32", "c_ptr": "*bf16",
+           "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+           "num_post_padded_ptr": "*i32", "n": "i32", "k": "i32", "num_pairs": "i32", "stride_a": "i32",
+           "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_c": "i32"}
+    cfg = tm.moe_config({16: 1, 64: 1 << 20}[block_m], 128, 8)
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    const = dict(ROWS_PER_A=8, SILU_MUL=True, MUL_ROUTED_WEIGHT=False, FP8_W=fp8, SCALE_N=128 if fp8 else 1,
+                 SCALE_K=128 if fp8 else 1, PRECISION="tf32", **cfg)
+    return _compile(tm._fused_moe_kernel, sig, const, warps, stages,
+                    unaligned=("num_pairs", "stride_se", "stride_sn"))
+
+
 KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True), "fp8 GEMM per-channel": lambda: fp8_gemm(False),
            "fp8 GEMM block-wise 64x64": lambda: fp8_gemm(True, 64, 64),
            "decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
            "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64), "prefill paged bf16": lambda: prefill("bf16"),
-           "prefill paged fp8": lambda: prefill("fp8e4nv")}
+           "prefill paged fp8": lambda: prefill("fp8e4nv"),
+           "MoE gate/up bf16, 16 rows": lambda: moe(False, 16), "MoE gate/up fp8, 16 rows": lambda: moe(True, 16),
+           "MoE gate/up bf16, 64 rows": lambda: moe(False, 64), "MoE gate/up fp8, 64 rows": lambda: moe(True, 64)}
 
 
 def main():

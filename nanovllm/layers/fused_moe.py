@@ -1,7 +1,8 @@
 """A mixture-of-experts layer's experts (vLLM's ``FusedMoE``): ``w13_weight [E, 2 * I/tp, H]`` (gate rows, then up
 rows) and ``w2_weight [E, H, I/tp]``, sharded along the intermediate dimension as vLLM shards them. In a block-wise
 fp8 model they are fp8 with ``w13_weight_scale_inv`` and ``w2_weight_scale_inv`` (the experts' ``weight_scale_inv``
-stacked), dequantized on each call (a reference, on CUDA too); ``quantization="fp8"`` leaves experts unquantized."""
+stacked), which the fused MoE kernel reads as they are (the CPU reference dequantizes the experts a batch routes
+to); ``quantization="fp8"`` leaves experts unquantized."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from torch import nn
 
 from nanovllm.kernels import moe_ops
 from nanovllm.layers.linear import blocks, check_dtype, check_shape
-from nanovllm.layers.quantization import FP8, dequantize_fp8_block, get_quant_config
+from nanovllm.layers.quantization import FP8, get_quant_config
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 
@@ -86,10 +87,8 @@ class FusedMoE(nn.Module):
         """residual + the router-weighted sum of each token's top-k experts' MLPs of x."""
         ops = moe_ops(x)
         topk_weights, topk_ids = ops.fused_topk(router_logits, self.top_k, self.renormalize)
-        w13, w2 = self.w13_weight, self.w2_weight
-        if self.block is not None:
-            w13 = dequantize_fp8_block(w13, self.w13_weight_scale_inv, self.block, x.dtype)
-            w2 = dequantize_fp8_block(w2, self.w2_weight_scale_inv, self.block, x.dtype)
-        y = ops.fused_moe(x, w13, w2, topk_weights, topk_ids,
-                          residual=residual if self.tp_rank == 0 else None)
+        fp8 = {} if self.block is None else dict(w13_scale=self.w13_weight_scale_inv,
+                                                  w2_scale=self.w2_weight_scale_inv, block_shape=self.block)
+        y = ops.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                          residual=residual if self.tp_rank == 0 else None, **fp8)
         return all_reduce(y, self.tp_group)
