@@ -6,6 +6,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from nanovllm.engine.sleep import check_awake
 from nanovllm.engine.worker_group import UPDATE_BATCH_BYTES
 
 
@@ -57,6 +58,7 @@ def update_weights(engine, weights) -> None:
         runner, workers = engine._resources.runner, engine._resources.workers
         if runner is None:
             raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+        check_awake(runner, "update_weights()", ("weights",))
         if not engine.core.is_finished():
             scheduler = engine.core.scheduler
             raise ValueError(f"update_weights() while {len(scheduler.waiting) + len(scheduler.running)} "
