@@ -122,7 +122,7 @@ def test_sleep_and_extension_on_two_ranks(pair, oracle):
         assert len(sums) == 2 and sums[0] != sums[1]  # each rank holds its own shards
         llm.update_weights(list(oracle.model(b).named_parameters()))
         assert all(x != y for x, y in zip(llm.collective_rpc("weight_sum"), sums))
-        assert llm.collective_rpc("scale_norms", args=(1.0,)) == [9, 9]  # 2 layers x 4 norms (q, k, input, post-attention) + the final one
+        assert llm.collective_rpc("scale_norms", args=(1.0,)) == [9, 9]  # 2 layers x 4 norms + the final one
         llm.sleep(level=1)
         assert llm.collective_rpc(lambda_free_storage) == [0, 0]  # every rank gave its weights back
         llm.wake_up()

@@ -13,11 +13,11 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config, set_random_seed
+from nanovllm.engine import sleep
 from nanovllm.engine.core import EngineCore, EngineResources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.output_processor import Request
 from nanovllm.engine.outputs import request_output, step_output
-from nanovllm.engine import sleep
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.engine.vllm_logits import VllmLogitsProcessors

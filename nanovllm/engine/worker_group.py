@@ -231,7 +231,8 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
         from nanovllm.vllm_compat import rpc_reply
         # attached before joining the group: rank 0 writes nothing before every rank joined
         channel = CallChannel(segment, config.tensor_parallel_size, rank)
-        runner = runner_class(config.worker_extension_cls)(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
+        group = TPGroup(rank, config.tensor_parallel_size, port, config.device)
+        runner = runner_class(config.worker_extension_cls)(config, rank, group)
         while (call := channel.read(doorbell)) is not None:
             method, args = call
             if method == "rpc":  # collective_rpc: (method, args, kwargs), answered on the doorbell
