@@ -142,8 +142,9 @@ def main():
     parser.add_argument("--clip", type=float, default=0.2, help="PPO's ratio clip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-sleep", dest="sleep", action="store_false", help="keep the engine awake while training")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch's CPU threads (1 is fastest on a machine that other work keeps busy)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's CPU threads (0: torch's default; on a busy machine more threads wait on each "
+                        "other: 1 is fastest for this tiny model)")
     args = parser.parse_args()
     start = time.perf_counter()
     history, gaps = train(args.steps, args.n, args.prompts, args.max_tokens, args.lr, args.clip, args.seed, args.sleep,
