@@ -112,9 +112,12 @@ def test_sleep_and_wake_up_one_rank(pair, oracle):
             llm.sleep()
 
 
-def test_sleep_and_extension_on_two_ranks(pair, oracle):
+def test_sleep_and_extension_on_two_ranks(pair, oracle, monkeypatch):
     """TP=2: sleep and wake_up run on both ranks (the update after level 2 reaches the worker's shard), and the
-    extension's methods run on each with the runner as ``self``."""
+    extension's methods run on each with the runner as ``self``. The updates take CUDA's route here: the worker
+    gets the tensors by a broadcast over the TP group (gloo on CPU), not through the call channel."""
+    from nanovllm.engine import weight_update
+    monkeypatch.setattr(weight_update, "BROADCAST_DEVICES", ("cuda", "cpu"))
     a, b = pair
     with LLM(a, **SLEEPY, tensor_parallel_size=2, worker_extension_cls=f"{__name__}.Extension") as llm:
         sleep_cycle(llm, list(oracle.model(a).named_parameters()))
@@ -175,3 +178,25 @@ def test_sampled_logprobs_match_transformers_after_update(pair, oracle):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
             compared += len(got)
     assert compared == len(PROMPTS) * 2 * 10
+
+
+@pytest.mark.gpu
+def test_sleep_gives_device_memory_back_and_graphs_are_captured_again(pair, oracle):
+    """CUDA: sleep(level=1) frees at least the weights and the KV cache (the device's used memory falls by 90% of
+    their bytes or more); after wake_up the decode graphs are captured again and the outputs are as before."""
+    a, _ = pair
+    with LLM(a, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=4096, enable_sleep_mode=True,
+             max_num_seqs=8) as llm:
+        runner = llm.model_runner
+        assert runner.graphs is not None
+        before = generate(llm)
+        held = weight_bytes(llm) + runner.kv_cache.untyped_storage().nbytes()
+        torch.cuda.synchronize()
+        used = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+        llm.sleep(level=1)
+        freed = used - (torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0])
+        assert freed >= 0.9 * held, (freed, held)
+        assert runner.graphs is None
+        llm.wake_up()
+        assert runner.graphs is not None
+        assert generate(llm) == before

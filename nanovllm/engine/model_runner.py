@@ -112,6 +112,14 @@ class ModelRunner:
             check_weights(self.model, weights)
         update_weights(self.model, weights)
 
+    def receive_weights(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        """A worker's part of ``update_weights`` on CUDA: each (name, shape, dtype) tensor received from rank 0's
+        broadcast (device to device), then loaded as ``update_weights`` loads (rank 0 checked them)."""
+        weights = [(name, torch.empty(shape, dtype=dtype, device=self.device)) for name, shape, dtype in specs]
+        for _, tensor in weights:
+            self.group.broadcast(tensor, 0)
+        update_weights(self.model, weights)
+
     def capture_cudagraph(self):
         max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,

@@ -9,6 +9,10 @@ import torch
 from nanovllm.engine.sleep import check_awake
 from nanovllm.engine.worker_group import UPDATE_BATCH_BYTES
 
+# the devices whose TP ranks get update_weights' tensors by a broadcast over their group (NCCL: device to device);
+# elsewhere through the call channel's shared memory
+BROADCAST_DEVICES = ("cuda",)
+
 
 def weight_list(weights) -> list[tuple[str, torch.Tensor]]:
     """``update_weights``' (name, tensor) pairs as a list, each tensor detached; a TypeError naming the first
@@ -51,7 +55,9 @@ def update_weights(engine, weights) -> None:
     """``LLMEngine.update_weights``: every tensor checked on rank 0 by a dry run of its weight loader, then loaded
     batch by batch on every rank through the loaders (fusing, TP sharding, fp8 quantization, a cast to the model's
     dtype), in place. Refused while requests are unfinished (let them finish or abort them). Under TP every worker
-    gets the full tensors through shared memory, UPDATE_BATCH_BYTES at a time; a GPU tensor goes through the host."""
+    gets the full tensors UPDATE_BATCH_BYTES at a time: on CUDA by a broadcast from rank 0's device over the TP group
+    (NCCL, device to device; the names, shapes and dtypes through the call channel), on CPU through shared memory.
+    With one rank each tensor is copied from where it is straight into the parameter (no host round trip)."""
     weights = weight_list(weights)
     engine.core.drain_if_idle()
     with engine.core.lock:
@@ -65,7 +71,13 @@ def update_weights(engine, weights) -> None:
                              "completions are unfinished: let them finish or abort them first")
         runner.check_weights(weights)
         for batch in weight_batches(weights, UPDATE_BATCH_BYTES):
-            if workers is not None:
+            if workers is not None and engine.config.device in BROADCAST_DEVICES:
+                batch = [(name, tensor.to(runner.device).contiguous()) for name, tensor in batch]
+                specs = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in batch]
+                engine.core.call_or_shut_down(workers.call, "receive_weights", specs)
+                for _, tensor in batch:
+                    engine.core.call_or_shut_down(runner.group.broadcast, tensor, 0)
+            elif workers is not None:
                 portable = [(name, host_copy(tensor)) for name, tensor in batch]
                 engine.core.call_or_shut_down(workers.call, "update_weights", portable)
             engine.core.call_or_shut_down(runner.update_weights, batch, True)
