@@ -62,6 +62,9 @@ class Config:
     hf_overrides: dict | Callable | None = None
     enable_chunked_prefill: bool | None = None  # False: a prompt is never split
     profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": ...}
+    # a class or "module.Class" whose methods every rank's ModelRunner gets (for collective_rpc); "": none
+    worker_extension_cls: str | type | None = None
+    enable_sleep_mode: bool = False  # sleep() and wake_up() (engine/sleep.py)
     # resolved in __post_init__
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     model_class: type | None = field(default=None, init=False, repr=False)
@@ -167,14 +170,16 @@ class Config:
                               ("load_format", ("auto", "safetensors", "dummy"))):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
+        for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager", "enable_sleep_mode"):
             check_bool(name, getattr(self, name))
         for name in ("async_scheduling", "enable_chunked_prefill"):
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
+        from nanovllm.engine.worker_extension import load_worker_extension
         from nanovllm.vllm_compat import profiler_options
         self._set(profiler_config=profiler_options(self.profiler_config),
-                  logits_processors=load_logits_processors(self.logits_processors))
+                  logits_processors=load_logits_processors(self.logits_processors),
+                  worker_extension_cls=load_worker_extension(self.worker_extension_cls))
 
     def _resolve_paths(self):
         """``model`` and ``tokenizer`` as local directories; a Hub id's snapshot must hold config.json, and the

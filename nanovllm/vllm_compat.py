@@ -56,7 +56,6 @@ UNSUPPORTED_KEYWORDS = {
     "scheduling_policy": (("fcfs",), "first come, first served only"),
     "preemption_mode": ((None, "recompute"), "preempted sequences are recomputed"),
     "num_scheduler_steps": ((1,), "one forward per schedule"),
-    "enable_sleep_mode": ((False,), "no sleep mode"),
     "enable_prompt_embeds": ((False,), "prompts are text or token ids"),
     "task": ((None, "auto", "generate"), "text generation only"),
     "runner": (("auto", "generate"), "text generation only"),
@@ -329,23 +328,29 @@ class VllmCompatMixin:
             raise TypeError(f"method must be a method name or a callable, got {method!r:.80}")
         if timeout is not None:
             check_number("timeout", timeout, lo=0, lo_open=True)
-        call, deadline = (method, tuple(args), dict(kwargs or {})), timeout and time.monotonic() + timeout
+        deadline = timeout and time.monotonic() + timeout
         with self.core.lock:
-            runner, workers = self._resources.runner, self._resources.workers
-            if runner is None:
-                raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
-            if isinstance(method, str) and not callable(getattr(runner, method, None)):
-                raise ValueError(f"method={method!r} is not a method of the workers (nanovllm's ModelRunner)")
-            if workers is not None:
-                try:
-                    pickle.dumps(call)
-                except Exception as e:
-                    raise TypeError(f"collective_rpc: method, args and kwargs must pickle: {e}") from None
-                self.core.call_or_shut_down(workers.call, "rpc", *call)
+            return self._call_every_rank(method, tuple(args), dict(kwargs or {}), deadline)
+
+    def _call_every_rank(self, method, args: tuple, kwargs: dict, deadline: float | None = None) -> list:
+        """``collective_rpc`` with the core's lock held by the caller (``sleep``, ``wake_up``)."""
+        call = (method, args, kwargs)
+        runner, workers = self._resources.runner, self._resources.workers
+        if runner is None:
+            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+        if isinstance(method, str) and not callable(getattr(runner, method, None)):
+            raise ValueError(f"method={method!r} is not a method of the workers (nanovllm's ModelRunner, with "
+                             "worker_extension_cls's methods)")
+        if workers is not None:
             try:
-                result = run_method(runner, *call)
-            finally:
-                replies = self.core.call_or_shut_down(_rpc_replies, workers, deadline) if workers else []
+                pickle.dumps(call)
+            except Exception as e:
+                raise TypeError(f"collective_rpc: method, args and kwargs must pickle: {e}") from None
+            self.core.call_or_shut_down(workers.call, "rpc", *call)
+        try:
+            result = run_method(runner, *call)
+        finally:
+            replies = self.core.call_or_shut_down(_rpc_replies, workers, deadline) if workers else []
         for rank, (ok, value) in enumerate(replies, 1):
             if not ok:
                 raise RuntimeError(f"collective_rpc: tensor-parallel worker rank {rank} raised {value}")

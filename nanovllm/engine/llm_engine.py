@@ -13,15 +13,16 @@ import torch
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config, set_random_seed
+from nanovllm.engine import sleep
 from nanovllm.engine.core import EngineCore, EngineResources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import Request
 from nanovllm.engine.outputs import request_output, step_output
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.structured_output import StructuredOutputManager
 from nanovllm.engine.vllm_logits import VllmLogitsProcessors
 from nanovllm.engine.weight_update import update_weights
+from nanovllm.engine.worker_extension import runner_class
 from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
@@ -53,7 +54,8 @@ class LLMEngine(VllmCompatMixin):
         try:
             if config.tensor_parallel_size > 1:
                 resources.workers = WorkerGroup(config)
-            resources.runner = ModelRunner(config, 0, resources.workers.connect() if resources.workers else None)
+            group = resources.workers.connect() if resources.workers else None
+            resources.runner = runner_class(config.worker_extension_cls)(config, 0, group)
         except BaseException as e:
             resources.shut_down_and_raise(e, self._finalizer)
         runner = resources.runner
@@ -101,6 +103,21 @@ class LLMEngine(VllmCompatMixin):
         changed), storage kept (graphs stay valid), the prefix cache reset. ``weight_update`` has the details."""
         update_weights(self, weights)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``enable_sleep_mode=True``): gives the device memory of the KV cache and the weights
+        back; level 1 keeps the weights in host memory, level 2 discards them (reload with ``update_weights``).
+        Refused while requests are unfinished; requests are refused until ``wake_up``. Details: engine/sleep.py."""
+        sleep.sleep(self, level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Takes back the device memory of ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
+        sleep.wake_up(self, tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the weights or the KV cache are asleep."""
+        runner = self._resources.runner
+        return runner is not None and bool(runner.sleep_state.asleep)
+
     def add_request(self, *args, **kwargs) -> Request | None:
         """nano-vllm's ``add_request(prompt, sampling_params)``, returning the ``Request``, or vLLM's
         ``add_request(request_id, prompt, params)``; either way ``step()`` reports it."""
@@ -138,6 +155,7 @@ class LLMEngine(VllmCompatMixin):
         """A verified copy of ``sampling_params``, also checked against this engine."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sleep.check_awake(self._resources.runner, "a request")
         sp = sampling_params.clone()
         sp.verify()
         vocab_size, most = self.config.hf_config.vocab_size, self.config.max_logprobs

@@ -2,6 +2,7 @@
 forward (decode through CUDA graphs) and, on rank 0, sampling."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -16,6 +17,7 @@ from nanovllm.engine.outputs import ModelRunnerOutput
 from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sleep import RunnerSleep
 from nanovllm.layers.attention import Attention, bind_backend
 from nanovllm.layers.quantization import quantization, skip_unconverted_layers
 from nanovllm.layers.sampler import Sampler, prompt_logprobs
@@ -38,6 +40,7 @@ class ModelRunner:
         self.is_cuda = config.device == "cuda"
         self.prev_sampled: torch.Tensor | None = None  # the last step's sampled tokens (async scheduling)
         self.graphs: DecodeGraphs | None = None
+        self.sleep_state = RunnerSleep(self)
         if self.is_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
@@ -45,14 +48,32 @@ class ModelRunner:
         self.head_dim = head_dim_of(hf_config)
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
             // config.tensor_parallel_size
+        with self.building():
+            self._load_and_prepare(hf_config)
+
+    @contextlib.contextmanager
+    def building(self):
+        """This rank's device and the model's dtype as torch's defaults, what building the model and capturing its
+        graphs allocate with; one engine at a time, as the default dtype is process-wide."""
         with _BUILD_LOCK:
             default_dtype = torch.get_default_dtype()
-            torch.set_default_dtype(config.torch_dtype)
+            torch.set_default_dtype(self.config.torch_dtype)
             try:
                 with torch.device(self.device):
-                    self._load_and_prepare(hf_config)
+                    yield
             finally:
                 torch.set_default_dtype(default_dtype)
+
+    model_runner = property(lambda self: self, doc="The runner itself: vLLM's workers hold their runner here, so an "
+                            "extension written for vLLM reaches the model as ``self.model_runner.model``.")
+
+    def sleep(self, level: int):
+        """Gives this rank's KV cache and weights back (level 1 keeps the weights on the host): engine/sleep.py."""
+        self.sleep_state.sleep(level)
+
+    def wake_up(self, tags: list[str]):
+        """Takes back the memory of ``tags`` ("weights", "kv_cache"); graphs captured again once both are awake."""
+        self.sleep_state.wake_up(tags)
 
     def _load_and_prepare(self, hf_config):
         quant_config = self.config.quant_config
@@ -91,6 +112,14 @@ class ModelRunner:
             check_weights(self.model, weights)
         update_weights(self.model, weights)
 
+    def receive_weights(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]]):
+        """A worker's part of ``update_weights`` on CUDA: each (name, shape, dtype) tensor received from rank 0's
+        broadcast (device to device), then loaded as ``update_weights`` loads (rank 0 checked them)."""
+        weights = [(name, torch.empty(shape, dtype=dtype, device=self.device)) for name, shape, dtype in specs]
+        for _, tensor in weights:
+            self.group.broadcast(tensor, 0)
+        update_weights(self.model, weights)
+
     def capture_cudagraph(self):
         max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
@@ -118,6 +147,7 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = self.model = None
         self.attention_layers = []
+        self.sleep_state = RunnerSleep(self)  # lets go of any host copy of the weights
         gc.collect()  # each parameter and its layer refer to each other (the bound weight_loader): a cycle
         if self.is_cuda:
             torch.cuda.empty_cache()

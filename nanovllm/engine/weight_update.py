@@ -6,7 +6,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from nanovllm.engine.sleep import check_awake
 from nanovllm.engine.worker_group import UPDATE_BATCH_BYTES
+
+# the devices whose TP ranks get update_weights' tensors by a broadcast over their group (NCCL: device to device);
+# elsewhere through the call channel's shared memory
+BROADCAST_DEVICES = ("cuda",)
 
 
 def weight_list(weights) -> list[tuple[str, torch.Tensor]]:
@@ -46,25 +51,43 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
 
 
+def send_to_workers(engine, runner, workers, batch: list[tuple[str, torch.Tensor]]) -> list:
+    """Starts the workers loading ``batch``: a broadcast from rank 0's device (CUDA), or shared memory (CPU).
+    Returns the batch as rank 0 loads it."""
+    call = engine.core.call_or_shut_down
+    if engine.config.device in BROADCAST_DEVICES:
+        batch = [(name, tensor.to(runner.device).contiguous()) for name, tensor in batch]
+        call(workers.call, "receive_weights", [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in batch])
+        for _, tensor in batch:
+            call(runner.group.broadcast, tensor, 0)
+    else:
+        call(workers.call, "update_weights", [(name, host_copy(tensor)) for name, tensor in batch])
+    return batch
+
+
 def update_weights(engine, weights) -> None:
     """``LLMEngine.update_weights``: every tensor checked on rank 0 by a dry run of its weight loader, then loaded
     batch by batch on every rank through the loaders (fusing, TP sharding, fp8 quantization, a cast to the model's
     dtype), in place. Refused while requests are unfinished (let them finish or abort them). Under TP every worker
-    gets the full tensors through shared memory, UPDATE_BATCH_BYTES at a time; a GPU tensor goes through the host."""
+    gets the full tensors UPDATE_BATCH_BYTES at a time: on CUDA by a broadcast from rank 0's device over the TP group
+    (NCCL, device to device; the names, shapes and dtypes through the call channel), on CPU through shared memory.
+    With one rank each tensor is copied from where it is straight into the parameter (no host round trip)."""
     weights = weight_list(weights)
     engine.core.drain_if_idle()
     with engine.core.lock:
         runner, workers = engine._resources.runner, engine._resources.workers
         if runner is None:
             raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+        check_awake(runner, "update_weights()", ("weights",))
         if not engine.core.is_finished():
             scheduler = engine.core.scheduler
             raise ValueError(f"update_weights() while {len(scheduler.waiting) + len(scheduler.running)} "
                              "completions are unfinished: let them finish or abort them first")
         runner.check_weights(weights)
-        for batch in weight_batches(weights, UPDATE_BATCH_BYTES):
-            if workers is not None:
-                portable = [(name, host_copy(tensor)) for name, tensor in batch]
-                engine.core.call_or_shut_down(workers.call, "update_weights", portable)
-            engine.core.call_or_shut_down(runner.update_weights, batch, True)
+        if workers is None:  # one rank: each tensor copied from where it is into its parameter, in one pass
+            engine.core.call_or_shut_down(runner.update_weights, weights, True)
+        else:
+            for batch in weight_batches(weights, UPDATE_BATCH_BYTES):
+                batch = send_to_workers(engine, runner, workers, batch)
+                engine.core.call_or_shut_down(runner.update_weights, batch, True)
         engine.core.scheduler.block_manager.reset_prefix_cache()

@@ -227,11 +227,12 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     code = 1
     try:
-        from nanovllm.engine.model_runner import ModelRunner
+        from nanovllm.engine.worker_extension import runner_class
         from nanovllm.vllm_compat import rpc_reply
         # attached before joining the group: rank 0 writes nothing before every rank joined
         channel = CallChannel(segment, config.tensor_parallel_size, rank)
-        runner = ModelRunner(config, rank, TPGroup(rank, config.tensor_parallel_size, port, config.device))
+        group = TPGroup(rank, config.tensor_parallel_size, port, config.device)
+        runner = runner_class(config.worker_extension_cls)(config, rank, group)
         while (call := channel.read(doorbell)) is not None:
             method, args = call
             if method == "rpc":  # collective_rpc: (method, args, kwargs), answered on the doorbell
