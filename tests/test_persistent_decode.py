@@ -4,7 +4,9 @@ the model's own decode forward (PyTorch's kernels) on small random models, in th
 per stage over several programs and one whole launch of one program; on the GPU compiled, at real shapes too."""
 from __future__ import annotations
 
+import os
 import random
+import sys
 import threading
 
 import pytest
@@ -283,7 +285,20 @@ def test_unsupported_names_what_the_kernel_cannot_run():
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.2-1b", "qwen2.5-7b"])
 @pytest.mark.parametrize("batch", [1, 3, 16])
 def test_kernel_at_real_shapes_on_the_gpu(preset, batch):
-    """bf16, one program per SM, against the model's forward through the Triton kernels; 4 of the layers."""
+    """bf16, two programs per SM, against the model's forward through the Triton kernels; 4 of the layers."""
+    at_real_shapes(preset, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.2-1b"])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_fp8_kernel_at_real_shapes_on_the_gpu(preset, batch):
+    """Block-wise fp8 weights (128 x 128 blocks, Qwen3-*-FP8's) in bf16, against the model's forward through
+    ``triton_fp8``'s skinny kernel; 4 of the layers."""
+    at_real_shapes(preset, batch, fp8="block", fp8_block=(128, 128))
+
+
+def at_real_shapes(preset: str, batch: int, **build_kw):
     config = preset_config(preset)
     config.num_hidden_layers = 4
     if getattr(config, "layer_types", None):
@@ -292,18 +307,30 @@ def test_kernel_at_real_shapes_on_the_gpu(preset, batch):
     lens = [rng.randrange(1, 1500) for _ in range(batch)]
     compare(preset, torch.bfloat16, lens, programs=2 * torch.cuda.get_device_properties(0).multi_processor_count,
             stage_by_stage=False, tol=2e-2, num_blocks=sum(n // 16 + 1 for n in lens) + 4, config=config,
-            backend="triton")
+            backend="triton", **build_kw)
 
 
 @pytest.mark.gpu
-def test_engine_greedy_outputs_are_the_same_with_and_without_the_kernel(checkpoints):
+@pytest.mark.parametrize("weights", [None, "fp8-block", "fp8-channel"])
+def test_engine_greedy_outputs_are_the_same_with_and_without_the_kernel(checkpoints, tmp_path, weights):
+    """fp32 weights; a block-wise fp8 checkpoint (tools/quantize_fp8.py, 64 x 64 blocks); quantization="fp8"."""
     from nanovllm import LLM, SamplingParams
+    path, kw = checkpoints["gqa4_hd128_sharded"], {}
+    if weights == "fp8-block":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+        from quantize_fp8 import quantize_checkpoint
+        path = quantize_checkpoint(path, str(tmp_path / "fp8"), 64)
+    elif weights == "fp8-channel":
+        kw = dict(quantization="fp8")
     prompts = [[1, 2, 3, 4, 5], [7] * 40, list(range(3, 90))]
     outputs = []
     for max_batch in (16, 0):
-        llm = LLM(checkpoints["gqa4_hd128_sharded"], kvcache_block_size=16, max_model_len=512, device="cuda",
-                  dtype="float32", persistent_decode_max_batch=max_batch, num_kvcache_blocks=64)
-        assert (llm.model_runner.graphs.persistent is not None) == (max_batch > 0)
+        llm = LLM(path, kvcache_block_size=16, max_model_len=512, device="cuda", dtype="float32",
+                  persistent_decode_max_batch=max_batch, num_kvcache_blocks=64, **kw)
+        persistent = llm.model_runner.graphs.persistent
+        assert (persistent is not None) == (max_batch > 0)
+        if persistent is not None:
+            assert persistent.plan.fp8 == (weights and weights.removeprefix("fp8-"))
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48,
                                                                                                temperature=0))])
         llm.exit()
