@@ -35,8 +35,9 @@ from nanovllm.utils.context import set_context  # noqa: E402
 from nanovllm.utils.loader import load_dummy_weights  # noqa: E402
 
 BLOCK = 16
-# (programs per SM, L2 prefetch, the barrier polls with ld.acquire): the first is the default, the safe one
-VARIANTS = [(2, True, False), (2, False, False), (2, True, True)]
+# (programs per SM, L2 prefetch, the barrier polls with ld.acquire, fp8 weights' K columns a load (0: the plan's,
+# a product per scale block; 128: one block's, one product)): the first is the default, the safe one
+VARIANTS = [(2, True, False, 0), (2, False, False, 0), (2, True, True, 0), (2, True, False, 128)]
 
 
 def build(preset: str, num_blocks: int, quantize: str | None = None):
@@ -141,9 +142,13 @@ def main():
         with torch.inference_mode(), set_context(False, slot_mapping=slots, context_lens=ctx, block_tables=tables):
             result["graph_us"] = round(time_graph(lambda i=ids, p=positions: model(i, p)), 1)
             per_sm = None
-            for programs_per_sm, prefetch, spin_asm in VARIANTS:
+            for programs_per_sm, prefetch, spin_asm, load_k in VARIANTS:
                 key = f"kernel_us[{programs_per_sm}/SM,prefetch={int(prefetch)},asm={int(spin_asm)}]"
                 runner = PersistentDecoder(model, kv, sms * programs_per_sm, prefetch=prefetch, spin_asm=spin_asm)
+                if load_k:
+                    if runner.plan.fp8 is None:
+                        continue
+                    key, runner.options["fp8_load_k"] = f"{key[:-1]},fp8_load_k={load_k}]", load_k
                 try:
                     result[key] = round(time_graph(lambda r=runner, i=ids, p=positions: r(i, p)), 1)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal

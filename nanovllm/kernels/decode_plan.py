@@ -12,9 +12,9 @@ A layer is five stages, each ending when every program has arrived at the barrie
   down_proj  (tile, K split) tasks, merged as o_proj's
 
 The projections' weights are in the model's dtype or fp8 (``fp8``): "block", a checkpoint's e4m3 weights with a
-scale per ``weight_block_size`` block, read with the activations in the model's dtype (a chunk of K lies in one block
-of the scales); or "channel", ``quantization="fp8"``'s weights with a scale per output channel, the activations
-quantized to e4m3 per token (their amax gathered by the stage that writes them).
+scale per ``weight_block_size`` block, read with the activations in the model's dtype (a load of K columns spans
+whole blocks of the scales or lies in one); or "channel", ``quantization="fp8"``'s weights with a scale per output
+channel, the activations quantized to e4m3 per token (their amax gathered by the stage that writes them).
 """
 from __future__ import annotations
 
@@ -80,12 +80,10 @@ class DecodePlan:
                    None if weight_block_size is None else tuple(weight_block_size))
 
     def block_k(self, stage: str) -> int:
-        """The K columns of one load of a task's weights; with block-wise fp8 weights at most a block's columns
-        (its chunks' products take their block's scales: a chunk never straddles two blocks)."""
+        """The K columns of one load of a task's weights (a power of two, as a block's columns are)."""
         k = {"o_proj": self.num_heads * self.head_dim // self.o_splits,
              "down_proj": self.intermediate_size // self.down_splits}.get(stage, self.hidden_size)
-        block = min(_block_k(k), 256) if stage == "gate_up" else _block_k(k)  # two tiles: registers for 256
-        return block if self.fp8 != "block" else min(block, self.weight_block_size[1])
+        return min(_block_k(k), 256) if stage == "gate_up" else _block_k(k)  # two tiles: registers for 256
 
     @property
     def qkv_size(self) -> int:

@@ -96,12 +96,20 @@ def _quantized(x, scale, ROUND_FP8: tl.constexpr):
 
 
 @triton.jit
-def _chunk_dot(acc, x, w, scale_ptr, k0, FP8: tl.constexpr, SCALE_K: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + x @ w.T, w converted to x's dtype (exactly, from e4m3); block-wise fp8, the product times the scales
-    of the chunk's block (scale_ptr: each column's row of scales)."""
+def _chunk_dot(acc, x, w, scale_ptr, k0, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_K: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """acc + x @ w.T over K columns [k0, k0 + BLOCK_K), w converted to x's dtype (exactly, from e4m3). Block-wise
+    fp8: each scale block's product times its scale (scale_ptr: each column's row of scales); a chunk wider than a
+    block takes a product per block, of x with the other blocks' columns zeroed."""
     w = w.to(x.dtype)
     if FP8 == FP8_BLOCK:
-        return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION) * tl.load(scale_ptr + k0 // SCALE_K)[None, :]
+        if BLOCK_K <= SCALE_K:
+            return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION) * tl.load(scale_ptr + k0 // SCALE_K)[None, :]
+        block = tl.arange(0, BLOCK_K)[None, :] // SCALE_K
+        for j in tl.static_range(BLOCK_K // SCALE_K):
+            part = tl.dot(tl.where(block == j, x, tl.zeros_like(x)), tl.trans(w), input_precision=PRECISION)
+            acc += part * tl.load(scale_ptr + k0 // SCALE_K + j)[None, :]
+        return acc
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
@@ -168,9 +176,9 @@ def _normed_gemv(r_ptr, norm_ptr, w_ptr, s_ptr, b_ptr, out_ptr, amax_ptr, m, til
         x = _normed(r_ptr, norm_ptr, rows, row_mask, k0, ks, rstd, K)
         if FP8 == FP8_CHANNEL:
             x = _quantized(x, x_scale, ROUND_FP8)
-        acc = _chunk_dot(acc, x, w, s_rows, k0, FP8, SCALE_K, PRECISION)
+        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
         if GATE_UP:
-            acc_up = _chunk_dot(acc_up, x, w_up, s_up_rows, k0, FP8, SCALE_K, PRECISION)
+            acc_up = _chunk_dot(acc_up, x, w_up, s_up_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
         w, w_up = w_next, w_up_next
     if FP8 == FP8_CHANNEL:  # the weight's scales, then the token's, as the skinny kernel
         acc = acc * tl.load(s_ptr + cols)[None, :] * x_scale[:, None]
@@ -211,7 +219,7 @@ def _split_gemv_add(x_ptr, w_ptr, s_ptr, amax_ptr, r_ptr, part_ptr, counters, m,
         x = tl.load(x_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
         if FP8 == FP8_CHANNEL:
             x = _quantized(x, x_scale, ROUND_FP8)
-        acc = _chunk_dot(acc, x, w, s_rows, k0, FP8, SCALE_K, PRECISION)
+        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
         w = w_next
     if FP8 == FP8_CHANNEL:
         acc = acc * tl.load(s_ptr + cols)[None, :] * x_scale[:, None]
@@ -477,13 +485,20 @@ def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, tab
                   context_lens: torch.Tensor, block_tables: torch.Tensor, *, eps: float, scale: float, window: int = 0,
                   qk_norm: bool, qkv_bias: bool, prefetch: bool = False, spin_asm: bool = False,
                   stages_one_by_one: bool = False, attn_block_n: int = 32, trace: torch.Tensor | None = None,
-                  check_only: bool = False):
+                  fp8_load_k: int = 0, check_only: bool = False):
     """Runs every layer of ``table`` on r [m <= BLOCK_M, hidden] in place: one launch, or with
     ``stages_one_by_one`` a launch per layer and stage (no barriers). kv_cache is
     [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim], table [num_layers, len(TABLE)] int64 of data
     pointers. ``trace``: int64 [programs, num_layers, stages, 3] for ``_mark``'s timestamps (CUDA only).
+    ``fp8_load_k``: with fp8 weights, at most this many K columns a weight load (0: the plan's ``block_k``).
     Returns the compiled kernel; ``check_only`` compiles without launching."""
     m, p, num_layers = r.size(0), plan, table.size(0)
+    if fp8_load_k and (fp8_load_k < 16 or fp8_load_k & (fp8_load_k - 1)):
+        raise ValueError(f"fp8_load_k {fp8_load_k} is not a power of two >= 16")
+
+    def block_k(stage: str) -> int:
+        return min(p.block_k(stage), fp8_load_k) if p.fp8 and fp8_load_k else p.block_k(stage)
+
     assert 0 < m <= BLOCK_M and r.is_contiguous() and kv_cache.is_contiguous() and table.size(1) == len(TABLE)
     assert p.fp8 != "channel" or scratch.amax.numel() >= 2 * BLOCK_M * num_layers, "DecodeScratch's num_layers"
     scratch.sync.zero_()
@@ -495,8 +510,8 @@ def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, tab
                block_tables.stride(0))
     constants = dict(
         HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
-        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k("qkv"), GATE_UP_BLOCK_K=p.block_k("gate_up"),
-        O_BLOCK_K=p.block_k("o_proj"), DOWN_BLOCK_K=p.block_k("down_proj"), O_SPLITS=p.o_splits,
+        INTERMEDIATE=p.intermediate_size, BLOCK_K=block_k("qkv"), GATE_UP_BLOCK_K=block_k("gate_up"),
+        O_BLOCK_K=block_k("o_proj"), DOWN_BLOCK_K=block_k("down_proj"), O_SPLITS=p.o_splits,
         DOWN_SPLITS=p.down_splits, NUM_PROGRAMS=p.num_programs,
         BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)), PAGE=kv_cache.size(3),
         ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm, BIAS=qkv_bias,
