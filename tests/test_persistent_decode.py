@@ -1,9 +1,12 @@
 """The persistent decode kernel: its schedule's protocol run by Python threads as the programs, and the kernel against
-the model's own decode forward (PyTorch's kernels) on small random models: on CPU in Triton's interpreter, one launch
+the model's own decode forward (PyTorch's kernels) on small random models, in the model's dtype and with fp8 weights
+(block-wise, and per channel with the activations quantized per token): on CPU in Triton's interpreter, one launch
 per stage over several programs and one whole launch of one program; on the GPU compiled, at real shapes too."""
 from __future__ import annotations
 
+import os
 import random
+import sys
 import threading
 
 import pytest
@@ -12,6 +15,7 @@ from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from nanovllm.kernels.decode_plan import BLOCK_M, STAGES, DecodePlan
 from nanovllm.layers.attention import Attention, bind_backend
+from nanovllm.layers.quantization import Fp8Config, quantization, quantize_fp8_block, quantize_fp8_per_channel
 from nanovllm.models import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, get_model_class
 from nanovllm.models.persistent import PersistentDecoder, unsupported
 from nanovllm.models.presets import preset_config
@@ -108,14 +112,39 @@ MODELS = {  # name: (class, config)
 }
 
 
+def fp8_config(fp8: str | None, block: tuple[int, int] | None = None) -> Fp8Config | None:
+    """The quantization of a checkpoint's block-wise fp8 weights ("block"), or of ``quantization="fp8"``."""
+    return {None: None, "block": Fp8Config(True, block), "channel": Fp8Config()}[fp8]
+
+
+def quantize_projections(model, seed: int):
+    """Each fp8 projection's weight: random, each row and column times its own factor (e^N(0, 0.5): neighbouring
+    blocks' and channels' scales differ, so a scale read for the wrong block shows), quantized by its method."""
+    generator = torch.Generator().manual_seed(seed)
+    factor = lambda n: torch.exp(0.5 * torch.randn(n, generator=generator))  # noqa: E731
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        n, k = module.weight.shape
+        w = torch.randn(n, k, generator=generator) * 0.1 * factor(n)[:, None] * factor(k)[None, :]
+        if method.quant_config.is_checkpoint_fp8_serialized:
+            q, scale = quantize_fp8_block(w, method.block)
+            module.weight_scale_inv.copy_(scale)
+        else:
+            q, scale = quantize_fp8_per_channel(w)
+            module.weight_scale.copy_(scale)
+        module.weight.copy_(q)
+
+
 def build(name: str, dtype: torch.dtype, block_size: int = 16, num_blocks: int = 48, seed: int = 0, config=None,
-          backend: str = "torch"):
+          backend: str = "torch", fp8: str | None = None, fp8_block: tuple[int, int] | None = None):
     cls, config = MODELS[name] if config is None else (get_model_class(config), config)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(DEVICE):
+        with torch.device(DEVICE), quantization(fp8_config(fp8, fp8_block)):
             model = cls(config, max_model_len=4096)
     finally:
         torch.set_default_dtype(previous)
@@ -126,8 +155,10 @@ def build(name: str, dtype: torch.dtype, block_size: int = 16, num_blocks: int =
                 p.uniform_(0.5, 1.5)
             elif pname.endswith("bias"):
                 p.normal_(0.0, 0.5)
-            else:
+            elif p.dtype != torch.float8_e4m3fn and not pname.endswith("weight_scale_inv"):
                 p.mul_(5.0)  # activations of order one: a wrong term shows
+        if fp8:
+            quantize_projections(model, seed)
     head_dim = model.model.layers[0].self_attn.head_dim
     kv_heads = model.model.layers[0].self_attn.num_kv_heads
     kv = torch.randn(2, config.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, device=DEVICE)
@@ -188,6 +219,63 @@ def test_kernel_in_one_launch_matches_the_model(name):
     compare(name, torch.float32, [90, 17, 3], programs=1, stage_by_stage=False, tol=1e-4)
 
 
+@pytest.mark.parametrize("fp8,block,dtype,tol", [
+    ("block", (32, 32), torch.float32, 1e-4),  # chunks of one block; the o_proj/down_proj splits cross blocks
+    ("block", (16, 128), torch.float16, 1e-2),  # a block wider than a chunk, and than the hidden size
+    ("channel", None, torch.float32, 1e-4),
+])
+def test_fp8_kernel_stage_by_stage_matches_the_model(fp8, block, dtype, tol):
+    """fp8 weights against the model's fp8 forward (the reference: block-wise dequantized, per channel with the
+    activations quantized per token). Per channel in fp32 only: in half precision, quantizing the activations turns
+    the kernel's and the reference's rounding differences (~1e-3, the attention's) into whole e4m3 steps."""
+    compare("qwen3", dtype, [37, 1, 64, 100], programs=16, stage_by_stage=True, tol=tol, fp8=fp8, fp8_block=block)
+
+
+@pytest.mark.parametrize("fp8,block", [("block", (32, 64)), ("channel", None)])
+def test_fp8_greedy_decode_in_one_launch_gives_the_model_tokens(fp8, block):
+    """Decode steps of two sequences, each step's input the argmax of the last step's logits: the kernel's (one
+    launch, its barriers and merge counters) and the model's, each on its own KV cache, give the same tokens and
+    close logits."""
+    model, kv = build("qwen3", torch.float32, fp8=fp8, fp8_block=block)
+    caches = {"model": kv, "kernel": kv.clone()}
+    runner = PersistentDecoder(model, caches["kernel"], 1)
+    assert runner.plan.fp8 == fp8
+    if fp8 == "block":
+        runner.options = dict(fp8_load_k=32)  # loads of half a block (the stage-by-stage test's span blocks)
+    lens, steps = [30, 5], 2
+    _, _, _, tables = decode_inputs([n + steps for n in lens], 16, kv.size(2), seed=3)
+    tokens = {who: [torch.tensor([3, 77], device=DEVICE)] for who in caches}
+    for step in range(steps):
+        ctx = [n + step for n in lens]
+        slots = [int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(ctx)]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+        logits = {}
+        with torch.no_grad(), set_context(False, slot_mapping=as_tensor(slots), context_lens=as_tensor(ctx),
+                                          block_tables=tables):
+            for who, forward in (("model", model), ("kernel", runner)):
+                for i, layer in enumerate(m for m in model.modules() if isinstance(m, Attention)):
+                    layer.k_cache, layer.v_cache = caches[who][0, i], caches[who][1, i]
+                logits[who] = model.compute_logits(forward(tokens[who][-1], as_tensor(ctx).long() - 1))
+                tokens[who].append(logits[who].argmax(-1))
+        err = float((logits["kernel"] - logits["model"]).norm() / logits["model"].norm())
+        assert err < 1e-4, (step, err)
+    assert int(runner.scratch.sync[1]) == 0
+    assert torch.equal(torch.stack(tokens["kernel"]), torch.stack(tokens["model"]))
+
+
+def test_fp8_formats_the_kernel_cannot_read_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"weight_block_size \(128, 24\)"):
+        DecodePlan.build(64, 4, 2, 16, 96, 4, "block", (128, 24))
+    with pytest.raises(ValueError, match="fp8='tensor'"):
+        DecodePlan.build(64, 4, 2, 16, 96, 4, "tensor")
+    model, kv = build("qwen3", torch.float32, fp8="block", fp8_block=(32, 32))
+    assert unsupported(model, kv, 1) == ([] if CUDA else ["not on CUDA"])  # fp8 weights are read
+    model.model.layers[1].mlp.down_proj.unquantize()  # as modules_to_not_convert leaves it
+    with pytest.raises(ValueError, match=r"block \[32, 32\]: layers\.0\.qkv_proj, .*unquantized: "
+                                         r"layers\.1\.down_proj"):
+        PersistentDecoder(model, kv, 4)
+
+
 def test_unsupported_names_what_the_kernel_cannot_run():
     model, kv = build("qwen3", torch.float32)
     reasons = unsupported(model, kv.to(torch.float16), 2)
@@ -199,7 +287,20 @@ def test_unsupported_names_what_the_kernel_cannot_run():
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.2-1b", "qwen2.5-7b"])
 @pytest.mark.parametrize("batch", [1, 3, 16])
 def test_kernel_at_real_shapes_on_the_gpu(preset, batch):
-    """bf16, one program per SM, against the model's forward through the Triton kernels; 4 of the layers."""
+    """bf16, two programs per SM, against the model's forward through the Triton kernels; 4 of the layers."""
+    at_real_shapes(preset, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.2-1b"])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_fp8_kernel_at_real_shapes_on_the_gpu(preset, batch):
+    """Block-wise fp8 weights (128 x 128 blocks, Qwen3-*-FP8's) in bf16, against the model's forward through
+    ``triton_fp8``'s skinny kernel; 4 of the layers."""
+    at_real_shapes(preset, batch, fp8="block", fp8_block=(128, 128))
+
+
+def at_real_shapes(preset: str, batch: int, **build_kw):
     config = preset_config(preset)
     config.num_hidden_layers = 4
     if getattr(config, "layer_types", None):
@@ -208,18 +309,30 @@ def test_kernel_at_real_shapes_on_the_gpu(preset, batch):
     lens = [rng.randrange(1, 1500) for _ in range(batch)]
     compare(preset, torch.bfloat16, lens, programs=2 * torch.cuda.get_device_properties(0).multi_processor_count,
             stage_by_stage=False, tol=2e-2, num_blocks=sum(n // 16 + 1 for n in lens) + 4, config=config,
-            backend="triton")
+            backend="triton", **build_kw)
 
 
 @pytest.mark.gpu
-def test_engine_greedy_outputs_are_the_same_with_and_without_the_kernel(checkpoints):
+@pytest.mark.parametrize("weights", [None, "fp8-block", "fp8-channel"])
+def test_engine_greedy_outputs_are_the_same_with_and_without_the_kernel(checkpoints, tmp_path, weights):
+    """fp32 weights; a block-wise fp8 checkpoint (tools/quantize_fp8.py, 64 x 64 blocks); quantization="fp8"."""
     from nanovllm import LLM, SamplingParams
+    path, kw = checkpoints["gqa4_hd128_sharded"], {}
+    if weights == "fp8-block":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+        from quantize_fp8 import quantize_checkpoint
+        path = quantize_checkpoint(path, str(tmp_path / "fp8"), 64)
+    elif weights == "fp8-channel":
+        kw = dict(quantization="fp8")
     prompts = [[1, 2, 3, 4, 5], [7] * 40, list(range(3, 90))]
     outputs = []
     for max_batch in (16, 0):
-        llm = LLM(checkpoints["gqa4_hd128_sharded"], kvcache_block_size=16, max_model_len=512, device="cuda",
-                  dtype="float32", persistent_decode_max_batch=max_batch, num_kvcache_blocks=64)
-        assert (llm.model_runner.graphs.persistent is not None) == (max_batch > 0)
+        llm = LLM(path, kvcache_block_size=16, max_model_len=512, device="cuda", dtype="float32",
+                  persistent_decode_max_batch=max_batch, num_kvcache_blocks=64, **kw)
+        persistent = llm.model_runner.graphs.persistent
+        assert (persistent is not None) == (max_batch > 0)
+        if persistent is not None:
+            assert persistent.plan.fp8 == (weights and weights.removeprefix("fp8-"))
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48,
                                                                                                temperature=0))])
         llm.exit()

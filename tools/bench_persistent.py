@@ -2,7 +2,11 @@
 the LM head and sampler), on random weights of a preset's shapes; and where the kernel's time goes, stage by stage,
 from the programs' own timestamps (``%globaltimer``).
 
-    python tools/bench_persistent.py [--model qwen3-0.6b] [--batch 1 4 16] [--context 1024] [--json]
+    python tools/bench_persistent.py [--model qwen3-0.6b] [--batch 1 4 16] [--context 1024] [--quantization fp8]
+                                     [--json]
+
+fp8 weights: a ``-fp8`` preset (``qwen3-8b-fp8``: block-wise, 128 x 128, as Qwen3-*-FP8) or ``--quantization fp8``
+(per channel, the activations quantized per token); both sides read them, the graph through ``triton_fp8``.
 
 Each line: the model's graph and the kernel under each tuning (L2 prefetch, the barrier's poll, programs per SM)
 in µs a step, and the layers' weight bytes over that time; then for the default tuning each stage's median task
@@ -23,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanovllm.kernels.decode_plan import STAGES  # noqa: E402
 from nanovllm.layers.attention import Attention, bind_backend  # noqa: E402
+from nanovllm.layers.quantization import get_quantization_config, quantization  # noqa: E402
 from nanovllm.models import get_model_class  # noqa: E402
 from nanovllm.models.persistent import PersistentDecoder  # noqa: E402
 from nanovllm.models.presets import preset_config  # noqa: E402
@@ -30,14 +35,15 @@ from nanovllm.utils.context import set_context  # noqa: E402
 from nanovllm.utils.loader import load_dummy_weights  # noqa: E402
 
 BLOCK = 16
-# (programs per SM, L2 prefetch, the barrier polls with ld.acquire): the first is the default, the safe one
-VARIANTS = [(2, True, False), (2, False, False), (2, True, True)]
+# (programs per SM, L2 prefetch, the barrier polls with ld.acquire, fp8 weights' K columns a load (0: the plan's,
+# a product per scale block; 128: one block's, one product)): the first is the default, the safe one
+VARIANTS = [(2, True, False, 0), (2, False, False, 0), (2, True, True, 0), (2, True, False, 128)]
 
 
-def build(preset: str, num_blocks: int):
+def build(preset: str, num_blocks: int, quantize: str | None = None):
     config = preset_config(preset)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device("cuda"), quantization(get_quantization_config(config, quantize)):
         model = get_model_class(config)(config, max_model_len=8192)
     torch.set_default_dtype(torch.float32)
     load_dummy_weights(model)
@@ -51,13 +57,15 @@ def build(preset: str, num_blocks: int):
 
 
 def layer_bytes(model) -> dict[str, int]:
-    """Weight bytes a step reads in each stage, over all layers."""
+    """Weight bytes (fp8 scales included) a step reads in each stage, over all layers."""
     total = dict.fromkeys(STAGES, 0)
     for layer in model.model.layers:
         a, m = layer.self_attn, layer.mlp
-        for stage, p in (("qkv", a.qkv_proj.weight), ("o_proj", a.o_proj.weight),
-                         ("gate_up", m.gate_up_proj.weight), ("down_proj", m.down_proj.weight)):
-            total[stage] += p.numel() * p.element_size()
+        for stage, linear in (("qkv", a.qkv_proj), ("o_proj", a.o_proj), ("gate_up", m.gate_up_proj),
+                              ("down_proj", m.down_proj)):
+            for name in ("weight", "weight_scale_inv", "weight_scale"):
+                if (p := getattr(linear, name, None)) is not None:
+                    total[stage] += p.numel() * p.element_size()
     return total
 
 
@@ -116,24 +124,31 @@ def main():
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="quantize the weights at load (per channel), as LLM(quantization='fp8')")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     blocks = (args.context + BLOCK - 1) // BLOCK
-    model, kv = build(args.model, max(args.batch) * blocks + 1)
+    model, kv = build(args.model, max(args.batch) * blocks + 1, args.quantization)
     num_layers = len(model.model.layers)
     stage_bytes = layer_bytes(model)
     weights = sum(stage_bytes.values())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for batch in args.batch:
         ids, positions, slots, ctx, tables = step_inputs(batch, args.context)
-        result = dict(model=args.model, batch=batch, context=args.context, device=torch.cuda.get_device_name(),
+        result = dict(model=args.model, quantization=args.quantization, batch=batch, context=args.context,
+                      device=torch.cuda.get_device_name(),
                       date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
         with torch.inference_mode(), set_context(False, slot_mapping=slots, context_lens=ctx, block_tables=tables):
             result["graph_us"] = round(time_graph(lambda i=ids, p=positions: model(i, p)), 1)
             per_sm = None
-            for programs_per_sm, prefetch, spin_asm in VARIANTS:
+            for programs_per_sm, prefetch, spin_asm, load_k in VARIANTS:
                 key = f"kernel_us[{programs_per_sm}/SM,prefetch={int(prefetch)},asm={int(spin_asm)}]"
                 runner = PersistentDecoder(model, kv, sms * programs_per_sm, prefetch=prefetch, spin_asm=spin_asm)
+                if load_k:
+                    if runner.plan.fp8 is None:
+                        continue
+                    key, runner.options["fp8_load_k"] = f"{key[:-1]},fp8_load_k={load_k}]", load_k
                 try:
                     result[key] = round(time_graph(lambda r=runner, i=ids, p=positions: r(i, p)), 1)
                 except Exception as e:  # noqa: BLE001 - a variant that does not compile is reported, not fatal
@@ -143,6 +158,7 @@ def main():
                     result[key] = "a barrier timed out"
                 if per_sm is None:
                     per_sm = result["resident_programs_per_sm"] = runner.resident_per_sm
+                    result["fp8"] = runner.plan.fp8
                     try:
                         result["breakdown"] = stage_breakdown(runner, (ids, positions), num_layers, stage_bytes)
                     except Exception as e:  # noqa: BLE001

@@ -10,6 +10,11 @@ A layer is five stages, each ending when every program has arrived at the barrie
              the residual
   gate_up    tiles: RMSNorm, then SiLU(x @ W_gate.T) * (x @ W_up.T)
   down_proj  (tile, K split) tasks, merged as o_proj's
+
+The projections' weights are in the model's dtype or fp8 (``fp8``): "block", a checkpoint's e4m3 weights with a
+scale per ``weight_block_size`` block, read with the activations in the model's dtype (a load of K columns spans
+whole blocks of the scales or lies in one); or "channel", ``quantization="fp8"``'s weights with a scale per output
+channel, the activations quantized to e4m3 per token (their amax gathered by the stage that writes them).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ BLOCK_M = 16  # rows (sequences) a tile computes: the largest batch the kernel r
 MAX_ATTENTION_SPLITS = 32
 MAX_BLOCK_K = 512
 MAX_SPLITS = 4
+FP8_FORMATS = (None, "block", "channel")
 
 
 def _block_k(k: int) -> int:
@@ -47,21 +53,34 @@ class DecodePlan:
     intermediate_size: int
     o_splits: int
     down_splits: int
+    fp8: str | None = None  # FP8_FORMATS
+    weight_block_size: tuple[int, int] | None = None  # fp8 "block": the rows and columns one scale covers
 
     @classmethod
     def build(cls, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int,
-              num_programs: int) -> DecodePlan:
+              num_programs: int, fp8: str | None = None,
+              weight_block_size: tuple[int, int] | None = None) -> DecodePlan:
         q_size = num_heads * head_dim
         for name, n in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                         ("num_heads * head_dim", q_size)):
             if n % BLOCK_N:
                 raise ValueError(f"{name} {n} is not a multiple of {BLOCK_N}")
+        if fp8 not in FP8_FORMATS:
+            raise ValueError(f"fp8={fp8!r} is not one of {FP8_FORMATS}")
+        if fp8 == "block":
+            bn, bk = weight_block_size or (0, 0)
+            if bn < 1 or bk < 16 or bk & (bk - 1):
+                raise ValueError(f"the persistent decode kernel reads fp8 weight_block_size {weight_block_size}: "
+                                 "its columns (the second) must be a power of two >= 16, its rows >= 1")
+        elif weight_block_size is not None:
+            raise ValueError(f"weight_block_size {weight_block_size} is for fp8='block' only, not fp8={fp8!r}")
         tiles = hidden_size // BLOCK_N
         return cls(num_programs, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
-                   _splits(tiles, num_programs, q_size), _splits(tiles, num_programs, intermediate_size))
+                   _splits(tiles, num_programs, q_size), _splits(tiles, num_programs, intermediate_size), fp8,
+                   None if weight_block_size is None else tuple(weight_block_size))
 
     def block_k(self, stage: str) -> int:
-        """The K columns of one load of a task's weights."""
+        """The K columns of one load of a task's weights (a power of two, as a block's columns are)."""
         k = {"o_proj": self.num_heads * self.head_dim // self.o_splits,
              "down_proj": self.intermediate_size // self.down_splits}.get(stage, self.hidden_size)
         return min(_block_k(k), 256) if stage == "gate_up" else _block_k(k)  # two tiles: registers for 256

@@ -7,7 +7,13 @@ weights are loaded before its current chunk's math; optionally (``prefetch``) a 
 stage's weights before it waits at a barrier.
 
 Rounding follows the unfused kernels: the norm's output, q/k after norm and rotary, each projection's output and
-the residual stream in the model's dtype, accumulators in fp32."""
+the residual stream in the model's dtype, accumulators in fp32.
+
+fp8 weights (``DecodePlan.fp8``) follow ``triton_fp8``'s skinny kernel, the engine's fp8 decode: e4m3 bytes converted
+exactly to the model's dtype in registers; block-wise, each chunk's product times its block's scale; per channel,
+the activations quantized to e4m3 per token (the norm's output by each task, over its whole row; the attention's and
+the MLP's by their readers, from the row's amax that their writers gather with atomics) and both scales on the
+accumulator."""
 from __future__ import annotations
 
 import functools
@@ -18,13 +24,16 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_plan import BLOCK_M, BLOCK_N, MAX_ATTENTION_SPLITS, STAGES, DecodePlan
-from nanovllm.kernels.triton_attention import LOG2E, _attend_tile
+from nanovllm.kernels.triton_attention import FP8_MAX, LOG2E, _attend_tile, _round_to_e4m3
 from nanovllm.kernels.triton_linear import silu_mul_rounded
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# columns of the per-layer pointer table
+# columns of the per-layer pointer table (a projection's fp8 scales: 0 for weights in the model's dtype)
 TABLE = ("input_layernorm", "qkv_proj", "qkv_bias", "q_norm", "k_norm", "o_proj", "post_attention_layernorm",
-         "gate_up_proj", "down_proj")
+         "gate_up_proj", "down_proj", "qkv_proj_scale", "o_proj_scale", "gate_up_proj_scale", "down_proj_scale")
+TABLE_WIDTH = tl.constexpr(len(TABLE))
+FP8_MODES = {None: 0, "block": 1, "channel": 2}  # the kernel's FP8, from DecodePlan.fp8
+FP8_BLOCK, FP8_CHANNEL = tl.constexpr(1), tl.constexpr(2)
 NUM_STAGES = tl.constexpr(len(STAGES))
 _BLOCK_N, _BLOCK_M = tl.constexpr(BLOCK_N), tl.constexpr(BLOCK_M)  # as kernels may read them
 MAX_SPLITS = tl.constexpr(MAX_ATTENTION_SPLITS)
@@ -77,15 +86,72 @@ def _last_arrival(counter_ptr, splits):
 
 
 @triton.jit
-def _normed_gemv(r_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, m, tile, eps, K: tl.constexpr, N: tl.constexpr,
-                 GATE_UP: tl.constexpr, BIAS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _quantized(x, scale, ROUND_FP8: tl.constexpr):
+    """x [rows, k] as e4m3 values (x / scale per row, saturated; ``triton_fp8.quantize_activations``'s) in x's
+    dtype, which holds them exactly."""
+    q = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -FP8_MAX), FP8_MAX)
+    if ROUND_FP8:  # the interpreter's cast to e4m3 rounds wrongly
+        q = _round_to_e4m3(q)
+    return q.to(tl.float8e4nv).to(x.dtype)
+
+
+@triton.jit
+def _chunk_dot(acc, x, w, scale_ptr, k0, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_K: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """acc + x @ w.T over K columns [k0, k0 + BLOCK_K), w converted to x's dtype (exactly, from e4m3). Block-wise
+    fp8: each scale block's product times its scale (scale_ptr: each column's row of scales); a chunk wider than a
+    block takes a product per block, of x with the other blocks' columns zeroed."""
+    w = w.to(x.dtype)
+    if FP8 == FP8_BLOCK:
+        if BLOCK_K <= SCALE_K:
+            return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION) * tl.load(scale_ptr + k0 // SCALE_K)[None, :]
+        block = tl.arange(0, BLOCK_K)[None, :] // SCALE_K
+        for j in tl.static_range(BLOCK_K // SCALE_K):
+            part = tl.dot(tl.where(block == j, x, tl.zeros_like(x)), tl.trans(w), input_precision=PRECISION)
+            acc += part * tl.load(scale_ptr + k0 // SCALE_K + j)[None, :]
+        return acc
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _gather_amax(amax_ptr, y, mask):
+    """The largest |y| of each row (y [rows, cols], rows where ``mask``) into amax_ptr[row], as int32 bits: a
+    non-negative float's bits order as the float does."""
+    y = tl.where(mask, tl.abs(y.to(tl.float32)), 0.0)
+    tl.atomic_max(amax_ptr, tl.max(y, 1).to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _token_scale(amax):
+    """A token's e4m3 scale from its amax (1 for a row of zeros), as ``quantize_activations``."""
+    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
+
+
+@triton.jit
+def _normed(r_ptr, norm_ptr, rows, row_mask, k0, ks, rstd, K: tl.constexpr):
+    """Columns k0 + ks of RMSNorm(r), r [rows, K], rounded where the unfused RMSNorm rounds."""
+    dtype = r_ptr.dtype.element_ty
+    x = tl.load(r_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
+    nw = tl.load(norm_ptr + k0 + ks).to(tl.float32)[None, :]
+    return (nw * (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _normed_gemv(r_ptr, norm_ptr, w_ptr, s_ptr, b_ptr, out_ptr, amax_ptr, m, tile, eps, K: tl.constexpr,
+                 N: tl.constexpr, GATE_UP: tl.constexpr, BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                 ROUND_FP8: tl.constexpr):
     """Columns [tile * _BLOCK_N, +_BLOCK_N) of RMSNorm(r) @ w.T (+ bias), or with GATE_UP of SiLU(gate) * up where w
-    is [gate; up] of N rows each; r [m, K], out [m, N]."""
+    is [gate; up] of N rows each; r [m, K], out [m, N]. fp8 weights: s the scales (block-wise [rows / SCALE_N,
+    K / SCALE_K], or per channel [rows]); per channel, the norm's output quantized per token, and with GATE_UP each
+    output row's amax gathered into amax_ptr[row] for the next stage."""
     dtype = r_ptr.dtype.element_ty
     rows = tl.arange(0, _BLOCK_M)
     row_mask = (rows < m)[:, None]
     cols = tile * _BLOCK_N + tl.arange(0, _BLOCK_N)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    s_rows = s_ptr + (cols // SCALE_N) * ((K + SCALE_K - 1) // SCALE_K)  # block-wise: each column's scales
+    s_up_rows = s_ptr + ((N + cols) // SCALE_N) * ((K + SCALE_K - 1) // SCALE_K)
     ks = tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + ks[None, :])  # the first weights in flight while the norm's sum runs
     w_up = tl.load(w_rows + N * K + ks[None, :]) if GATE_UP else w
@@ -95,46 +161,68 @@ def _normed_gemv(r_ptr, norm_ptr, w_ptr, b_ptr, out_ptr, m, tile, eps, K: tl.con
                     cache_modifier=".cg").to(tl.float32)
         ss += tl.sum(x * x, 1)
     rstd = tl.rsqrt(ss / K + eps)[:, None]
+    if FP8 == FP8_CHANNEL:  # the token's scale: the amax of its normed row
+        amax = tl.zeros([_BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            amax = tl.maximum(amax, tl.max(tl.abs(_normed(r_ptr, norm_ptr, rows, row_mask, k0, ks, rstd, K)
+                                                  .to(tl.float32)), 1))
+        x_scale = _token_scale(amax)
     acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     acc_up = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         nxt = (k0 + BLOCK_K + ks)[None, :]  # the next weights' loads go out before this chunk's math
         w_next = tl.load(w_rows + nxt, mask=nxt < K, other=0.0)
         w_up_next = tl.load(w_rows + N * K + nxt, mask=nxt < K, other=0.0) if GATE_UP else w_next
-        x = tl.load(r_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
-        nw = tl.load(norm_ptr + k0 + ks).to(tl.float32)[None, :]
-        x = (nw * (x.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        x = _normed(r_ptr, norm_ptr, rows, row_mask, k0, ks, rstd, K)
+        if FP8 == FP8_CHANNEL:
+            x = _quantized(x, x_scale, ROUND_FP8)
+        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
         if GATE_UP:
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
+            acc_up = _chunk_dot(acc_up, x, w_up, s_up_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
         w, w_up = w_next, w_up_next
+    if FP8 == FP8_CHANNEL:  # the weight's scales, then the token's, as the skinny kernel
+        acc = acc * tl.load(s_ptr + cols)[None, :] * x_scale[:, None]
+        if GATE_UP:
+            acc_up = acc_up * tl.load(s_ptr + N + cols)[None, :] * x_scale[:, None]
     if BIAS:
         acc += tl.load(b_ptr + cols).to(tl.float32)[None, :]
     if GATE_UP:
         acc = silu_mul_rounded(acc, acc_up, r_ptr)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(dtype), mask=row_mask)
+    if FP8 == FP8_CHANNEL and GATE_UP:
+        _gather_amax(amax_ptr + rows, acc.to(dtype), row_mask)
 
 
 @triton.jit
-def _split_gemv_add(x_ptr, w_ptr, r_ptr, part_ptr, counters, m, task, K: tl.constexpr, N: tl.constexpr,
-                    SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _split_gemv_add(x_ptr, w_ptr, s_ptr, amax_ptr, r_ptr, part_ptr, counters, m, task, K: tl.constexpr,
+                    N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    FP8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ROUND_FP8: tl.constexpr):
     """Task ``task`` = (tile, K split) of r += x @ w.T, x [m, K], r [m, N]: the last split of a tile to arrive adds
-    the fp32 partial sums (part [SPLITS, _BLOCK_M, N]) and the residual."""
+    the fp32 partial sums (part [SPLITS, _BLOCK_M, N]) and the residual. fp8 weights: s their scales (as
+    ``_normed_gemv``'s); per channel, x quantized per token by the amax of its row in amax_ptr[row]."""
     tile, split = task // SPLITS, task % SPLITS
     rows = tl.arange(0, _BLOCK_M)
     row_mask = (rows < m)[:, None]
     cols = tile * _BLOCK_N + tl.arange(0, _BLOCK_N)
     acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+    s_rows = s_ptr + (cols // SCALE_N) * ((K + SCALE_K - 1) // SCALE_K)  # block-wise: each column's scales
     ks = tl.arange(0, BLOCK_K)
     end = (split + 1) * (K // SPLITS)
     w = tl.load(w_rows + split * (K // SPLITS) + ks[None, :])
+    if FP8 == FP8_CHANNEL:
+        amax = tl.load(amax_ptr + rows, mask=rows < m, other=0, cache_modifier=".cg")
+        x_scale = _token_scale(amax.to(tl.float32, bitcast=True))
     for k0 in range(split * (K // SPLITS), end, BLOCK_K):
         nxt = (k0 + BLOCK_K + ks)[None, :]  # the next weights' loads go out before this chunk's math
         w_next = tl.load(w_rows + nxt, mask=nxt < end, other=0.0)
         x = tl.load(x_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if FP8 == FP8_CHANNEL:
+            x = _quantized(x, x_scale, ROUND_FP8)
+        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
         w = w_next
+    if FP8 == FP8_CHANNEL:
+        acc = acc * tl.load(s_ptr + cols)[None, :] * x_scale[:, None]
     out = r_ptr + rows[:, None] * N + cols[None, :]
     if SPLITS == 1:
         tl.store(out, (acc + tl.load(out, mask=row_mask, other=0.0).to(tl.float32)).to(r_ptr.dtype.element_ty),
@@ -172,14 +260,15 @@ def _norm_rope(ptr, rows_mask, norm_ptr, pos, cos_sin_ptr, eps, HEAD_DIM: tl.con
 
 
 @triton.jit
-def _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, k_cache, v_cache, q_norm, k_norm,
-                    cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, task, splits, eps, qk_scale,
+def _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, amax_ptr, k_cache, v_cache, q_norm,
+                    k_norm, cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, task, splits, eps, qk_scale,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_G: tl.constexpr, PAGE: tl.constexpr, ATTN_BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-                    NORM: tl.constexpr, PRECISION: tl.constexpr):
+                    NORM: tl.constexpr, PRECISION: tl.constexpr, AMAX: tl.constexpr):
     """Task (sequence, KV head, split): the group's q heads after norm and rotary over the split's keys, as
     ``_decode_kernel``; the split holding the newest position first writes its K/V into the cache. The split to
-    arrive last merges them into attn [B, NUM_HEADS * HEAD_DIM] (``_merge_kernel``'s log-sum-exp)."""
+    arrive last merges them into attn [B, NUM_HEADS * HEAD_DIM] (``_merge_kernel``'s log-sum-exp). AMAX: the
+    largest |value| written into amax_ptr[sequence] (``_gather_amax``)."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     QKV: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     seq, kv_head, split = task // (NUM_KV_HEADS * splits), (task // splits) % NUM_KV_HEADS, task % splits
@@ -220,22 +309,26 @@ def _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, k_cac
     dst = attn_ptr + seq * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + d[None, :]
     if splits == 1:
         tl.store(dst, out.to(attn_ptr.dtype.element_ty), mask=head_mask)
+        if AMAX:
+            _gather_amax(amax_ptr + seq + 0 * g, out.to(attn_ptr.dtype.element_ty), head_mask)
     else:
         parts = (seq * NUM_HEADS + heads) * splits  # [B, NUM_HEADS, splits] rows of HEAD_DIM
         tl.store(part_o_ptr + (parts + split)[:, None] * HEAD_DIM + d[None, :], out, mask=head_mask)
         tl.store(part_lse_ptr + parts + split, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=g < GROUP)
         if _last_arrival(counters + seq * NUM_KV_HEADS + kv_head, splits):
-            _merge_splits(part_o_ptr, part_lse_ptr, attn_ptr, seq, kv_head, splits, NUM_HEADS, GROUP, HEAD_DIM)
+            _merge_splits(part_o_ptr, part_lse_ptr, attn_ptr, amax_ptr, seq, kv_head, splits, NUM_HEADS, GROUP,
+                          HEAD_DIM, AMAX)
 
 
 @triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, attn_ptr, seq, kv_head, splits, NUM_HEADS: tl.constexpr,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_splits(part_o_ptr, part_lse_ptr, attn_ptr, amax_ptr, seq, kv_head, splits, NUM_HEADS: tl.constexpr,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, AMAX: tl.constexpr):
     """The group's heads from their splits' partials by log-sum-exp (``_merge_kernel``'s), all splits of a head in
-    one load."""
+    one load; AMAX: their largest |value| into amax_ptr[seq]."""
     s = tl.arange(0, MAX_SPLITS)
     d = tl.arange(0, HEAD_DIM)
     valid = s < splits
+    largest = tl.zeros([HEAD_DIM], tl.float32)
     for j in tl.static_range(GROUP):
         head = kv_head * GROUP + j
         rows = (seq * NUM_HEADS + head) * splits + s
@@ -246,6 +339,10 @@ def _merge_splits(part_o_ptr, part_lse_ptr, attn_ptr, seq, kv_head, splits, NUM_
         w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
         out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
         tl.store(attn_ptr + seq * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + d, out.to(attn_ptr.dtype.element_ty))
+        if AMAX:
+            largest = tl.maximum(largest, tl.abs(out.to(attn_ptr.dtype.element_ty).to(tl.float32)))
+    if AMAX:
+        tl.atomic_max(amax_ptr + seq, tl.max(largest, 0).to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -270,37 +367,45 @@ def _prefetch_tiles(w_ptr, pid, K: tl.constexpr, N: tl.constexpr, SPLITS: tl.con
 
 
 @triton.jit(do_not_specialize=["m", "first_layer", "end_layer", "attn_splits"])
-def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_ptr, part_lse_ptr, sync_ptr, trace_ptr,
-                          table_ptr,
-                          kv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, m, first_layer, end_layer,
-                          attn_splits, eps, qk_scale, stride_layer, stride_kv, stride_bt,
+def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_ptr, part_lse_ptr, sync_ptr, amax_ptr,
+                          trace_ptr, table_ptr, kv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, m,
+                          first_layer, end_layer, attn_splits, eps, qk_scale, stride_layer, stride_kv, stride_bt,
                           HIDDEN: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, INTERMEDIATE: tl.constexpr, BLOCK_K: tl.constexpr,
                           GATE_UP_BLOCK_K: tl.constexpr, O_BLOCK_K: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
                           O_SPLITS: tl.constexpr, DOWN_SPLITS: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
                           BLOCK_G: tl.constexpr, PAGE: tl.constexpr, ATTN_BLOCK_N: tl.constexpr,
                           WINDOW: tl.constexpr, NORM: tl.constexpr, BIAS: tl.constexpr, PREFETCH: tl.constexpr,
-                          SPIN_ASM: tl.constexpr, STAGE: tl.constexpr, TRACE: tl.constexpr):
+                          SPIN_ASM: tl.constexpr, STAGE: tl.constexpr, TRACE: tl.constexpr, FP8: tl.constexpr,
+                          SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, ROUND_FP8: tl.constexpr):
     """Layers [first_layer, end_layer) of a decode step on r [m, HIDDEN], the residual stream, in place: every
     stage with a barrier after each (STAGE -1), or only stage STAGE (the CPU tests' launches, no barriers). The
-    stages, their tasks and the barrier targets are ``DecodePlan``'s."""
+    stages, their tasks and the barrier targets are ``DecodePlan``'s. FP8 (``FP8_MODES``): the projections'
+    weights in the residual stream's dtype (0) or e4m3, and how their scales apply: block-wise over SCALE_N x
+    SCALE_K blocks, or per channel; per channel, amax_ptr holds [layers, 2 (attention, MLP), _BLOCK_M] row amaxes
+    (zeroed per launch)."""
     dtype: tl.constexpr = r_ptr.dtype.element_ty
+    W_DTYPE: tl.constexpr = tl.float8e4nv if FP8 > 0 else dtype
     Q: tl.constexpr = NUM_HEADS * HEAD_DIM
     QKV: tl.constexpr = Q + 2 * NUM_KV_HEADS * HEAD_DIM
     PRECISION: tl.constexpr = "ieee" if dtype == tl.float32 else "tf32"
     ALL: tl.constexpr = STAGE < 0
+    CHANNEL: tl.constexpr = FP8 == FP8_CHANNEL
     pid = tl.program_id(0)
     counters = sync_ptr + 2
     for layer in range(first_layer, end_layer):
-        table = table_ptr + layer * 9
+        table = table_ptr + layer * TABLE_WIDTH
+        attn_amax = amax_ptr + layer * (2 * _BLOCK_M)
+        act_amax = attn_amax + _BLOCK_M
         done = (layer - first_layer) * NUM_STAGES  # stages ended before this layer's
         if ALL or STAGE == 0:
             _mark(trace_ptr, pid, layer, end_layer, 0, 0, TRACE)
             for t in range(pid, QKV // _BLOCK_N, NUM_PROGRAMS):
-                _normed_gemv(r_ptr, _ptr(table, 0, dtype), _ptr(table, 1, dtype), _ptr(table, 2, dtype), qkv_ptr, m,
-                             t, eps, HIDDEN, QKV, False, BIAS, BLOCK_K, PRECISION)
+                _normed_gemv(r_ptr, _ptr(table, 0, dtype), _ptr(table, 1, W_DTYPE), _ptr(table, 9, tl.float32),
+                             _ptr(table, 2, dtype), qkv_ptr, act_amax, m, t, eps, HIDDEN, QKV, False, BIAS, BLOCK_K,
+                             PRECISION, FP8, SCALE_N, SCALE_K, ROUND_FP8)
             _mark(trace_ptr, pid, layer, end_layer, 0, 1, TRACE)
-            _prefetch_tiles(_ptr(table, 5, dtype), pid, Q, HIDDEN, O_SPLITS, False, NUM_PROGRAMS, PREFETCH)
+            _prefetch_tiles(_ptr(table, 5, W_DTYPE), pid, Q, HIDDEN, O_SPLITS, False, NUM_PROGRAMS, PREFETCH)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 1) * NUM_PROGRAMS, SPIN_ASM)
             _mark(trace_ptr, pid, layer, end_layer, 0, 2, TRACE)
@@ -308,11 +413,11 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
             _mark(trace_ptr, pid, layer, end_layer, 1, 0, TRACE)
             for t in range(pid, m * NUM_KV_HEADS * attn_splits, NUM_PROGRAMS):
                 k_cache = kv_ptr + tl.cast(layer, tl.int64) * stride_layer
-                _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, k_cache, k_cache + stride_kv,
-                                _ptr(table, 3, dtype),
-                                _ptr(table, 4, dtype), cos_sin_ptr, pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, t,
-                                attn_splits, eps, qk_scale, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, PAGE,
-                                ATTN_BLOCK_N, WINDOW, NORM, PRECISION)
+                _attention_task(qkv_ptr, attn_ptr, part_o_ptr, part_lse_ptr, counters, attn_amax, k_cache,
+                                k_cache + stride_kv, _ptr(table, 3, dtype), _ptr(table, 4, dtype), cos_sin_ptr,
+                                pos_ptr, slot_ptr, ctx_ptr, bt_ptr, stride_bt, t, attn_splits, eps, qk_scale,
+                                NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, PAGE, ATTN_BLOCK_N, WINDOW, NORM,
+                                PRECISION, CHANNEL)
             _mark(trace_ptr, pid, layer, end_layer, 1, 1, TRACE)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 2) * NUM_PROGRAMS, SPIN_ASM)
@@ -320,21 +425,23 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
         if ALL or STAGE == 2:
             _mark(trace_ptr, pid, layer, end_layer, 2, 0, TRACE)
             for t in range(pid, HIDDEN // _BLOCK_N * O_SPLITS, NUM_PROGRAMS):
-                _split_gemv_add(attn_ptr, _ptr(table, 5, dtype), r_ptr, part_ptr, counters, m, t, Q, HIDDEN, O_SPLITS,
-                                O_BLOCK_K, PRECISION)
+                _split_gemv_add(attn_ptr, _ptr(table, 5, W_DTYPE), _ptr(table, 10, tl.float32), attn_amax, r_ptr,
+                                part_ptr, counters, m, t, Q, HIDDEN, O_SPLITS, O_BLOCK_K, PRECISION, FP8, SCALE_N,
+                                SCALE_K, ROUND_FP8)
             _mark(trace_ptr, pid, layer, end_layer, 2, 1, TRACE)
-            _prefetch_tiles(_ptr(table, 7, dtype), pid, HIDDEN, INTERMEDIATE, 1, True, NUM_PROGRAMS, PREFETCH)
+            _prefetch_tiles(_ptr(table, 7, W_DTYPE), pid, HIDDEN, INTERMEDIATE, 1, True, NUM_PROGRAMS, PREFETCH)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 3) * NUM_PROGRAMS, SPIN_ASM)
             _mark(trace_ptr, pid, layer, end_layer, 2, 2, TRACE)
         if ALL or STAGE == 3:
             _mark(trace_ptr, pid, layer, end_layer, 3, 0, TRACE)
-            w = _ptr(table, 7, dtype)
+            w = _ptr(table, 7, W_DTYPE)
             for t in range(pid, INTERMEDIATE // _BLOCK_N, NUM_PROGRAMS):
-                _normed_gemv(r_ptr, _ptr(table, 6, dtype), w, w, act_ptr, m, t, eps, HIDDEN, INTERMEDIATE, True,
-                             False, GATE_UP_BLOCK_K, PRECISION)
+                _normed_gemv(r_ptr, _ptr(table, 6, dtype), w, _ptr(table, 11, tl.float32), r_ptr, act_ptr, act_amax,
+                             m, t, eps, HIDDEN, INTERMEDIATE, True, False, GATE_UP_BLOCK_K, PRECISION, FP8, SCALE_N,
+                             SCALE_K, ROUND_FP8)
             _mark(trace_ptr, pid, layer, end_layer, 3, 1, TRACE)
-            _prefetch_tiles(_ptr(table, 8, dtype), pid, INTERMEDIATE, HIDDEN, DOWN_SPLITS, False, NUM_PROGRAMS,
+            _prefetch_tiles(_ptr(table, 8, W_DTYPE), pid, INTERMEDIATE, HIDDEN, DOWN_SPLITS, False, NUM_PROGRAMS,
                             PREFETCH)
             if ALL:
                 _grid_barrier(sync_ptr, (done + 4) * NUM_PROGRAMS, SPIN_ASM)
@@ -342,20 +449,23 @@ def _decode_layers_kernel(r_ptr, qkv_ptr, attn_ptr, act_ptr, part_ptr, part_o_pt
         if ALL or STAGE == 4:
             _mark(trace_ptr, pid, layer, end_layer, 4, 0, TRACE)
             for t in range(pid, HIDDEN // _BLOCK_N * DOWN_SPLITS, NUM_PROGRAMS):
-                _split_gemv_add(act_ptr, _ptr(table, 8, dtype), r_ptr, part_ptr, counters, m, t, INTERMEDIATE, HIDDEN,
-                                DOWN_SPLITS, DOWN_BLOCK_K, PRECISION)
+                _split_gemv_add(act_ptr, _ptr(table, 8, W_DTYPE), _ptr(table, 12, tl.float32), act_amax, r_ptr,
+                                part_ptr, counters, m, t, INTERMEDIATE, HIDDEN, DOWN_SPLITS, DOWN_BLOCK_K, PRECISION,
+                                FP8, SCALE_N, SCALE_K, ROUND_FP8)
             _mark(trace_ptr, pid, layer, end_layer, 4, 1, TRACE)
             if layer + 1 < end_layer:
-                _prefetch_tiles(_ptr(table + 9, 1, dtype), pid, HIDDEN, QKV, 1, False, NUM_PROGRAMS, PREFETCH)
+                _prefetch_tiles(_ptr(table + TABLE_WIDTH, 1, W_DTYPE), pid, HIDDEN, QKV, 1, False, NUM_PROGRAMS,
+                                PREFETCH)
             if ALL and layer + 1 < end_layer:
                 _grid_barrier(sync_ptr, (done + 5) * NUM_PROGRAMS, SPIN_ASM)
             _mark(trace_ptr, pid, layer, end_layer, 4, 2, TRACE)
 
 
 class DecodeScratch:
-    """The kernel's buffers between stages, for up to BLOCK_M sequences, and its sync counters."""
+    """The kernel's buffers between stages, for up to BLOCK_M sequences, and its sync counters; with per-channel
+    fp8 weights, after them (zeroed with them) each layer's row amaxes of the activations (``amax``)."""
 
-    def __init__(self, plan: DecodePlan, dtype: torch.dtype, device: torch.device):
+    def __init__(self, plan: DecodePlan, dtype: torch.dtype, device: torch.device, num_layers: int = 0):
         p, f32 = plan, torch.float32
         self.qkv = torch.zeros(BLOCK_M, p.qkv_size, dtype=dtype, device=device)
         self.attn = torch.zeros(BLOCK_M, p.num_heads * p.head_dim, dtype=dtype, device=device)
@@ -364,7 +474,10 @@ class DecodeScratch:
         splits = p.attention_splits(1)
         self.part_o = torch.zeros(BLOCK_M * p.num_heads * splits, p.head_dim, dtype=f32, device=device)
         self.part_lse = torch.zeros(BLOCK_M * p.num_heads * splits, dtype=f32, device=device)
-        self.sync = torch.zeros(p.num_counters(BLOCK_M), dtype=torch.int32, device=device)
+        counters = p.num_counters(BLOCK_M)
+        amax = 2 * BLOCK_M * num_layers if p.fp8 == "channel" else 0
+        self.sync = torch.zeros(counters + amax, dtype=torch.int32, device=device)
+        self.amax = self.sync[counters:]
 
 
 def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, table: torch.Tensor,
@@ -372,29 +485,39 @@ def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, tab
                   context_lens: torch.Tensor, block_tables: torch.Tensor, *, eps: float, scale: float, window: int = 0,
                   qk_norm: bool, qkv_bias: bool, prefetch: bool = False, spin_asm: bool = False,
                   stages_one_by_one: bool = False, attn_block_n: int = 32, trace: torch.Tensor | None = None,
-                  check_only: bool = False):
+                  fp8_load_k: int = 0, check_only: bool = False):
     """Runs every layer of ``table`` on r [m <= BLOCK_M, hidden] in place: one launch, or with
     ``stages_one_by_one`` a launch per layer and stage (no barriers). kv_cache is
     [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim], table [num_layers, len(TABLE)] int64 of data
     pointers. ``trace``: int64 [programs, num_layers, stages, 3] for ``_mark``'s timestamps (CUDA only).
+    ``fp8_load_k``: with fp8 weights, at most this many K columns a weight load (0: the plan's ``block_k``).
     Returns the compiled kernel; ``check_only`` compiles without launching."""
     m, p, num_layers = r.size(0), plan, table.size(0)
+    if fp8_load_k and (fp8_load_k < 16 or fp8_load_k & (fp8_load_k - 1)):
+        raise ValueError(f"fp8_load_k {fp8_load_k} is not a power of two >= 16")
+
+    def block_k(stage: str) -> int:
+        return min(p.block_k(stage), fp8_load_k) if p.fp8 and fp8_load_k else p.block_k(stage)
+
     assert 0 < m <= BLOCK_M and r.is_contiguous() and kv_cache.is_contiguous() and table.size(1) == len(TABLE)
+    assert p.fp8 != "channel" or scratch.amax.numel() >= 2 * BLOCK_M * num_layers, "DecodeScratch's num_layers"
     scratch.sync.zero_()
     tensors = (r, scratch.qkv, scratch.attn, scratch.act, scratch.part, scratch.part_o, scratch.part_lse,
-               scratch.sync, scratch.sync if trace is None else trace, table, kv_cache, cos_sin, positions,
-               slot_mapping, context_lens, block_tables, m)
+               scratch.sync, scratch.amax if scratch.amax.numel() else scratch.sync,
+               scratch.sync if trace is None else trace, table, kv_cache, cos_sin, positions, slot_mapping,
+               context_lens, block_tables, m)
     scalars = (p.attention_splits(m), eps, scale * LOG2E, kv_cache.stride(1), kv_cache.stride(0),
                block_tables.stride(0))
     constants = dict(
         HIDDEN=p.hidden_size, NUM_HEADS=p.num_heads, NUM_KV_HEADS=p.num_kv_heads, HEAD_DIM=p.head_dim,
-        INTERMEDIATE=p.intermediate_size, BLOCK_K=p.block_k("qkv"), GATE_UP_BLOCK_K=p.block_k("gate_up"),
-        O_BLOCK_K=p.block_k("o_proj"), DOWN_BLOCK_K=p.block_k("down_proj"), O_SPLITS=p.o_splits,
+        INTERMEDIATE=p.intermediate_size, BLOCK_K=block_k("qkv"), GATE_UP_BLOCK_K=block_k("gate_up"),
+        O_BLOCK_K=block_k("o_proj"), DOWN_BLOCK_K=block_k("down_proj"), O_SPLITS=p.o_splits,
         DOWN_SPLITS=p.down_splits, NUM_PROGRAMS=p.num_programs,
         BLOCK_G=max(16, triton.next_power_of_2(p.num_heads // p.num_kv_heads)), PAGE=kv_cache.size(3),
         ATTN_BLOCK_N=min(attn_block_n, kv_cache.size(3)), WINDOW=window, NORM=qk_norm, BIAS=qkv_bias,
         PREFETCH=prefetch and not INTERPRET, SPIN_ASM=spin_asm and not INTERPRET, TRACE=trace is not None,
-        num_warps=4, num_stages=2)
+        FP8=FP8_MODES[p.fp8], SCALE_N=(p.weight_block_size or (1, 1))[0], SCALE_K=(p.weight_block_size or (1, 1))[1],
+        ROUND_FP8=INTERPRET, num_warps=4, num_stages=2)
     grid = (p.num_programs,)
     launch = functools.partial(_decode_layers_kernel.warmup, grid=grid) if check_only else _decode_layers_kernel[grid]
     launches = [(range(num_layers), -1)] if not stages_one_by_one else [

@@ -1,5 +1,8 @@
 """A dense decoder's decode step through the persistent kernel (``kernels/triton_decode``): the embedding, one launch
-for every layer, the final norm. ``DecodeGraphs`` captures it in place of the model for small batches."""
+for every layer, the final norm. ``DecodeGraphs`` captures it in place of the model for small batches. fp8 weights
+(``layers/quantization``) are read as the engine's fp8 decode reads them: a checkpoint's block-wise ones with the
+activations in the model's dtype, ``quantization="fp8"``'s per-channel ones with the activations quantized per
+token."""
 from __future__ import annotations
 
 import torch
@@ -23,9 +26,7 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor, tp_size: int) -> list[
         reasons.append("a mixture of experts")
     if attn.o_proj.bias is not None or layer.mlp.gate_up_proj.bias is not None:
         reasons.append("o_proj or MLP biases")
-    if attn.qkv_proj.quant_method is not None:
-        reasons.append("fp8 weights")
-    elif kv_cache.dtype != attn.qkv_proj.weight.dtype:
+    if kv_cache.dtype != layer.input_layernorm.weight.dtype:
         reasons.append(f"kv_cache_dtype {kv_cache.dtype}")
     if len({x.self_attn.attn.sliding_window for x in decoder.layers}) > 1:
         reasons.append("sliding windows on some layers only")
@@ -36,13 +37,57 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor, tp_size: int) -> list[
     return reasons
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _projections(layer) -> dict[str, nn.Module]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return dict(qkv_proj=attn.qkv_proj, o_proj=attn.o_proj, gate_up_proj=mlp.gate_up_proj, down_proj=mlp.down_proj)
+
+
+def _scale(linear: nn.Module) -> torch.Tensor | None:
+    """A projection's fp8 scales (block-wise ``weight_scale_inv`` or per-channel ``weight_scale``), None unquantized."""
+    if linear.quant_method is None:
+        return None
+    scale = linear.weight_scale_inv if linear.quant_method.quant_config.is_checkpoint_fp8_serialized \
+        else linear.weight_scale
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(f"the persistent decode kernel reads contiguous float32 fp8 scales, got {scale.dtype} "
+                         f"of strides {scale.stride()}")
+    return scale
+
+
+def fp8_format(decoder: DecoderModel) -> tuple[str | None, tuple[int, int] | None]:
+    """(``DecodePlan.fp8``, weight_block_size) of the decoder's projections: one format for all of them (the kernel
+    has one), else a ValueError naming the projections that differ."""
+    formats = {}
+    for i, layer in enumerate(decoder.layers):
+        for name, linear in _projections(layer).items():
+            method = linear.quant_method
+            if method is None:
+                key = (None, None)
+            elif method.quant_config.is_checkpoint_fp8_serialized:
+                key = ("block", tuple(method.block))
+            else:
+                key = ("channel", None)
+            formats.setdefault(key, []).append(f"layers.{i}.{name}")
+    if len(formats) > 1:
+        found = "; ".join(f"{fmt or 'unquantized'}{'' if block is None else f' {list(block)}'}: "
+                          f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                          for (fmt, block), names in formats.items())
+        raise ValueError(f"the persistent decode kernel reads one weight format for every projection, the model has "
+                         f"several ({found}); set persistent_decode_max_batch=0")
+    return next(iter(formats))
+
+
 def _layer_params(layer) -> dict:
     attn, mlp = layer.self_attn, layer.mlp
     norm = lambda name: getattr(attn, name).weight if hasattr(attn, name) else None  # noqa: E731
+    projections = _projections(layer)
     return dict(input_layernorm=layer.input_layernorm.weight, qkv_proj=attn.qkv_proj.weight,
                 qkv_bias=attn.qkv_proj.bias, q_norm=norm("q_norm"), k_norm=norm("k_norm"), o_proj=attn.o_proj.weight,
                 post_attention_layernorm=layer.post_attention_layernorm.weight, gate_up_proj=mlp.gate_up_proj.weight,
-                down_proj=mlp.down_proj.weight)
+                down_proj=mlp.down_proj.weight, **{f"{name}_scale": _scale(projections[name]) for name in PROJECTIONS})
 
 
 class PersistentDecoder:
@@ -56,10 +101,11 @@ class PersistentDecoder:
         decoder: DecoderModel = model.model
         layer = decoder.layers[0]
         attn = layer.self_attn
+        fp8, block = fp8_format(decoder)
         self.plan = DecodePlan.build(decoder.norm.weight.numel(), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                     layer.mlp.down_proj.weight.size(1), num_programs)
-        weight = attn.qkv_proj.weight
-        self.scratch = DecodeScratch(self.plan, weight.dtype, weight.device)
+                                     layer.mlp.down_proj.weight.size(1), num_programs, fp8, block)
+        weight = layer.input_layernorm.weight  # the model's dtype (a projection's may be fp8)
+        self.scratch = DecodeScratch(self.plan, weight.dtype, weight.device, len(decoder.layers))
         self.qk_norm, self.qkv_bias = hasattr(attn, "q_norm"), attn.qkv_proj.bias is not None
         self.eps, self.attn = layer.input_layernorm.eps, attn.attn
         eps = {x.eps for x in decoder.modules() if isinstance(x, RMSNorm)}
