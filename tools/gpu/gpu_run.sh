@@ -54,6 +54,11 @@
 #             into CACHE/ckpt-qwen3-0.6b, about 10 s)
 #   persistent  tests/test_persistent_decode.py on the GPU, tools/bench_persistent.py (MODELS, default qwen3-0.6b
 #             qwen3-8b) and bench.py's batch1 scenario with the persistent decode kernel on
+#   fp8wtests the fp8-weight kernels' and engine's GPU tests (dense, MoE, persistent), tools/bench_fp8.py, the fp8
+#             MoE microbenchmark and tools/bench_persistent.py on the 8B preset, bf16 and block-wise fp8
+#   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
+#             ways, the 0.6B preset with a bf16 and an fp8 cache, and the demo model's perplexity with fp8 weights
+#   rl        the RL-rollout tests on CUDA, then tools/bench_rl.py on the 8B preset
 #   fp8       the fp8-cache and sliding-window kernel tests, decode microbenchmarks over an fp8 cache with a tile
 #             sweep, bench.py with the model's dtype and with an fp8 cache, the presets' KL divergence
 #             (FP8_QUALITY=0 leaves it out);  kvquality: the KL divergence alone;  probe: tools/fp8_decode_probe.py
@@ -267,6 +272,27 @@ for phase in "$@"; do
       step bench_fp8.jsonl "$PYTHON" bench.py --json --kv-cache-dtype fp8
       [[ ${FP8_QUALITY:-1} == 1 ]] && kv_quality ;;
     kvquality) kv_quality ;;
+    fp8wtests)  # fp8 weights: the kernels' and engine's GPU tests, then the fp8 kernels' microbenchmarks
+      step test_fp8.log "$PYTHON" -m pytest tests/test_fp8_kernels.py tests/test_fp8_weights.py -q -rfE
+      step test_fp8.log "$PYTHON" -m pytest tests/test_moe.py -q -rfE -k "fp8 or cuda_graph"
+      step test_fp8.log "$PYTHON" -m pytest tests/test_persistent_decode.py -q -rfE -m gpu
+      step bench_fp8_linear.log "$PYTHON" tools/bench_fp8.py --out "$OUT"
+      step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe --out "$OUT"
+      for m in qwen3-8b qwen3-8b-fp8; do
+        step persistent.jsonl "$PYTHON" tools/bench_persistent.py --model $m --batch 1 16 --json; done ;;
+    fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
+      step bench_fp8w.jsonl "$PYTHON" bench.py --model qwen3-8b --json
+      step bench_fp8w.jsonl "$PYTHON" bench.py --model qwen3-8b-fp8 --json
+      step bench_fp8w.jsonl "$PYTHON" bench.py --model qwen3-8b --quantization fp8 --json
+      step bench_fp8w.jsonl "$PYTHON" bench.py --scenario batch1-8b --json
+      step bench_fp8w.jsonl "$PYTHON" bench.py --scenario batch1-8b --model qwen3-8b-fp8 --json
+      step bench_fp8w.jsonl "$PYTHON" bench.py --scenario batch1-8b --quantization fp8 --json
+      step bench_fp8w.jsonl "$PYTHON" bench.py --json
+      step bench_fp8w.jsonl "$PYTHON" bench.py --json --kv-cache-dtype fp8
+      step quality_fp8w.log "$PYTHON" tools/kv_quality.py --weights --device cuda ;;
+    rl)  # RL rollouts: the tests on CUDA, then update_weights / sleep / wake_up on the 8B preset
+      step test_rl.log "$PYTHON" -m pytest tests/test_rl.py tests/test_update_weights.py tests/test_bench_rl.py -q -rfE
+      step bench_rl.jsonl "$PYTHON" tools/bench_rl.py --model qwen3-8b --logprob-gap ;;
     probe) step fp8_probe.log "$PYTHON" tools/fp8_decode_probe.py --out "$OUT" ;;
     structured)
       structured_extra
