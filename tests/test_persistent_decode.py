@@ -221,7 +221,9 @@ def test_kernel_in_one_launch_matches_the_model(name):
 
 @pytest.mark.parametrize("fp8,block,dtype,tol", [
     ("block", (32, 32), torch.float32, 1e-4),  # chunks of one block; the o_proj/down_proj splits cross blocks
-    ("block", (16, 128), torch.float16, 1e-2),  # a block wider than a chunk, and than the hidden size
+    # a block of all of K (qkv, gate_up), and splits of whole blocks. fp32 only, as for "channel": in half precision
+    # an ulp between two orders of rounding moves an activation across an e4m3 boundary now and then
+    ("block", (16, 64), torch.float32, 1e-4),
     ("channel", None, torch.float32, 1e-4),
 ])
 def test_fp8_kernel_stage_by_stage_matches_the_model(fp8, block, dtype, tol):
@@ -241,7 +243,7 @@ def test_fp8_greedy_decode_in_one_launch_gives_the_model_tokens(fp8, block):
     runner = PersistentDecoder(model, caches["kernel"], 1)
     assert runner.plan.fp8 == fp8
     if fp8 == "block":
-        runner.options = dict(fp8_load_k=32)  # loads of half a block (the stage-by-stage test's span blocks)
+        runner.options = dict(fp8_load_k=64)  # loads of one block (the stage-by-stage test's span several)
     lens, steps = [30, 5], 2
     _, _, _, tables = decode_inputs([n + steps for n in lens], 16, kv.size(2), seed=3)
     tokens = {who: [torch.tensor([3, 77], device=DEVICE)] for who in caches}

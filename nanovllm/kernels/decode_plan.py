@@ -12,8 +12,8 @@ A layer is five stages, each ending when every program has arrived at the barrie
   down_proj  (tile, K split) tasks, merged as o_proj's
 
 The projections' weights are in the model's dtype or fp8 (``fp8``): "block", a checkpoint's e4m3 weights with a
-scale per ``weight_block_size`` block, read with the activations in the model's dtype (a load of K columns spans
-whole blocks of the scales or lies in one); or "channel", ``quantization="fp8"``'s weights with a scale per output
+scale per ``weight_block_size`` block, the activations quantized per row and block (so a load of K columns, and a
+K split, holds whole blocks, or all of K); or "channel", ``quantization="fp8"``'s weights with a scale per output
 channel, the activations quantized to e4m3 per token (their amax gathered by the stage that writes them).
 """
 from __future__ import annotations
@@ -37,9 +37,10 @@ def _block_k(k: int) -> int:
     return block
 
 
-def _splits(tiles: int, num_programs: int, k: int) -> int:
-    """K splits of a projection: the fewest loads a task, then the most tasks, up to one per program."""
-    fits = [s for s in range(1, MAX_SPLITS + 1) if s == 1 or (tiles * s <= num_programs and k % (16 * s) == 0)]
+def _splits(tiles: int, num_programs: int, k: int, granule: int = 16) -> int:
+    """K splits of a projection: the fewest loads a task, then the most tasks, up to one per program; a split's
+    columns a multiple of ``granule`` (block-wise fp8: whole blocks, as x is quantized per block)."""
+    fits = [s for s in range(1, MAX_SPLITS + 1) if s == 1 or (tiles * s <= num_programs and k % (granule * s) == 0)]
     return min(fits, key=lambda s: (k // s // _block_k(k // s), -s))
 
 
@@ -75,14 +76,20 @@ class DecodePlan:
         elif weight_block_size is not None:
             raise ValueError(f"weight_block_size {weight_block_size} is for fp8='block' only, not fp8={fp8!r}")
         tiles = hidden_size // BLOCK_N
+        granule = max(16, weight_block_size[1]) if fp8 == "block" else 16
         return cls(num_programs, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
-                   _splits(tiles, num_programs, q_size), _splits(tiles, num_programs, intermediate_size), fp8,
+                   _splits(tiles, num_programs, q_size, granule),
+                   _splits(tiles, num_programs, intermediate_size, granule), fp8,
                    None if weight_block_size is None else tuple(weight_block_size))
+
+    def stage_k(self, stage: str) -> int:
+        """A stage's K: the columns of its projection's weights."""
+        return {"o_proj": self.num_heads * self.head_dim, "down_proj": self.intermediate_size}.get(stage,
+                                                                                                    self.hidden_size)
 
     def block_k(self, stage: str) -> int:
         """The K columns of one load of a task's weights (a power of two, as a block's columns are)."""
-        k = {"o_proj": self.num_heads * self.head_dim // self.o_splits,
-             "down_proj": self.intermediate_size // self.down_splits}.get(stage, self.hidden_size)
+        k = self.stage_k(stage) // {"o_proj": self.o_splits, "down_proj": self.down_splits}.get(stage, 1)
         return min(_block_k(k), 256) if stage == "gate_up" else _block_k(k)  # two tiles: registers for 256
 
     @property

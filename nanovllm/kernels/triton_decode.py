@@ -10,8 +10,9 @@ Rounding follows the unfused kernels: the norm's output, q/k after norm and rota
 the residual stream in the model's dtype, accumulators in fp32.
 
 fp8 weights (``DecodePlan.fp8``) follow ``triton_fp8``'s skinny kernel, the engine's fp8 decode: e4m3 bytes converted
-exactly to the model's dtype in registers; block-wise, each chunk's product times its block's scale; per channel,
-the activations quantized to e4m3 per token (the norm's output by each task, over its whole row; the attention's and
+exactly to the model's dtype in registers, the activations quantized to e4m3 as the engine's W8A8 does; block-wise,
+per row and weight block (a load holds whole blocks, or all of K), each block's product times both scales; per
+channel, per token (the norm's output by each task, over its whole row; the attention's and
 the MLP's by their readers, from the row's amax that their writers gather with atomics) and both scales on the
 accumulator."""
 from __future__ import annotations
@@ -97,18 +98,19 @@ def _quantized(x, scale, ROUND_FP8: tl.constexpr):
 
 @triton.jit
 def _chunk_dot(acc, x, w, scale_ptr, k0, BLOCK_K: tl.constexpr, FP8: tl.constexpr, SCALE_K: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, ROUND_FP8: tl.constexpr):
     """acc + x @ w.T over K columns [k0, k0 + BLOCK_K), w converted to x's dtype (exactly, from e4m3). Block-wise
-    fp8: each scale block's product times its scale (scale_ptr: each column's row of scales); a chunk wider than a
-    block takes a product per block, of x with the other blocks' columns zeroed."""
+    fp8 (BLOCK_K a multiple of SCALE_K): x quantized per row and scale block, as ``triton_fp8``'s kernels do, and
+    each block's product times x's and the weight block's scales (scale_ptr: each column's row of scales); a chunk
+    wider than a block takes a product per block, of x with the other blocks' columns zeroed."""
     w = w.to(x.dtype)
     if FP8 == FP8_BLOCK:
-        if BLOCK_K <= SCALE_K:
-            return acc + tl.dot(x, tl.trans(w), input_precision=PRECISION) * tl.load(scale_ptr + k0 // SCALE_K)[None, :]
         block = tl.arange(0, BLOCK_K)[None, :] // SCALE_K
-        for j in tl.static_range(BLOCK_K // SCALE_K):
-            part = tl.dot(tl.where(block == j, x, tl.zeros_like(x)), tl.trans(w), input_precision=PRECISION)
-            acc += part * tl.load(scale_ptr + k0 // SCALE_K + j)[None, :]
+        for j in tl.static_range((BLOCK_K + SCALE_K - 1) // SCALE_K):  # a load of all of K may be < a block
+            xj = tl.where(block == j, x, tl.zeros_like(x))
+            x_scale = _token_scale(tl.max(tl.abs(xj.to(tl.float32)), 1))
+            part = tl.dot(_quantized(xj, x_scale, ROUND_FP8), tl.trans(w), input_precision=PRECISION)
+            acc += part * x_scale[:, None] * tl.load(scale_ptr + k0 // SCALE_K + j)[None, :]
         return acc
     return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
@@ -176,9 +178,9 @@ def _normed_gemv(r_ptr, norm_ptr, w_ptr, s_ptr, b_ptr, out_ptr, amax_ptr, m, til
         x = _normed(r_ptr, norm_ptr, rows, row_mask, k0, ks, rstd, K)
         if FP8 == FP8_CHANNEL:
             x = _quantized(x, x_scale, ROUND_FP8)
-        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
+        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION, ROUND_FP8)
         if GATE_UP:
-            acc_up = _chunk_dot(acc_up, x, w_up, s_up_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
+            acc_up = _chunk_dot(acc_up, x, w_up, s_up_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION, ROUND_FP8)
         w, w_up = w_next, w_up_next
     if FP8 == FP8_CHANNEL:  # the weight's scales, then the token's, as the skinny kernel
         acc = acc * tl.load(s_ptr + cols)[None, :] * x_scale[:, None]
@@ -219,7 +221,7 @@ def _split_gemv_add(x_ptr, w_ptr, s_ptr, amax_ptr, r_ptr, part_ptr, counters, m,
         x = tl.load(x_ptr + rows[:, None] * K + k0 + ks[None, :], mask=row_mask, other=0.0, cache_modifier=".cg")
         if FP8 == FP8_CHANNEL:
             x = _quantized(x, x_scale, ROUND_FP8)
-        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION)
+        acc = _chunk_dot(acc, x, w, s_rows, k0, BLOCK_K, FP8, SCALE_K, PRECISION, ROUND_FP8)
         w = w_next
     if FP8 == FP8_CHANNEL:
         acc = acc * tl.load(s_ptr + cols)[None, :] * x_scale[:, None]
@@ -497,7 +499,12 @@ def decode_layers(plan: DecodePlan, scratch: DecodeScratch, r: torch.Tensor, tab
         raise ValueError(f"fp8_load_k {fp8_load_k} is not a power of two >= 16")
 
     def block_k(stage: str) -> int:
-        return min(p.block_k(stage), fp8_load_k) if p.fp8 and fp8_load_k else p.block_k(stage)
+        k = min(p.block_k(stage), fp8_load_k) if p.fp8 and fp8_load_k else p.block_k(stage)
+        if p.fp8 == "block" and k % p.weight_block_size[1] and k != p.stage_k(stage):
+            raise ValueError(f"the persistent decode kernel quantizes x per fp8 weight block of "
+                             f"{p.weight_block_size[1]} columns inside a load of {k} ({stage}): a load must hold "
+                             "whole blocks, or all of K")
+        return k
 
     assert 0 < m <= BLOCK_M and r.is_contiguous() and kv_cache.is_contiguous() and table.size(1) == len(TABLE)
     assert p.fp8 != "channel" or scratch.amax.numel() >= 2 * BLOCK_M * num_layers, "DecodeScratch's num_layers"
