@@ -63,7 +63,7 @@ def _sweep(m: int, x, weights, kwargs) -> dict:
     def time_it(cfg):
         if skinny:
             return bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128), None, kwargs["residual"],
-                                             kwargs["silu_mul"], False, config=cfg) for _, wb, sb, _, _ in weights], 30)
+                                             kwargs["silu_mul"], config=cfg) for _, wb, sb, _, _ in weights], 30)
         return bench_graph_each([partial(tf.fp8_gemm, x, wb, sb, (128, 128), None, None, config=cfg)
                                  for _, wb, sb, _, _ in weights], 30)
     best = fastest(float("inf"), ((cfg, partial(time_it, cfg)) for cfg in configs))
@@ -85,8 +85,11 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
             bf16=bench_graph_each([partial(tlin.linear, x, w, **kwargs) for w, *_ in weights]),
             block=bench_graph_each([partial(tf.fp8_linear, x, wb, sb, (128, 128), **kwargs)
                                     for _, wb, sb, _, _ in weights]),
-            channel=bench_graph_each([partial(tf.fp8_linear, x, wc, sc, None, act_quant=True, **kwargs)
+            channel=bench_graph_each([partial(tf.fp8_linear, x, wc, sc, None, **kwargs)
                                       for *_, wc, sc in weights]))
+        if m <= tlin.SKINNY_MAX_M:  # the skinny kernel with both operands converted to bf16 instead of the fp8 MMA
+            times["block_bf16mma"] = bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128), None, residual,
+                                                               silu, fp8_dot=False) for _, wb, sb, _, _ in weights])
         if m >= 16 and not silu and residual is None:
             try:
                 times["scaled_mm"] = bench_graph_each([partial(_scaled_mm, x, wc, sc) for *_, wc, sc in weights])
