@@ -12,8 +12,10 @@ tags are awake. After level 2 the weights wake zeroed, to be loaded with ``updat
 asleep; ``sleep`` is refused while requests are unfinished."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import time
 
 import torch
 
@@ -36,7 +38,8 @@ class RunnerSleep:
         self.asleep: set[str] = set()
         # tag -> its storages and their byte sizes when awake (asleep, they are empty: no address tells them apart)
         self.freed: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
-        self.host: list[torch.Tensor] | None = None  # level 1: the weight storages' bytes, in order
+        self.host: torch.Tensor | None = None  # level 1: the weight storages' bytes, one after another
+        self.timings: dict[str, float] = {}  # the last wake_up's phases, in seconds
 
     def storages(self, tag: str) -> list[torch.UntypedStorage]:
         """The storages ``tag`` frees: each parameter's once (tied ones share theirs), or the KV cache's."""
@@ -54,10 +57,10 @@ class RunnerSleep:
         runner.graphs = None  # their captured addresses are about to go
         if "weights" not in self.asleep:
             storages = self.storages("weights")
-            if level == 1:
+            if level == 1:  # one pinned buffer: one host allocation, copies at the link's rate
                 pin = runner.is_cuda
-                self.host = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pin) for s in storages]
-                for host, storage in zip(self.host, storages):
+                self.host = torch.empty(sum(s.nbytes() for s in storages), dtype=torch.uint8, pin_memory=pin)
+                for host, storage in zip(self._host_parts(storages), storages):
                     host.copy_(_bytes(storage), non_blocking=pin)
                 if pin:
                     torch.cuda.synchronize(runner.device)
@@ -76,29 +79,52 @@ class RunnerSleep:
             storage.resize_(0)
         self.asleep.add(tag)
 
+    def _host_parts(self, storages: list[torch.UntypedStorage]) -> list[torch.Tensor]:
+        """The slices of the host buffer that hold each storage's bytes."""
+        return list(torch.split(self.host, [s.nbytes() for s in storages]))
+
     def wake_up(self, tags: list[str]):
-        runner = self.runner
-        for tag in (t for t in TAGS if t in tags and t in self.asleep):
-            storages = [storage for storage, _ in self.freed[tag]]
+        """Takes back ``tags``' memory. The weights' upload (a side stream on CUDA) overlaps the capture of the CUDA
+        graphs, which records addresses, not values: the capture's warm-up forwards may read weights still on the
+        way and write what they make into the KV cache, so the cache is zeroed once the upload is done."""
+        runner, start = self.runner, time.perf_counter()
+        waking = [t for t in TAGS if t in tags and t in self.asleep]
+        storages = {}
+        for tag in waking:
+            storages[tag] = [storage for storage, _ in self.freed[tag]]
             for storage, size in self.freed.pop(tag):
                 storage.resize_(size)
-            if tag == "weights" and self.host is not None:
-                for host, storage in zip(self.host, storages):
-                    _bytes(storage).copy_(host, non_blocking=runner.is_cuda)
-            else:  # the KV cache (zeros: masked-out positions must not hold NaN patterns), level 2's weights
-                for storage in storages:
-                    _bytes(storage).zero_()
-                if tag == "weights" and runner.rank == 0:
-                    logger.info("wake_up: the weights were discarded (sleep level 2) and are zeros: load them "
-                                "with update_weights() before generating")
-            if tag == "weights":
-                self.host = None
             self.asleep.discard(tag)
-        if runner.is_cuda:
-            torch.cuda.synchronize(runner.device)
-        if not self.asleep and runner.is_cuda and not runner.config.enforce_eager and runner.graphs is None:
+        self.timings = {"allocate": time.perf_counter() - start}
+        upload = torch.cuda.Stream(runner.device) if runner.is_cuda else None
+        if "weights" in storages and self.host is not None:
+            if upload is not None:
+                upload.wait_stream(torch.cuda.current_stream(runner.device))  # the memory resize_ allocated
+            with torch.cuda.stream(upload) if upload is not None else contextlib.nullcontext():
+                for host, storage in zip(self._host_parts(storages["weights"]), storages["weights"]):
+                    _bytes(storage).copy_(host, non_blocking=upload is not None)
+        elif "weights" in storages:  # level 2: zeros, to be loaded
+            for storage in storages["weights"]:
+                _bytes(storage).zero_()
+            if runner.rank == 0:
+                logger.info("wake_up: the weights were discarded (sleep level 2) and are zeros: load them with "
+                            "update_weights() before generating")
+        captured = (not self.asleep and runner.is_cuda and not runner.config.enforce_eager
+                    and runner.graphs is None)
+        if captured:
+            mark = time.perf_counter()
             with runner.building():
                 runner.capture_cudagraph()
+            self.timings["capture"] = time.perf_counter() - mark
+        if upload is not None:
+            torch.cuda.current_stream(runner.device).wait_stream(upload)
+        if "kv_cache" in storages or captured:  # zeros: masked-out positions must not hold NaN patterns
+            _bytes(runner.kv_cache.untyped_storage()).zero_()
+        if runner.is_cuda:
+            torch.cuda.synchronize(runner.device)
+        if "weights" in storages:
+            self.host = None
+        self.timings["total"] = time.perf_counter() - start
 
 
 def check_tags(tags) -> list[str]:
@@ -146,3 +172,4 @@ def wake_up(engine, tags: list[str] | None = None):
     _require_sleep_mode(engine, "wake_up()")
     with engine.core.lock:
         engine._call_every_rank("wake_up", (tags,), {})
+
