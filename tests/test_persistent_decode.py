@@ -271,7 +271,8 @@ def test_fp8_formats_the_kernel_cannot_read_are_refused_by_name():
     with pytest.raises(ValueError, match="fp8='tensor'"):
         DecodePlan.build(64, 4, 2, 16, 96, 4, "tensor")
     model, kv = build("qwen3", torch.float32, fp8="block", fp8_block=(32, 32))
-    assert unsupported(model, kv, 1) == ([] if CUDA else ["not on CUDA"])  # fp8 weights are read
+    reasons = unsupported(model, kv, 1)  # fp8 weights are read; block-wise ones not yet on CUDA
+    assert len(reasons) == 1 and reasons[0].startswith("block-wise fp8 weights" if CUDA else "not on CUDA")
     model.model.layers[1].mlp.down_proj.unquantize()  # as modules_to_not_convert leaves it
     with pytest.raises(ValueError, match=r"block \[32, 32\]: layers\.0\.qkv_proj, .*unquantized: "
                                          r"layers\.1\.down_proj"):
@@ -295,7 +296,8 @@ def test_kernel_at_real_shapes_on_the_gpu(preset, batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "llama-3.2-1b"])
-@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("batch", [1, pytest.param(16, marks=pytest.mark.xfail(
+    strict=True, reason="0.7-1.5% off on the H200 (2026-12-04), not yet understood: the engine refuses it"))])
 def test_fp8_kernel_at_real_shapes_on_the_gpu(preset, batch):
     """Block-wise fp8 weights (128 x 128 blocks, Qwen3-*-FP8's), against the model's forward through
     ``triton_fp8``'s skinny kernel; 4 of the layers. In fp32: in bf16 an ulp between the two orders of rounding
@@ -333,7 +335,7 @@ def test_engine_greedy_outputs_are_the_same_with_and_without_the_kernel(checkpoi
         llm = LLM(path, kvcache_block_size=16, max_model_len=512, device="cuda", dtype="float32",
                   persistent_decode_max_batch=max_batch, num_kvcache_blocks=64, **kw)
         persistent = llm.model_runner.graphs.persistent
-        assert (persistent is not None) == (max_batch > 0)
+        assert (persistent is not None) == (max_batch > 0 and weights != "fp8-block")  # block-wise: refused on CUDA
         if persistent is not None:
             assert persistent.plan.fp8 == (weights and weights.removeprefix("fp8-"))
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48,

@@ -34,6 +34,8 @@ def unsupported(model: nn.Module, kv_cache: torch.Tensor, tp_size: int) -> list[
         reasons.append(f"head_dim {attn.head_dim}")
     if not kv_cache.is_cuda:
         reasons.append("not on CUDA")
+    elif fp8_format(decoder)[0] == "block":  # right in the interpreter and at batch 1, not yet on the GPU
+        reasons.append("block-wise fp8 weights (wrong by 0.7-1.5% at batch 16 on the H200, measured 2026-12-04)")
     return reasons
 
 
