@@ -183,14 +183,18 @@ def load_logits_processors(entries) -> list[type[LogitsProcessor]]:
     return [_load(entry) for entry in ([entries] if isinstance(entries, str) else entries)]
 
 
+def import_by_name(value: str, what: str):
+    """The object a "module.Name" or "module:Name" string names (vLLM's way to pass a class by name); a ValueError
+    says why ``what`` cannot be imported."""
+    module, _, name = value.rpartition(":" if ":" in value else ".")
+    try:
+        return functools.reduce(getattr, name.split("."), importlib.import_module(module))
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{what} cannot be imported: {e}") from None
+
+
 def _load(entry) -> type[LogitsProcessor]:
-    cls = entry
-    if isinstance(entry, str):
-        module, _, name = entry.rpartition(":" if ":" in entry else ".")
-        try:
-            cls = functools.reduce(getattr, name.split("."), importlib.import_module(module))
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"logits_processors entry {entry!r} cannot be imported: {e}") from None
+    cls = import_by_name(entry, f"logits_processors entry {entry!r}") if isinstance(entry, str) else entry
     if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
         raise TypeError(f"logits_processors entry {entry!r:.80} is not a subclass of "
                         "nanovllm.logits_processor.LogitsProcessor")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
+
+from nanovllm.logits_processor import import_by_name
 
 logger = logging.getLogger("nanovllm")
 
@@ -14,13 +15,7 @@ def load_worker_extension(value) -> type | None:
     none. A TypeError or ValueError names a value that is not one, or an attribute the runner has already."""
     if value is None or value == "":
         return None
-    cls = value
-    if isinstance(value, str):
-        module, _, name = value.rpartition(":" if ":" in value else ".")
-        try:
-            cls = functools.reduce(getattr, name.split("."), importlib.import_module(module))
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"worker_extension_cls={value!r} cannot be imported: {e}") from None
+    cls = import_by_name(value, f"worker_extension_cls={value!r}") if isinstance(value, str) else value
     if not isinstance(cls, type):
         raise TypeError(f"worker_extension_cls must be a class or a 'module.Class' name, got {value!r:.80}")
     if cls.__init__ is not object.__init__:
