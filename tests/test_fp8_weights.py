@@ -329,14 +329,14 @@ def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckp
     order, so the sampled tokens' logprobs, up to where the two first differ, are held to the W8A8 criteria."""
     from nanovllm import kernels
     from nanovllm.kernels import triton_fp8
-    prompts = random_prompts(3, 3, 30, seed=13)
+    prompts, n = random_prompts(2, 17, 24, seed=13), 6  # each prefill over 16 rows (the GEMM); the interpreter is slow
     path, kw = (float_ckpt, dict(quantization="fp8")) if online else (fp8_ckpt, {})
-    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
     reference, _ = run_engine(path, prompts, params, device="cpu", dtype="float32", **kw)
     calls = []
     monkeypatch.setattr(kernels, "fp8_ops", lambda x: calls.append(x.size(0)) or triton_fp8)
     with_kernel, _ = run_engine(path, prompts, params, device="cpu", dtype="float32", **kw)
-    assert calls and max(calls) > triton_fp8.SKINNY_MAX_M and min(calls) <= 3  # prefill, then decode
+    assert calls and max(calls) > triton_fp8.SKINNY_MAX_M and min(calls) <= 2  # prefill, then decode
     diffs = []
     for ref, got in zip(reference, with_kernel, strict=True):
         for a, b, lp_a, lp_b in zip(ref["token_ids"], got["token_ids"], ref["logprobs"], got["logprobs"]):
@@ -344,5 +344,5 @@ def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckp
             if a != b:
                 break
     diffs = torch.tensor(diffs)
-    assert diffs.numel() >= len(prompts) * N // 2, "the paths parted within the first half of the tokens"
+    assert diffs.numel() >= len(prompts) * n // 2, "the paths parted within the first half of the tokens"
     assert float((diffs < W8A8_TYPICAL).double().mean()) >= 0.9 and not diffs.isnan().sum() > 1, diffs
