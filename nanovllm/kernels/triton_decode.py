@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.decode_plan import BLOCK_M, BLOCK_N, MAX_ATTENTION_SPLITS, STAGES, DecodePlan
-from nanovllm.kernels.triton_attention import FP8_MAX, LOG2E, _attend_tile, _round_to_e4m3
+from nanovllm.kernels.triton_attention import LOG2E, _attend_tile
+from nanovllm.kernels.triton_fp8 import _row_scale, _to_e4m3
 from nanovllm.kernels.triton_linear import silu_mul_rounded
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,10 +91,7 @@ def _last_arrival(counter_ptr, splits):
 def _quantized(x, scale, ROUND_FP8: tl.constexpr):
     """x [rows, k] as e4m3 values (x / scale per row, saturated; ``triton_fp8.quantize_activations``'s) in x's
     dtype, which holds them exactly."""
-    q = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -FP8_MAX), FP8_MAX)
-    if ROUND_FP8:  # the interpreter's cast to e4m3 rounds wrongly
-        q = _round_to_e4m3(q)
-    return q.to(tl.float8e4nv).to(x.dtype)
+    return _to_e4m3(x, scale, ROUND_FP8).to(x.dtype)
 
 
 @triton.jit
@@ -108,7 +106,7 @@ def _chunk_dot(acc, x, w, scale_ptr, k0, BLOCK_K: tl.constexpr, FP8: tl.constexp
         block = tl.arange(0, BLOCK_K)[None, :] // SCALE_K
         for j in tl.static_range((BLOCK_K + SCALE_K - 1) // SCALE_K):  # a load of all of K may be < a block
             xj = tl.where(block == j, x, tl.zeros_like(x))
-            x_scale = _token_scale(tl.max(tl.abs(xj.to(tl.float32)), 1))
+            x_scale = _row_scale(tl.max(tl.abs(xj.to(tl.float32)), 1))
             part = tl.dot(_quantized(xj, x_scale, ROUND_FP8), tl.trans(w), input_precision=PRECISION)
             acc += part * x_scale[:, None] * tl.load(scale_ptr + k0 // SCALE_K + j)[None, :]
         return acc
@@ -121,12 +119,6 @@ def _gather_amax(amax_ptr, y, mask):
     non-negative float's bits order as the float does."""
     y = tl.where(mask, tl.abs(y.to(tl.float32)), 0.0)
     tl.atomic_max(amax_ptr, tl.max(y, 1).to(tl.int32, bitcast=True), sem="relaxed")
-
-
-@triton.jit
-def _token_scale(amax):
-    """A token's e4m3 scale from its amax (1 for a row of zeros), as ``quantize_activations``."""
-    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
 
 
 @triton.jit
@@ -168,7 +160,7 @@ def _normed_gemv(r_ptr, norm_ptr, w_ptr, s_ptr, b_ptr, out_ptr, amax_ptr, m, til
         for k0 in range(0, K, BLOCK_K):
             amax = tl.maximum(amax, tl.max(tl.abs(_normed(r_ptr, norm_ptr, rows, row_mask, k0, ks, rstd, K)
                                                   .to(tl.float32)), 1))
-        x_scale = _token_scale(amax)
+        x_scale = _row_scale(amax)
     acc = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     acc_up = tl.zeros([_BLOCK_M, _BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -214,7 +206,7 @@ def _split_gemv_add(x_ptr, w_ptr, s_ptr, amax_ptr, r_ptr, part_ptr, counters, m,
     w = tl.load(w_rows + split * (K // SPLITS) + ks[None, :])
     if FP8 == FP8_CHANNEL:
         amax = tl.load(amax_ptr + rows, mask=rows < m, other=0, cache_modifier=".cg")
-        x_scale = _token_scale(amax.to(tl.float32, bitcast=True))
+        x_scale = _row_scale(amax.to(tl.float32, bitcast=True))
     for k0 in range(split * (K // SPLITS), end, BLOCK_K):
         nxt = (k0 + BLOCK_K + ks)[None, :]  # the next weights' loads go out before this chunk's math
         w_next = tl.load(w_rows + nxt, mask=nxt < end, other=0.0)
