@@ -172,7 +172,7 @@ def run_nanovllm(args, prompts, params) -> float:
               max_model_len=max(args.max_model_len, longest), attention_backend=args.attention_backend,
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               async_scheduling=False if args.no_async_scheduling else None,
-              kv_cache_dtype=args.kv_cache_dtype, persistent_decode_max_batch=args.persistent_decode_max_batch,
+              kv_cache_dtype=args.kv_cache_dtype,
               quantization=args.quantization,
               **({} if args.block_size is None else dict(kvcache_block_size=args.block_size)))
     args.block_size = llm.config.kvcache_block_size
@@ -276,9 +276,6 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--persistent-decode-max-batch", type=int, default=0,
-                        help="decode batches up to this run the persistent decode kernel (0, the default: CUDA graphs "
-                             "of the model)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next (async scheduling is on by default "
                              "on CUDA)")
@@ -304,7 +301,7 @@ def main():
                   attention_backend=args.attention_backend, tp=args.tp, block_size=args.block_size,
                   kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   weights=getattr(args, "weights", None), cuda_graphs=not args.enforce_eager,
-                  persistent_decode_max_batch=args.persistent_decode_max_batch,
+                 
                   async_scheduling=getattr(args, "async_scheduling", None),
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),

@@ -33,9 +33,6 @@ class Config:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
-    # decode batches up to this size (<= 16) run the persistent decode kernel (CUDA graphs, dense decoders, TP 1);
-    # 0: never (the default: it measures slower than the model's graphs, docs/PERFORMANCE.md)
-    persistent_decode_max_batch: int = 0
     kvcache_block_size: int | None = None  # None: the attention backend's DEFAULT_BLOCK_SIZE
     num_kvcache_blocks: int = -1
     dtype: str | torch.dtype = "auto"
@@ -153,7 +150,6 @@ class Config:
         check_int("num_kvcache_blocks", self.num_kvcache_blocks, lo=-1)
         check_int("seed", self.seed, lo=0, hi=2 ** 32 - 1)  # vLLM's range (numpy's seeds)
         check_int("max_logprobs", self.max_logprobs, lo=-1)
-        check_int("persistent_decode_max_batch", self.persistent_decode_max_batch, lo=0, hi=16)
         if self.num_kvcache_blocks == 0:
             raise ValueError("num_kvcache_blocks must be -1 (auto) or >= 1, got 0")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -2,8 +2,6 @@
 replays the smallest that covers its batch, its padding rows at slot -1 and context length 0."""
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -16,12 +14,10 @@ def bucket_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured on construction, on the default device and dtype; batches up to ``persistent.max_batch_size`` run
-    ``persistent`` (the persistent decode kernel) instead of the model."""
+    """Captured on construction, on the default device and dtype."""
 
     @torch.inference_mode()
-    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int,
-                 persistent: Callable | None = None):
+    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int):
         self.batch_sizes = bucket_sizes(max_bs)
         ints = dict(input_ids=torch.int64, positions=torch.int64, slot_mapping=torch.int32, context_lens=torch.int32)
         b = self.buffers = {name: torch.zeros(max_bs, dtype=dtype) for name, dtype in ints.items()}
@@ -29,16 +25,14 @@ class DecodeGraphs:
         b["outputs"] = torch.zeros(max_bs, hidden_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.persistent = persistent
         for bs in reversed(self.batch_sizes):
-            forward = persistent if persistent is not None and bs <= persistent.max_batch_size else model
             graph = torch.cuda.CUDAGraph()
             with set_context(False, slot_mapping=b["slot_mapping"][:bs], context_lens=b["context_lens"][:bs],
                              block_tables=b["block_tables"][:bs]):
-                b["outputs"][:bs] = forward(b["input_ids"][:bs], b["positions"][:bs])  # warmup
+                b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # warmup
                 # thread_local: another engine may run kernels in another thread while this one captures
                 with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
-                    b["outputs"][:bs] = forward(b["input_ids"][:bs], b["positions"][:bs])  # capture
+                    b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # capture
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph

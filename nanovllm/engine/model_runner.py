@@ -107,7 +107,7 @@ class ModelRunner:
 
     def update_weights(self, weights: list[tuple[str, torch.Tensor]], checked: bool = False):
         """Loads (checkpoint name, tensor) pairs into this rank's part of the model, in place (captured CUDA graphs
-        and the persistent decode kernel keep their pointers); ``checked``: ``check_weights`` passed already."""
+        keep their pointers); ``checked``: ``check_weights`` passed already."""
         if not checked:
             check_weights(self.model, weights)
         update_weights(self.model, weights)
@@ -123,19 +123,7 @@ class ModelRunner:
     def capture_cudagraph(self):
         max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
-                                   self.config.hf_config.hidden_size, self.persistent_decoder())
-
-    def persistent_decoder(self):
-        """The persistent decode kernel's runner for small batches, or None (logged why)."""
-        if not self.config.persistent_decode_max_batch:
-            return None
-        from nanovllm.models.persistent import PersistentDecoder, unsupported
-        if reasons := unsupported(self.model, self.kv_cache, self.config.tensor_parallel_size):
-            if self.rank == 0:
-                logger.info("persistent decode kernel off: %s", "; ".join(reasons))
-            return None
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return PersistentDecoder(self.model, self.kv_cache, 2 * num_sms, self.config.persistent_decode_max_batch)
+                                   self.config.hf_config.hidden_size)
 
     def exit(self):
         """Frees this runner's graphs, KV cache and weights now (it is unusable after), so that another engine

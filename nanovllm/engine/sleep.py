@@ -6,7 +6,7 @@ device: an RL loop sleeps while it trains and wakes to generate.
 Memory is given back by resizing each weight storage and the KV cache's storage to zero bytes (then
 ``torch.cuda.empty_cache``); every parameter, view and layer's ``k_cache``/``v_cache`` keeps its tensor, so waking
 resizes the same storages back and nothing else in the engine changes. The new memory has new addresses: the CUDA
-graphs (and the persistent decode kernel's pointer table) are dropped at ``sleep`` and captured again once both
+graphs are dropped at ``sleep`` and captured again once both
 tags are awake. After level 2 the weights wake zeroed, to be loaded with ``update_weights`` (or a
 ``collective_rpc`` method of a ``worker_extension_cls``) before generating. Requests are refused while anything is
 asleep; ``sleep`` is refused while requests are unfinished."""

@@ -52,10 +52,8 @@
 #   startup   import time of torch and nanovllm, then tools/startup_time.py (LLM(...) construction, cold and warm
 #             compiler caches): the preset with random weights, then from a checkpoint of its shapes (written once
 #             into CACHE/ckpt-qwen3-0.6b, about 10 s)
-#   persistent  tests/test_persistent_decode.py on the GPU, tools/bench_persistent.py (MODELS, default qwen3-0.6b
-#             qwen3-8b) and bench.py's batch1 scenario with the persistent decode kernel on
-#   fp8wtests the fp8-weight kernels' and engine's GPU tests (dense, MoE, persistent), tools/bench_fp8.py, the fp8
-#             MoE microbenchmark and tools/bench_persistent.py on the 8B preset, bf16 and block-wise fp8
+#   fp8wtests the fp8-weight kernels' and engine's GPU tests (dense, MoE), tools/bench_fp8.py and the fp8
+#             MoE microbenchmark
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
 #             ways, the 0.6B preset with a bf16 and an fp8 cache, and the demo model's perplexity with fp8 weights
 #   rl        the RL-rollout tests on CUDA, then tools/bench_rl.py on the 8B preset
@@ -255,11 +253,6 @@ for phase in "$@"; do
         step profile_step.jsonl "$PYTHON" tools/profile_step.py --batch 64 256 --kv-cache-dtype $kv
       done ;;
     profile8b) step profile_step.jsonl "$PYTHON" tools/profile_step.py --model qwen3-8b ;;
-    persistent)  # the persistent decode kernel: its GPU tests, then against the model's graphs stage by stage
-      step test_persistent.log "$PYTHON" -m pytest tests/test_persistent_decode.py -q -m gpu
-      for m in ${MODELS:-qwen3-0.6b qwen3-8b}; do
-        step persistent.jsonl "$PYTHON" tools/bench_persistent.py --model $m --batch 1 16 --json; done
-      step persistent_engine.jsonl "$PYTHON" bench.py --scenario batch1 --persistent-decode-max-batch 16 --json ;;
     startup)
       step importtime.log "$PYTHON" -X importtime -c "import torch, nanovllm"
       step startup.jsonl "$PYTHON" tools/startup_time.py
@@ -275,11 +268,8 @@ for phase in "$@"; do
     fp8wtests)  # fp8 weights: the kernels' and engine's GPU tests, then the fp8 kernels' microbenchmarks
       step test_fp8.log "$PYTHON" -m pytest tests/test_fp8_kernels.py -q -rfE
       step test_fp8.log "$PYTHON" -m pytest tests/test_moe.py -q -rfE -k "fp8 or cuda_graph"
-      step test_fp8.log "$PYTHON" -m pytest tests/test_persistent_decode.py -q -rfE -m gpu
       step bench_fp8_linear.log "$PYTHON" tools/bench_fp8.py --out "$OUT"
-      step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe --out "$OUT"
-      for m in qwen3-8b qwen3-8b-fp8; do
-        step persistent.jsonl "$PYTHON" tools/bench_persistent.py --model $m --batch 1 16 --json; done ;;
+      step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe --out "$OUT" ;;
     fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
       step bench_fp8w.jsonl "$PYTHON" bench.py --model qwen3-8b --json
       step bench_fp8w.jsonl "$PYTHON" bench.py --model qwen3-8b-fp8 --json
