@@ -7,10 +7,10 @@ result is also printed as a fraction of the workload's roofline (``roofline`` be
 weights read once per decode step, every cached K/V read once per decode step that attends to it,
 all matmul and attention FLOPs; memory and compute overlapped perfectly).
 
-    python bench.py                                   # Qwen3-0.6B shapes, random weights, on the GPU
-    python bench.py --scenario batch1                 # one of SCENARIOS (latency, prefill-heavy, shared prefix)
+    python bench.py                    # Qwen3-0.6B shapes, random weights, on the GPU
+    python bench.py --scenario batch1  # one of SCENARIOS (latency, prefill-heavy, shared prefix)
     python bench.py --model /path/to/checkpoint --attention-backend flash-attn --json
-    python bench.py --engine hf                       # the same workload through transformers
+    python bench.py --engine hf        # the same workload through transformers
 """
 from __future__ import annotations
 
@@ -28,11 +28,14 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.models.presets import PRESETS, preset_config
 
 
-def workload(num_seqs: int = 256, min_len: int = 100, max_input_len: int = 1024, max_output_len: int = 1024):
+def workload(num_seqs: int = 256, min_len: int = 100, max_input_len: int = 1024,
+             max_output_len: int = 1024):
     """nano-vllm's bench workload: all prompts are drawn first, then all output lengths."""
     seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(min_len, max_input_len))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(min_len, max_output_len))
+    prompts = [[randint(0, 10000) for _ in range(randint(min_len, max_input_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=randint(min_len, max_output_len))
               for _ in range(num_seqs)]
     return prompts, params
 
@@ -54,18 +57,22 @@ SCENARIOS = {
     "batch1-8b": Scenario(1, 512, 1024, model="qwen3-8b"),
     "batch16": Scenario(16, 512, 512),
     "long": Scenario(32, 8192, 256),         # prefill-heavy
-    "prefix": Scenario(256, 128, 128, shared_prefix=2048),  # a system prompt shared by every request
+    # a system prompt shared by every request
+    "prefix": Scenario(256, 128, 128, shared_prefix=2048),
 }
 
 
 def scenario_workload(s: Scenario, seed: int, scale: float = 1.0, vocab: int = 10000):
-    """(prompts, params, the shared prefix's length); ``seed`` picks the tokens (the warmup uses another
-    seed: same shapes, no prefix-cache hits on the timed run's tokens); ``scale`` shrinks every length."""
+    """(prompts, params, the shared prefix's length); ``seed`` picks the tokens (the warmup uses
+    another seed: same shapes, no prefix-cache hits on the timed run's tokens); ``scale`` shrinks
+    every length."""
     rng = Random(seed)
     length = lambda n: max(1, round(n * scale)) if n else 0  # noqa: E731
     prefix = [rng.randrange(vocab) for _ in range(length(s.shared_prefix))]
-    prompts = [prefix + [rng.randrange(vocab) for _ in range(length(s.prompt_len))] for _ in range(s.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length(s.output_len)) for _ in prompts]
+    prompts = [prefix + [rng.randrange(vocab) for _ in range(length(s.prompt_len))]
+               for _ in range(s.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length(s.output_len))
+              for _ in prompts]
     return prompts, params, len(prefix)
 
 
@@ -82,18 +89,20 @@ class Roofline:
 
 
 def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
-    """The expected number of distinct experts a batch of ``batch`` tokens reads in one sparse layer, each
-    token choosing ``top_k`` of ``num_experts`` uniformly: E * (1 - (1 - k/E)^B)."""
+    """The expected number of distinct experts a batch of ``batch`` tokens reads in one sparse
+    layer, each token choosing ``top_k`` of ``num_experts`` uniformly: E * (1 - (1 - k/E)^B)."""
     return num_experts * (1 - (1 - top_k / num_experts) ** batch)
 
 
-def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float, flops: float,
-             dtype_bytes: int = 2, shared_prefix: int = 0, kv_dtype_bytes: int | None = None) -> Roofline:
-    """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix that
-    every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per step; K/V of
-    ``kv_dtype_bytes`` a value, the weights' by default, 1 for an fp8 cache). A
-    mixture of experts' sparse layer reads, per decode step, the experts its batch touches (``experts_touched``
-    at the step's number of running sequences) and computes top-k experts per token."""
+def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float,
+             flops: float, dtype_bytes: int = 2, shared_prefix: int = 0,
+             kv_dtype_bytes: int | None = None) -> Roofline:
+    """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix
+    that every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per
+    step; K/V of ``kv_dtype_bytes`` a value, the weights' by default, 1 for an fp8 cache). A mixture
+    of experts' sparse layer reads, per decode step, the experts its batch touches
+    (``experts_touched`` at the step's number of running sequences) and computes top-k experts per
+    token."""
     from nanovllm.models.qwen3_moe import is_sparse_layer
     c = hf_config
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
@@ -103,26 +112,37 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     sparse = sum(is_sparse_layer(c, i) for i in range(layers)) if num_experts else 0
     expert = 3 * h * c.moe_intermediate_size if sparse else 0
     attn = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h
-    # what every step reads (the routers too) and what a token multiplies by (top-k experts of each sparse layer)
-    params = layers * attn + (layers - sparse) * 3 * h * c.intermediate_size + sparse * num_experts * h \
-        + vocab * h * (1 if c.tie_word_embeddings else 2)
+    # what every step reads (the routers too) and what a token multiplies by
+    # (top-k experts of each sparse layer)
+    params = layers * attn + (layers - sparse) * 3 * h * c.intermediate_size \
+        + sparse * num_experts * h + vocab * h * (1 if c.tie_word_embeddings else 2)
     params_layer = (layers * attn + (layers - sparse) * 3 * h * c.intermediate_size
                     + sparse * (num_experts * h + top_k * expert)) / layers
-    kv_per_token = 2 * layers * kv_heads * head_dim * (dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes)
-    prefill_tokens, total_out = sum(prompt_lens) - (len(prompt_lens) - 1) * shared_prefix, sum(output_lens)
-    # decode step t (1 .. out-1) of a sequence attends over prompt + t tokens; the first token comes from prefill
+    kv_per_token = 2 * layers * kv_heads * head_dim * (dtype_bytes if kv_dtype_bytes is None
+                                                       else kv_dtype_bytes)
+    prefill_tokens, total_out = (sum(prompt_lens) - (len(prompt_lens) - 1) * shared_prefix,
+                                 sum(output_lens))
+    # decode step t (1 .. out-1) of a sequence attends over prompt + t tokens;
+    # the first token comes from prefill
     kv_reads = sum(i * (o - 1) + o * (o - 1) // 2 for i, o in zip(prompt_lens, output_lens))
     decode_steps = max(output_lens) - 1
     flops_linear = (2 * layers * params_layer * (prefill_tokens + total_out)
-                    + 2 * vocab * h * (len(prompt_lens) + total_out))   # LM head: last prompt token + each output
-    prefill_pairs = shared_prefix ** 2 / 2 + sum((i - shared_prefix) * (i + shared_prefix) / 2 for i in prompt_lens)
+                    # LM head: last prompt token + each output
+                    + 2 * vocab * h * (len(prompt_lens) + total_out))
+    prefill_pairs = shared_prefix ** 2 / 2 + sum((i - shared_prefix) * (i + shared_prefix) / 2
+                                                 for i in prompt_lens)
     flops_attn = 4 * layers * heads * head_dim * (prefill_pairs + kv_reads)
-    # a shared prefix's K/V need be read only once per decode step for the whole batch (its blocks are shared)
-    kv_bytes_read = kv_reads - sum(shared_prefix * (o - 1) for o in output_lens) + shared_prefix * decode_steps
-    # decode step t (1 .. max out - 1) runs the sequences with more than t outputs; its experts' weights
-    running = [sum(o - 1 >= t for o in output_lens) for t in range(1, decode_steps + 1)] if sparse else []
+    # a shared prefix's K/V need be read only once per decode step for the whole batch
+    # (its blocks are shared)
+    kv_bytes_read = (kv_reads - sum(shared_prefix * (o - 1) for o in output_lens)
+                     + shared_prefix * decode_steps)
+    # decode step t (1 .. max out - 1) runs the sequences with more than t outputs;
+    # its experts' weights
+    running = [sum(o - 1 >= t for o in output_lens)
+               for t in range(1, decode_steps + 1)] if sparse else []
     expert_reads = sparse * expert * sum(experts_touched(num_experts, top_k, b) for b in running)
-    bytes_moved = (decode_steps * params + expert_reads) * dtype_bytes + (kv_bytes_read + prefill_tokens) * kv_per_token
+    bytes_moved = ((decode_steps * params + expert_reads) * dtype_bytes
+                   + (kv_bytes_read + prefill_tokens) * kv_per_token)
     return Roofline(total_out, bytes_moved / bandwidth, (flops_linear + flops_attn) / flops)
 
 
@@ -169,7 +189,8 @@ def run_nanovllm(args, prompts, params) -> float:
     dummy = args.model in PRESETS
     longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
     llm = LLM(args.model, tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
-              max_model_len=max(args.max_model_len, longest), attention_backend=args.attention_backend,
+              max_model_len=max(args.max_model_len, longest),
+              attention_backend=args.attention_backend,
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               async_scheduling=False if args.no_async_scheduling else None,
               kv_cache_dtype=args.kv_cache_dtype,
@@ -180,12 +201,14 @@ def run_nanovllm(args, prompts, params) -> float:
     args.attention_backend = llm.model_runner.attention_backend.name
     args.kv_cache_tokens = llm.config.num_kvcache_blocks * args.block_size  # what the cache holds
     quant = llm.config.quant_config  # the roofline counts the weights in bf16 all the same
-    args.weights = "bf16" if quant is None else "fp8 block-wise" if quant.weight_block_size else "fp8 per-channel"
+    args.weights = ("bf16" if quant is None else "fp8 block-wise" if quant.weight_block_size
+                    else "fp8 per-channel")
     if args.scenario == "default":
-        llm.generate(warmup_prompts(prompts, llm.config.hf_config.vocab_size), SamplingParams(max_tokens=2),
-                     use_tqdm=False)
+        llm.generate(warmup_prompts(prompts, llm.config.hf_config.vocab_size),
+                     SamplingParams(max_tokens=2), use_tqdm=False)
     else:  # the same shapes, other tokens
-        llm.generate(*scenario_workload(SCENARIOS[args.scenario], 1, args.scale)[:2], use_tqdm=False)
+        llm.generate(*scenario_workload(SCENARIOS[args.scenario], 1, args.scale)[:2],
+                     use_tqdm=False)
     with gpu_busy_time(args) as busy:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -197,9 +220,9 @@ def run_nanovllm(args, prompts, params) -> float:
 
 
 def warmup_prompts(prompts: list[list[int]], vocab_size: int) -> list[list[int]]:
-    """The workload's prompt lengths with other random tokens: the warmup compiles what the timed run
-    needs (Triton kernel variants, torch.compile's shapes of full prefill batches and chunks) without
-    leaving blocks the timed run could find in the prefix cache."""
+    """The workload's prompt lengths with other random tokens: the warmup compiles what the timed
+    run needs (Triton kernel variants, torch.compile's shapes of full prefill batches and chunks)
+    without leaving blocks the timed run could find in the prefix cache."""
     rng = Random(1)
     return [[rng.randrange(vocab_size) for _ in p] for p in prompts]
 
@@ -217,7 +240,8 @@ def gpu_busy_time(args):
         yield busy
     events = prof.key_averages()
     try:  # where the GPU time goes, kernel by kernel (stderr)
-        print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90), file=sys.stderr)
+        print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90),
+              file=sys.stderr)
     except Exception as e:  # a profiler API change must not cost the measurement
         print(f"no kernel table: {e}", file=sys.stderr)
     busy.append(sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
@@ -229,16 +253,20 @@ def run_hf(args, prompts, params) -> float:
     from transformers import AutoModelForCausalLM, GenerationConfig
     if args.model in PRESETS:
         with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(preset_config(args.model), dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(preset_config(args.model),
+                                                     dtype=torch.bfloat16)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda()
     model.eval()
-    # eos_token_id=None: transformers disables EOS (ignore_eos); do_sample at temperature 0.6, as ours
-    generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=None,
-                                         pad_token_id=0, max_new_tokens=max(sp.max_tokens for sp in params))
+    # eos_token_id=None: transformers disables EOS (ignore_eos);
+    # do_sample at temperature 0.6, as ours
+    generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
+                                         eos_token_id=None, pad_token_id=0,
+                                         max_new_tokens=max(sp.max_tokens for sp in params))
     manager = model.init_continuous_batching(generation_config=generation_config)
     manager.start()
-    manager.add_request([1] * 16, request_id="warmup", max_new_tokens=16)  # warmup, through the same manager
+    # warmup, through the same manager
+    manager.add_request([1] * 16, request_id="warmup", max_new_tokens=16)
     while (result := manager.get_result(timeout=1)) is None or not result.is_finished():
         pass
     start = time.perf_counter()
@@ -257,18 +285,23 @@ def run_hf(args, prompts, params) -> float:
     manager.stop()
     expected = sum(sp.max_tokens for sp in params)
     if generated != expected:
-        print(f"warning: transformers generated {generated} tokens, the workload asks for {expected}")
+        print(f"warning: transformers generated {generated} tokens, "
+              f"the workload asks for {expected}")
     return elapsed
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a checkpoint directory, or a preset with random weights: "
-                                        f"{sorted(PRESETS)} (default: the scenario's, else qwen3-0.6b)")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model",
+                        help="a checkpoint directory, or a preset with random weights: "
+                             f"{sorted(PRESETS)} (default: the scenario's, else qwen3-0.6b)")
     parser.add_argument("--engine", choices=["nanovllm", "hf"], default="nanovllm")
     parser.add_argument("--scenario", choices=["default", *SCENARIOS], default="default",
-                        help="default: nano-vllm's workload (the --num-seqs/--*-len flags); else one of SCENARIOS")
-    parser.add_argument("--scale", type=float, default=1.0, help="a scenario's lengths times this (CPU tests)")
+                        help="default: nano-vllm's workload (the --num-seqs/--*-len flags); "
+                             "else one of SCENARIOS")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="a scenario's lengths times this (CPU tests)")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-input-len", type=int, default=1024)
@@ -277,20 +310,25 @@ def main():
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="read each step's tokens before scheduling the next (async scheduling is on by default "
-                             "on CUDA)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flash-attn", "torch"])
+                        help="read each step's tokens before scheduling the next "
+                             "(async scheduling is on by default on CUDA)")
+    parser.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "triton", "flash-attn", "torch"])
     parser.add_argument("--block-size", type=int, help="kvcache_block_size (default: the engine's)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     parser.add_argument("--quantization", choices=["fp8"],
-                        help="fp8: quantize the weights at load (per channel); a *-fp8 preset is block-wise fp8")
+                        help="fp8: quantize the weights at load (per channel); "
+                             "a *-fp8 preset is block-wise fp8")
     parser.add_argument("--json", action="store_true", help="print one JSON result line")
     parser.add_argument("--profile", action="store_true",
-                        help="measure the GPU's busy share of the run with torch.profiler (slows the run a little)")
+                        help="measure the GPU's busy share of the run with torch.profiler "
+                             "(slows the run a little)")
     args = parser.parse_args()
-    args.model = args.model or (args.scenario != "default" and SCENARIOS[args.scenario].model) or "qwen3-0.6b"
+    args.model = (args.model or (args.scenario != "default" and SCENARIOS[args.scenario].model)
+                  or "qwen3-0.6b")
     if args.scenario == "default":
-        prompts, params = workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len)
+        prompts, params = workload(args.num_seqs, args.min_len, args.max_input_len,
+                                   args.max_output_len)
         shared_prefix = 0
     else:
         prompts, params, shared_prefix = scenario_workload(SCENARIOS[args.scenario], 0, args.scale)
@@ -299,7 +337,8 @@ def main():
     total = sum(sp.max_tokens for sp in params)
     result = dict(engine=args.engine, model=args.model, scenario=args.scenario,
                   attention_backend=args.attention_backend, tp=args.tp, block_size=args.block_size,
-                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+                  kv_cache_dtype=args.kv_cache_dtype,
+                  kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
                   weights=getattr(args, "weights", None), cuda_graphs=not args.enforce_eager,
                  
                   async_scheduling=getattr(args, "async_scheduling", None),
@@ -310,19 +349,22 @@ def main():
     if getattr(args, "gpu_busy_fraction", None) is not None:
         result["gpu_busy_fraction"] = args.gpu_busy_fraction
     if ceilings:
-        limit = roofline(model_config(args.model), [len(p) for p in prompts], [sp.max_tokens for sp in params],
-                         *ceilings, shared_prefix=shared_prefix,
+        limit = roofline(model_config(args.model), [len(p) for p in prompts],
+                         [sp.max_tokens for sp in params], *ceilings, shared_prefix=shared_prefix,
                          kv_dtype_bytes=1 if args.kv_cache_dtype.startswith("fp8") else None)
-        result.update(copy_tb_s=round(ceilings[0] / 1e12, 3), matmul_tflop_s=round(ceilings[1] / 1e12, 1),
+        result.update(copy_tb_s=round(ceilings[0] / 1e12, 3),
+                      matmul_tflop_s=round(ceilings[1] / 1e12, 1),
                       roofline_tok_per_s=round(limit.tok_per_s),
-                      fraction_of_roofline=round(total / seconds / limit.tok_per_s, 3), roofline=asdict(limit))
+                      fraction_of_roofline=round(total / seconds / limit.tok_per_s, 3),
+                      roofline=asdict(limit))
     if args.json:
         print(json.dumps(result))
         return
     print(f"Total: {total}tok, Time: {seconds:.2f}s, Throughput: {total / seconds:.2f}tok/s")
     if ceilings:
-        print(f"Roofline on this GPU (copy {result['copy_tb_s']} TB/s, matmul {result['matmul_tflop_s']} TFLOP/s): "
-              f"{result['roofline_tok_per_s']} tok/s; this run reached {result['fraction_of_roofline']:.1%} of it")
+        print(f"Roofline on this GPU (copy {result['copy_tb_s']} TB/s, "
+              f"matmul {result['matmul_tflop_s']} TFLOP/s): {result['roofline_tok_per_s']} tok/s; "
+              f"this run reached {result['fraction_of_roofline']:.1%} of it")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ built-ins for ``SamplingParams.allowed_token_ids`` and ``bad_words``."""
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -12,6 +11,8 @@ from enum import Enum, auto
 from typing import Any
 
 import torch
+
+from nanovllm.plugins import import_by_name
 
 RequestLogitsProcessor = Callable[..., torch.Tensor]  # (output_ids, row) or (prompt_ids, output_ids, row) -> row
 
@@ -181,16 +182,6 @@ def load_logits_processors(entries) -> list[type[LogitsProcessor]]:
         raise TypeError(f"logits_processors must be a list of LogitsProcessor classes or 'module.Class' names, "
                         f"got {entries!r:.80}")
     return [_load(entry) for entry in ([entries] if isinstance(entries, str) else entries)]
-
-
-def import_by_name(value: str, what: str):
-    """The object a "module.Name" or "module:Name" string names (vLLM's way to pass a class by name); a ValueError
-    says why ``what`` cannot be imported."""
-    module, _, name = value.rpartition(":" if ":" in value else ".")
-    try:
-        return functools.reduce(getattr, name.split("."), importlib.import_module(module))
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"{what} cannot be imported: {e}") from None
 
 
 def _load(entry) -> type[LogitsProcessor]:

@@ -3,83 +3,15 @@
 from __future__ import annotations
 
 import copy
-import json as _json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
-from nanovllm.structured_checks import TOO_DEEP, check_regex, checked_schema
+from nanovllm.plugins import REGISTRY, features_of_params
 
 SAMPLING_EPS = 1e-5  # temperatures below it are greedy: 1 / T would overflow the logits
 MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-
-
-@dataclass
-class StructuredOutputsParams:
-    """vLLM's structured-output constraint, compiled by xgrammar: exactly one of ``json`` (a schema, dict or
-    string), ``regex``, ``choice``, ``grammar`` (EBNF) or ``json_object=True``."""
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False  # xgrammar's behaviour already
-    whitespace_pattern: str | None = None
-    structural_tag: str | None = None
-
-    def verify(self) -> None:
-        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise ValueError(f"structured_outputs takes exactly one of {', '.join(CONSTRAINTS)}; "
-                             f"got {', '.join(given) or 'none'}")
-        for name in ("structural_tag", "whitespace_pattern"):
-            if (value := getattr(self, name)) is not None:
-                raise ValueError(f"structured_outputs.{name} is not supported, got {value!r:.60}")
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
-            check_bool(f"structured_outputs.{name}", getattr(self, name))
-        if self.json is not None:
-            try:
-                self._check_json()
-            except RecursionError:
-                raise ValueError(TOO_DEEP) from None
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and value):
-                raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
-        if self.regex is not None:
-            check_regex(self.regex)
-        choice = self.choice
-        if choice is not None and not (isinstance(choice, (list, tuple)) and choice
-                                       and all(isinstance(c, str) and c for c in choice)):
-            raise TypeError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
-                            f"got {choice!r:.80}")
-        if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"structured_outputs.json_object must be True when given, got {self.json_object!r}")
-
-    __post_init__ = verify
-
-    def _check_json(self) -> None:
-        if not isinstance(self.json, (str, dict)):
-            raise TypeError(f"structured_outputs.json must be a JSON schema dict or string, got {self.json!r:.80}")
-        try:
-            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-        except ValueError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
-        try:
-            _json.dumps(schema)  # the compiler is given its JSON text
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
-        checked_schema(schema)  # a ValueError naming what xgrammar would ignore
-
-    @property
-    def kind(self) -> str:
-        return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
 
 
 class RequestOutputKind(Enum):
@@ -116,7 +48,7 @@ class SamplingParams:
     detokenize: bool = True  # False: no text, nothing decoded
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     flat_logprobs: bool = False  # True: logprobs in a logprobs.FlatLogprobs
-    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs: object | None = None  # a StructuredOutputsParams
     extra_args: dict | None = None  # for custom logits processors
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -149,19 +81,11 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self._verify_stops()
-        self._verify_processor_fields()
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"extra_args must be a dict, got {self.extra_args!r:.80}")
         self.temperature = float(self.temperature)
-        constraint = self.structured_outputs
-        if constraint is None:
-            return
-        if not isinstance(constraint, StructuredOutputsParams):
-            raise TypeError(f"structured_outputs must be a StructuredOutputsParams, got {constraint!r:.80}")
-        constraint.verify()
-        # the grammar decides where the output ends (EOS is allowed exactly where it is complete)
-        if self.ignore_eos:
-            raise ValueError("ignore_eos=True cannot be honoured with structured_outputs")
-        if self.min_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} cannot be honoured with structured_outputs")
+        for name in features_of_params(self):  # the fields a feature serves
+            REGISTRY.get("feature", name).verify_params(self)
 
     __post_init__ = verify  # at construction, and again when a request is admitted
 
@@ -178,20 +102,6 @@ class SamplingParams:
         if not _is_token_ids(ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
-
-    def _verify_processor_fields(self) -> None:
-        """The logits processors' fields (the vocabulary is checked at admission)."""
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise TypeError(f"extra_args must be a dict, got {self.extra_args!r:.80}")
-        ids, words = self.allowed_token_ids, self.bad_words
-        if ids is not None and not _is_token_ids(ids):
-            raise ValueError(f"allowed_token_ids must be a list of non-negative ints, got {ids!r:.80}")
-        if ids is not None and not ids:
-            raise ValueError(f"allowed_token_ids is not None and empty! (None allows every token), got {ids!r}")
-        if words is not None and not (isinstance(words, (list, tuple)) and all(isinstance(w, str) for w in words)):
-            raise TypeError(f"bad_words must be a list of strings, got {words!r:.80}")
-        if words and not all(words):
-            raise ValueError(f"bad_words cannot contain an empty string, got {words!r:.80}")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -246,23 +156,9 @@ def check_bool(name: str, value):
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
-@dataclass
-class BeamSearchParams:
-    """vLLM's beam search parameters; each step's token sampled at ``temperature`` joins the candidates."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-
-    def verify(self) -> None:
-        check_int("beam_width", self.beam_width, lo=1)
-        check_int("max_tokens", self.max_tokens, lo=1)
-        check_number("temperature", self.temperature, lo=0.0)
-        check_number("length_penalty", self.length_penalty)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            check_bool(name, getattr(self, name))
-
-    __post_init__ = verify
+def __getattr__(name: str):
+    """vLLM's other names in this module (``StructuredOutputsParams``, ``BeamSearchParams``), which
+    features register as the ``name`` kind: imported when first asked for."""
+    if name in REGISTRY.names("name"):
+        return REGISTRY.get("name", name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

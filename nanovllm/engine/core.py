@@ -1,5 +1,6 @@
-"""The engine core: the step loop (schedule -> forward -> logits processors -> sample -> postprocess) under a lock,
-the requests, the step in flight (async scheduling reads it back after launching the next) and the resources."""
+"""The engine core: the step loops (schedule -> forward -> logits hooks -> sample -> postprocess)
+under a lock, the requests, the step in flight (async scheduling reads it back after launching the
+next) and the resources."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,7 @@ from nanovllm.engine import batch as step_inputs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import OutputProcessor, Request
 from nanovllm.engine.outputs import ModelRunnerOutput
-from nanovllm.engine.sampling import LogitsProcessor, Penalties, SamplingInputs
+from nanovllm.engine.sampling import LogitsHook, Penalties, SamplingInputs
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
@@ -57,61 +58,90 @@ class EngineResources:
 
 
 class EngineCore:
-    def __init__(self, config: Config, resources: EngineResources, shutdown, processors: list[LogitsProcessor]):
-        """``shutdown()`` frees ``resources``; ``processors`` run after the penalties."""
+    """The step loop over the scheduler, the runners and the logits hooks, under ``lock``. A step is
+    schedule -> launch (batch arrays, forward, hooks, sample) -> read back (tokens appended, stops).
+    ``normal_step`` reads each step back at once; ``overlap_step`` (async scheduling) launches step
+    N+1 before it reads step N back, so that the host's work overlaps the device's."""
+
+    def __init__(self, config: Config, resources: EngineResources, shutdown,
+                 hooks: list[LogitsHook]):
+        """``shutdown()`` frees ``resources``; ``hooks`` run after the penalties."""
         self.config, self.resources, self._free = config, resources, shutdown
         self.scheduler = Scheduler(config)
         self.outputs = OutputProcessor(config.eos_token_ids, config.max_model_len)
-        self.processors: list[LogitsProcessor] = [Penalties(), *processors]
+        self.hooks: list[LogitsHook] = [Penalties(), *hooks]
         self.requests: dict[int, Request] = {}  # the unfinished requests, by seq_id
-        self.inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # launched, not yet read back
+        # the step launched and not yet read back
+        self.inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self.lock = threading.Lock()
 
-    def step(self) -> tuple[list[Sequence], int]:
-        """One step: the sequences read back (or ended), and the prefill tokens (or minus the decodes) launched."""
+    def step(self) -> int:
+        """One step; returns the prefill tokens launched, or minus the decodes."""
         if self.resources.closed:
             raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
-        batch, done = self.scheduler.schedule(), []
-        if batch.seqs and self.inflight is not None and any(p.needs_known_tokens(batch) for p in self.processors):
-            done += self.read_back()
-            batch = batch.without([seq for seq in batch.seqs if seq.is_finished])
-        batch, sampling = self._prepare_sample(batch, done)
-        num_tokens = sum(seq.num_scheduled_tokens for seq in batch.seqs) if batch.is_prefill else -len(batch.seqs)
-        if batch.seqs:
-            batch.step_input = self._step_input(batch)
-            logits = self.call_or_shut_down(self._forward, batch.step_input, sampling)
-            self.scheduler.launched(batch)
-            read_back = (lambda after_accept=None: done.extend(self.read_back(after_accept))) if self.inflight else None
-            for processor in self.processors:
-                self.call_or_shut_down(processor.prepare, batch, sampling, read_back)
-            output = self.call_or_shut_down(self.resources.runner.sample, batch.step_input, logits, sampling)
-        elif self.inflight is None and not done:
-            raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
-        done += self.read_back()
-        self.inflight = (batch, output) if batch.seqs else None
-        if not self.config.async_scheduling:
-            done += self.read_back()
-        return done, num_tokens
+        return self.overlap_step() if self.config.async_scheduling else self.normal_step()
 
-    def read_back(self, after_accept=None) -> list[Sequence]:
-        """Appends the step in flight's tokens; the processors follow them, then ``after_accept(refused)`` runs,
-        then the stopped sequences end. Returns the step's sequences not ended before."""
+    def normal_step(self) -> int:
+        batch = self._schedule()
+        output = self.launch(batch)
+        self.inflight = (batch, output) if output is not None else None
+        self.read_back()
+        return self._count(batch)
+
+    def overlap_step(self) -> int:
+        batch = self._schedule()
+        if batch.seqs and self.inflight and any(h.needs_known_tokens(batch) for h in self.hooks):
+            self.read_back()  # penalties read every known token
+            batch = batch.without([seq for seq in batch.seqs if seq.is_finished])
+        output = self.launch(batch) if batch.seqs else None
+        self.read_back()
+        self.inflight = (batch, output) if output is not None else None
+        return self._count(batch)
+
+    def _schedule(self) -> SchedulerOutput:
+        batch = self.scheduler.schedule()
+        if not batch.seqs and self.inflight is None:
+            raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
+        return batch
+
+    @staticmethod
+    def _count(batch: SchedulerOutput) -> int:
+        if batch.is_prefill:
+            return sum(seq.num_scheduled_tokens for seq in batch.seqs)
+        return -len(batch.seqs)
+
+    def launch(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Builds ``batch``'s arrays, starts the forward on every rank, then the sampler; None when
+        every sequence of it failed its sampling inputs."""
+        batch, sampling = self._prepare_sample(batch)
+        if not batch.seqs:
+            return None
+        batch.step_input = self._step_input(batch)
+        logits = self.call_or_shut_down(self._forward, batch.step_input, sampling)
+        self.scheduler.launched(batch)
+        read_back = self.read_back if self.inflight else None
+        for hook in self.hooks:
+            self.call_or_shut_down(hook.prepare, batch, sampling, read_back)
+        return self.call_or_shut_down(self.resources.runner.sample, batch.step_input, logits,
+                                      sampling)
+
+    def read_back(self, after_accept=None) -> None:
+        """Appends the step in flight's tokens; the hooks follow them, then
+        ``after_accept(refused)`` runs, then the stopped sequences end."""
         if self.inflight is None:
-            return []
+            return
         (batch, output), self.inflight = self.inflight, None
-        running = [seq for seq in batch.seqs if not seq.is_finished]
-        workers = self.resources.workers  # with NCCL ranks the read-back polls, so that a dead worker is noticed
-        alive = (lambda: not workers.dead()) if workers is not None and self.config.device == "cuda" else None
+        workers = self.resources.workers  # with NCCL ranks the read-back polls: a dead worker
+        alive = (lambda: not workers.dead()) if workers and self.config.device == "cuda" else None
         token_ids, logprobs, prompt_logprobs = self.call_or_shut_down(output.result, alive)
         advanced = self.scheduler.postprocess(batch, token_ids, logprobs, prompt_logprobs)
         errors: dict[Sequence, Exception] = {}
-        for processor in self.processors:
-            errors.update(processor.accept(advanced))
+        for hook in self.hooks:
+            errors.update(hook.accept(advanced))
         if after_accept is not None:
             after_accept(errors.keys())
         for seq, token_id in advanced:
             self._check_stop(seq, token_id, errors.get(seq))
-        return running
 
     def _check_stop(self, seq: Sequence, token_id: int, error: Exception | None):
         request = self.requests[seq.seq_id]
@@ -136,10 +166,9 @@ class EngineCore:
             self.resources.workers.call("run", step)
         return self.resources.runner.forward(step, sampling)
 
-    def _prepare_sample(self, batch: SchedulerOutput, done: list[Sequence]):
-        """Rank 0's sampling inputs, before any rank starts: a sequence whose own parameters fail is ended alone."""
-        if not batch.seqs:
-            return batch, None
+    def _prepare_sample(self, batch: SchedulerOutput):
+        """Rank 0's sampling inputs, before any rank starts: a sequence whose own parameters fail
+        is ended alone."""
         runner = self.resources.runner
         try:
             return batch, runner.prepare_sample(batch)
@@ -154,7 +183,6 @@ class EngineCore:
                 raise
         for seq, error in errors.items():
             self.end_with_error(seq, error)
-        done.extend(errors)
         batch = batch.without(errors)
         return batch, runner.prepare_sample(batch) if batch.seqs else None
 
@@ -167,15 +195,15 @@ class EngineCore:
 
     def add(self, request: Request, params):  # params: the request's checked SamplingParams
         with self.lock:
-            for processor in self.processors:
-                processor.add(request.seqs, params)
+            for hook in self.hooks:
+                hook.add(request.seqs, params)
             self.requests.update((seq.seq_id, request) for seq in request.seqs)
             self.scheduler.add(request.seqs[0], request.seqs[1:])
 
     def _end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         self.scheduler.finish(seq, reason, stop_reason)
-        for feature in (*self.processors, self.resources.runner.sampling):
-            feature.forget(seq)
+        for hook in (*self.hooks, self.resources.runner.sampling):
+            hook.forget(seq)
 
     def end_with_error(self, seq: Sequence, error: Exception):
         """Ends ``seq`` alone, for a failure of its own (its text, its sampling inputs)."""
@@ -210,11 +238,12 @@ class EngineCore:
     def is_finished(self) -> bool:  # nothing waiting, running or in flight
         return self.scheduler.is_finished() and self.inflight is None
 
-    def interruptible_step(self) -> tuple[list[Sequence], int]:
-        """``step`` under the lock, unless another thread's step left nothing to do; Ctrl-C shuts down first."""
+    def interruptible_step(self) -> int:
+        """``step`` under the lock, unless another thread's step left nothing to do; Ctrl-C shuts
+        down first."""
         with self.lock:
             if self.is_finished():
-                return [], 0
+                return 0
             try:
                 return self.step()
             except KeyboardInterrupt:
@@ -229,6 +258,6 @@ class EngineCore:
 
     def shutdown(self):
         """Frees the resources, first letting go of any device wait on the host."""
-        for processor in self.processors:
-            processor.shutdown()
+        for hook in self.hooks:
+            hook.shutdown()
         self._free()

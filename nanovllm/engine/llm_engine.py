@@ -1,5 +1,7 @@
 """nano-vllm's ``LLMEngine``: checks every prompt and sampling parameter, then admits them to
-``core.EngineCore``, whose lock lets callers in several threads take turns. vLLM's extras: ``vllm_compat``."""
+``core.EngineCore``, whose lock lets callers in several threads take turns. Features install here:
+those of the engine's ``features`` on every rank at start-up, those a request asks for (its
+``SamplingParams`` fields) at its admission. vLLM's API over it: ``nanovllm.entrypoints``."""
 from __future__ import annotations
 
 import itertools
@@ -12,25 +14,22 @@ from time import perf_counter
 import torch
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config, set_random_seed
-from nanovllm.engine import sleep
+from transformers import set_seed
+
+from nanovllm.config import Config
 from nanovllm.engine.core import EngineCore, EngineResources
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.output_processor import Request
 from nanovllm.engine.outputs import request_output, step_output
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.structured_output import StructuredOutputManager
-from nanovllm.engine.vllm_logits import VllmLogitsProcessors
-from nanovllm.engine.weight_update import update_weights
-from nanovllm.engine.worker_extension import runner_class
 from nanovllm.engine.worker_group import WorkerGroup
 from nanovllm.inputs import parse_prompt, require_tokenizer
 from nanovllm.outputs import RequestOutput
+from nanovllm.plugins import REGISTRY, Feature, features_of_params
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
 from nanovllm.utils.distributed import forget_in_forked_child
 from nanovllm.utils.loader import eos_token_ids, load_tokenizer
-from nanovllm.v1.metrics.reader import EngineStats
-from nanovllm.vllm_compat import VllmCompatMixin, refuse_unsupported
 
 
 def prompt_list(prompts) -> list:
@@ -42,10 +41,10 @@ def prompt_list(prompts) -> list:
     return list(prompts)
 
 
-class LLMEngine(VllmCompatMixin):
+class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        config = Config.from_kwargs(model, **kwargs)
-        set_random_seed(config.seed)
+        config = Config(model, **kwargs)
+        set_seed(config.seed)  # Python's, NumPy's and torch's generators, as vLLM seeds them
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         config = config.derive(eos_token_ids=eos_token_ids(config.model, config.hf_config, self.tokenizer))
         self._resources = resources = EngineResources()
@@ -55,25 +54,30 @@ class LLMEngine(VllmCompatMixin):
             if config.tensor_parallel_size > 1:
                 resources.workers = WorkerGroup(config)
             group = resources.workers.connect() if resources.workers else None
-            resources.runner = runner_class(config.worker_extension_cls)(config, 0, group)
+            resources.runner = ModelRunner(config, 0, group)
         except BaseException as e:
             resources.shut_down_and_raise(e, self._finalizer)
         runner = resources.runner
         config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
         self.config = config
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
-                                                          config.eos_token_ids)
-        self.structured_outputs.bind(runner.device, config.max_num_seqs,
-                                     resources.workers is None and bool(config.async_scheduling))
-        self.logits_processors = VllmLogitsProcessors(config, runner.device)
-        self.stats = EngineStats()  # get_metrics()'s counters
-        processors = [self.structured_outputs, self.logits_processors, self.stats]
-        self.core = EngineCore(config, resources, self._finalizer, processors)
+        self.core = EngineCore(config, resources, self._finalizer, [])
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}
+        self.features: dict[str, Feature] = {}  # installed, by name
+        for (name, _), feature in zip(config.features, runner.features):
+            self._install(name, feature)
 
-    model_runner = property(lambda self: self._resources.runner, doc="Rank 0's runner (None once shut down).")
+    def _install(self, name: str, feature: Feature | None = None) -> Feature:
+        """Feature ``name`` on rank 0 (made now unless given); once."""
+        if name not in self.features:
+            feature = feature or REGISTRY.get("feature", name)(self.config, {})
+            feature.setup_engine(self)
+            self.features[name] = feature
+        return self.features[name]
+
+    model_runner = property(lambda self: self._resources.runner,
+                            doc="Rank 0's runner (None once shut down).")
     workers = property(lambda self: self._resources.workers)
     scheduler = property(lambda self: self.core.scheduler)
     requests = property(lambda self: self.core.requests, doc="{seq_id: its Request}, for the admitted requests.")
@@ -97,36 +101,9 @@ class LLMEngine(VllmCompatMixin):
     def __exit__(self, *exc):
         self.exit()
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replaces the weights in place with (checkpoint name, tensor) pairs as a transformers model's
-        ``named_parameters()`` gives them (any subset); every name and shape checked first (a ValueError, nothing
-        changed), storage kept (graphs stay valid), the prefix cache reset. ``weight_update`` has the details."""
-        update_weights(self, weights)
-
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep mode (``enable_sleep_mode=True``): gives the device memory of the KV cache and the weights
-        back; level 1 keeps the weights in host memory, level 2 discards them (reload with ``update_weights``).
-        Refused while requests are unfinished; requests are refused until ``wake_up``. Details: engine/sleep.py."""
-        sleep.sleep(self, level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Takes back the device memory of ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
-        sleep.wake_up(self, tags)
-
-    def is_sleeping(self) -> bool:
-        """Whether the weights or the KV cache are asleep."""
-        runner = self._resources.runner
-        return runner is not None and bool(runner.sleep_state.asleep)
-
-    def add_request(self, *args, **kwargs) -> Request | None:
-        """nano-vllm's ``add_request(prompt, sampling_params)``, returning the ``Request``, or vLLM's
-        ``add_request(request_id, prompt, params)``; either way ``step()`` reports it."""
-        if len(args) >= 2 and isinstance(args[1], SamplingParams) or "sampling_params" in kwargs:
-            return self._add_prompt(*args, **kwargs)
-        return self._add_request_by_id(*args, **kwargs)
-
-    def _add_prompt(self, prompt, sampling_params: SamplingParams, index: int = 0,
+    def add_request(self, prompt, sampling_params: SamplingParams, index: int = 0,
                     stream: deque | None = None) -> Request:
+        """nano-vllm's: admits one prompt, returning its ``Request``; ``step()`` reports it."""
         ids, text = self._parse_prompt(index, prompt)
         request = self._add(ids, text, self._admitted(sampling_params), index, stream, incremental=True)
         self._step_requests[request.request_id] = request
@@ -154,8 +131,8 @@ class LLMEngine(VllmCompatMixin):
     def _admitted(self, sampling_params: SamplingParams) -> SamplingParams:
         """A verified copy of ``sampling_params``, also checked against this engine."""
         if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        sleep.check_awake(self._resources.runner, "a request")
+            raise TypeError(f"sampling_params must be a SamplingParams, got "
+                            f"{type(sampling_params).__name__}")
         sp = sampling_params.clone()
         sp.verify()
         vocab_size, most = self.config.hf_config.vocab_size, self.config.max_logprobs
@@ -168,10 +145,10 @@ class LLMEngine(VllmCompatMixin):
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
         if sp.stop_strings:
             require_tokenizer(self.tokenizer, "stop strings")
-        if sp.structured_outputs is not None:
-            require_tokenizer(self.tokenizer, "structured outputs")
-            self.structured_outputs.compile(sp.structured_outputs)  # a ValueError now if it does not compile
-        self.logits_processors.verify(sp, self.tokenizer)
+        for name in features_of_params(sp):
+            self._install(name)
+        for feature in self.features.values():
+            feature.check_request(sp, self)
         return sp
 
     def abort_request(self, request: Request | str | Iterable[str]):
@@ -205,12 +182,9 @@ class LLMEngine(VllmCompatMixin):
         return outputs
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in order;
         ``sampling_params``: one for all, one per prompt, or None for the model's defaults."""
-        prompts = prompt_list(prompts)
-        refuse_unsupported(priority, num_prompts=len(prompts), lora_request=lora_request)
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
     def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
@@ -219,7 +193,7 @@ class LLMEngine(VllmCompatMixin):
             pending, speed = requests, {"prefill": 0.0, "decode": 0.0}
             while pending:
                 t = perf_counter()
-                num_tokens = self.core.interruptible_step()[1]
+                num_tokens = self.core.interruptible_step()
                 speed["prefill" if num_tokens > 0 else "decode"] = abs(num_tokens) / (perf_counter() - t)
                 pbar.set_postfix({k: f"{v:.0f}tok/s" for k, v in speed.items()}, refresh=False)
                 pending, before = [r for r in pending if not r.finished], len(pending)
@@ -251,7 +225,7 @@ class LLMEngine(VllmCompatMixin):
         prompts (chat's rendered conversations)."""
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+            sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or \
                 not all(isinstance(sp, SamplingParams) for sp in sampling_params):
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
@@ -266,3 +240,6 @@ class LLMEngine(VllmCompatMixin):
 
     def _parse_prompt(self, i: int, prompt) -> tuple[list[int], str | None]:
         return parse_prompt(i, prompt, self.tokenizer, self.config)
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()

@@ -3,6 +3,7 @@ forward (decode through CUDA graphs) and, on rank 0, sampling."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import threading
@@ -17,14 +18,12 @@ from nanovllm.engine.outputs import ModelRunnerOutput
 from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.sleep import RunnerSleep
 from nanovllm.layers.attention import Attention, bind_backend
-from nanovllm.layers.quantization import quantization, skip_unconverted_layers
 from nanovllm.layers.sampler import Sampler, prompt_logprobs
-from nanovllm.models.llama import head_dim_of
+from nanovllm.plugins import REGISTRY
 from nanovllm.utils.context import get_context, set_context
 from nanovllm.utils.distributed import TPGroup, tensor_parallel
-from nanovllm.utils.loader import check_weights, load_dummy_weights, load_model, update_weights
+from nanovllm.utils.loader import load_dummy_weights, load_model
 
 logger = logging.getLogger("nanovllm")
 
@@ -40,12 +39,21 @@ class ModelRunner:
         self.is_cuda = config.device == "cuda"
         self.prev_sampled: torch.Tensor | None = None  # the last step's sampled tokens (async scheduling)
         self.graphs: DecodeGraphs | None = None
-        self.sleep_state = RunnerSleep(self)
+        # what features add: contexts the model is built in, functions of the built model, objects
+        # whose methods a rank can be called for ("name.method")
+        self.build_contexts: list = []
+        self.after_build: list = []
+        self.extensions: dict[str, object] = {}
+        self.worker: object = self  # what a call by name reaches (vLLM's worker; a feature's view)
+        self.features = [REGISTRY.get("feature", name)(config, options)
+                         for name, options in config.features]
+        for feature in self.features:
+            feature.setup_runner(self)
         if self.is_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
         self.kv_dtype = config.kv_cache_torch_dtype
-        self.head_dim = head_dim_of(hf_config)
+        self.head_dim = config.model_class.head_dim(hf_config)
         self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
             // config.tensor_parallel_size
         with self.building():
@@ -64,22 +72,23 @@ class ModelRunner:
             finally:
                 torch.set_default_dtype(default_dtype)
 
-    model_runner = property(lambda self: self, doc="The runner itself: vLLM's workers hold their runner here, so an "
-                            "extension written for vLLM reaches the model as ``self.model_runner.model``.")
-
-    def sleep(self, level: int):
-        """Gives this rank's KV cache and weights back (level 1 keeps the weights on the host): engine/sleep.py."""
-        self.sleep_state.sleep(level)
-
-    def wake_up(self, tags: list[str]):
-        """Takes back the memory of ``tags`` ("weights", "kv_cache"); graphs captured again once both are awake."""
-        self.sleep_state.wake_up(tags)
+    def resolve(self, method):
+        """What a call runs: ``method`` of the worker (the runner unless a feature set a view) or of
+        an extension ("extension.method"), or a function given the runner."""
+        if callable(method):
+            return functools.partial(method, self)
+        owner, _, name = method.rpartition(".")
+        return getattr(self.extensions[owner] if owner else self.worker, name)
 
     def _load_and_prepare(self, hf_config):
-        quant_config = self.config.quant_config
-        with tensor_parallel(self.rank, self.config.tensor_parallel_size, self.group), quantization(quant_config):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(tensor_parallel(self.rank, self.config.tensor_parallel_size,
+                                                self.group))
+            for context in self.build_contexts:
+                stack.enter_context(context())
             self.model = self.config.model_class(hf_config, max_model_len=self.config.max_model_len)
-            skip_unconverted_layers(self.model, quant_config)
+        for function in self.after_build:
+            function(self.model)
         if self.config.load_format == "dummy":
             load_dummy_weights(self.model, self.config.seed + self.rank)
         else:
@@ -101,25 +110,6 @@ class ModelRunner:
         if self.is_cuda and not self.config.enforce_eager:
             self.capture_cudagraph()
 
-    def check_weights(self, weights: list[tuple[str, torch.Tensor]]):
-        """A ValueError naming the first (checkpoint name, tensor) pair that ``update_weights`` would refuse."""
-        check_weights(self.model, weights)
-
-    def update_weights(self, weights: list[tuple[str, torch.Tensor]], checked: bool = False):
-        """Loads (checkpoint name, tensor) pairs into this rank's part of the model, in place (captured CUDA graphs
-        keep their pointers); ``checked``: ``check_weights`` passed already."""
-        if not checked:
-            check_weights(self.model, weights)
-        update_weights(self.model, weights)
-
-    def receive_weights(self, specs: list[tuple[str, tuple[int, ...], torch.dtype]]):
-        """A worker's part of ``update_weights`` on CUDA: each (name, shape, dtype) tensor received from rank 0's
-        broadcast (device to device), then loaded as ``update_weights`` loads (rank 0 checked them)."""
-        weights = [(name, torch.empty(shape, dtype=dtype, device=self.device)) for name, shape, dtype in specs]
-        for _, tensor in weights:
-            self.group.broadcast(tensor, 0)
-        update_weights(self.model, weights)
-
     def capture_cudagraph(self):
         max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
@@ -135,7 +125,7 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = self.model = None
         self.attention_layers = []
-        self.sleep_state = RunnerSleep(self)  # lets go of any host copy of the weights
+        self.extensions.clear()  # lets go of what they hold (a host copy of the weights)
         gc.collect()  # each parameter and its layer refer to each other (the bound weight_loader): a cycle
         if self.is_cuda:
             torch.cuda.empty_cache()
@@ -251,9 +241,6 @@ class ModelRunner:
         token_ids = logprobs = prompt_lps = None
         if self.rank == 0:
             logits, prompt_lps = forward
-            if (bitmask := sampling.token_bitmask) is not None:
-                on_device = bitmask.device == self.device
-                sampling.batch.token_bitmask = bitmask if on_device else self.sampling.to_device(bitmask)
             token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
         if self.config.async_scheduling:
             if self.group is not None:

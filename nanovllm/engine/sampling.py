@@ -1,5 +1,5 @@
-"""Rank 0's sampling inputs as device tensors, and the logits processors: features that shape a step's logits
-beside the sampler (penalties, grammar bitmasks)."""
+"""Rank 0's sampling inputs as device tensors, and the ``LogitsHook`` contract: what shapes a step's
+logits beside the sampler's own stages (penalties; a feature's bitmask or logits processors)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,12 +32,15 @@ class SamplingInputs:
     batch: SamplingBatch
     prompt: PromptLogprobsBatch | None
     num_logprobs: list[int | None]  # per sequence: its logprobs k, or None
-    token_bitmask: torch.Tensor | None = None  # the grammar bitmask (host or device)
-    host_work: list = field(default_factory=list)  # work the device waits for: joined before the read-back
+    # host work the launched step waits for (``wait()`` before the read-back waits on the device,
+    # ``check()`` after)
+    host_work: list = field(default_factory=list)
 
 
-class LogitsProcessor:
-    """A feature that shapes a step's logits, through hooks the engine core calls in every step."""
+class LogitsHook:
+    """Shapes a step's logits; the engine core calls these in every step (rank 0). Example: a hook
+    banning token 0 adds ``lambda logits: logits.index_fill_(1, zero, -inf)`` to
+    ``sampling.batch.masks`` in ``prepare``."""
 
     def add(self, seqs: list[Sequence], params) -> None:
         """A request's completions are admitted (``params``: its checked ``SamplingParams``)."""
@@ -62,7 +65,7 @@ class LogitsProcessor:
         """The engine is shutting down."""
 
 
-class Penalties(LogitsProcessor):
+class Penalties(LogitsHook):
     """The sampler's penalties read every generated token."""
 
     def needs_known_tokens(self, batch: SchedulerOutput) -> bool:

@@ -17,11 +17,12 @@ import uuid
 from multiprocessing.shared_memory import SharedMemory
 
 from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.plugins import REGISTRY
 from nanovllm.utils.distributed import TPGroup, forget_in_forked_child, free_port
 
 SEGMENT_PREFIX = "nanovllm-"
 SEGMENT_SIZE = 2 ** 20  # the first segment; a larger call moves to a larger one
-UPDATE_BATCH_BYTES = 32 * 2 ** 20  # the tensors of one update_weights call to the workers (a larger one alone)
 JOIN_TIMEOUT_S = 5.0  # a worker told to exit gets this long before it is killed
 MAIN_GUARD_HINT = ("workers start by 'spawn', which imports the main script again: create the LLM under "
                    "`if __name__ == \"__main__\":`")
@@ -111,8 +112,10 @@ class WorkerGroup:
         # the parent-death signal fires when the spawning *thread* ends
         pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes, self.doorbells = [], []
-        # rank 0 alone samples, and hf_config holds the overrides: the classes and a function need not pickle
-        worker_config = config.derive(logits_processors=[], hf_overrides=None)
+        # rank 0 alone samples: the features it alone runs stay there (their options need not pickle)
+        worker_config = config.derive(features=tuple(
+            (name, options) for name, options in config.features
+            if not REGISTRY.meta["feature", name].get("first_rank_only")))
         try:
             for rank in range(1, self.world_size):
                 reader, writer = ctx.Pipe()  # duplex: collective_rpc's replies come back on it
@@ -147,6 +150,8 @@ class WorkerGroup:
             self.group.abort()
 
     def call(self, method: str, *args):
+        """Every worker runs ``runner.resolve(method)(*args)`` (``reply``: rank 0 reads each
+        one's result with ``replies``)."""
         if self.channel is None:
             raise RuntimeError("this engine's workers belong to the process that forked this one")
         moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL), self.death_error)
@@ -157,6 +162,20 @@ class WorkerGroup:
                 if error := self.death_error(JOIN_TIMEOUT_S):
                     raise error from None
                 raise
+
+    def replies(self, deadline: float | None) -> list[tuple[bool, object]]:
+        """Every worker's reply to the last "reply" call, in rank order."""
+        replies = []
+        for rank, doorbell in enumerate(self.doorbells, 1):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not doorbell.poll(left):
+                raise TimeoutError(f"tensor-parallel worker rank {rank} did not reply in time")
+            try:
+                replies.append(pickle.loads(doorbell.recv_bytes()))
+            except (EOFError, OSError):
+                raise self.death_error(JOIN_TIMEOUT_S) or WorkerDiedError(
+                    f"worker rank {rank} died") from None
+        return replies
 
     def dead(self) -> list[tuple[int, int | None]]:
         return [(rank, p.exitcode) for rank, p in enumerate(self.processes, 1) if not p.is_alive()]
@@ -203,6 +222,40 @@ class WorkerGroup:
         self.closed, self.processes, self.doorbells, self.channel = True, [], [], None
 
 
+def reply(runner, method, args: tuple, kwargs: dict) -> bytes:
+    """A worker's pickled reply to a call: (True, the result) or (False, its error)."""
+    try:
+        return pickle.dumps((True, runner.resolve(method)(*args, **kwargs)))
+    except Exception as e:  # the method failed, or its result does not pickle
+        return pickle.dumps((False, f"{type(e).__name__}: {e}"))
+
+
+def call_every_rank(core, method, args: tuple = (), kwargs: dict | None = None,
+                    deadline: float | None = None) -> list:
+    """``runner.resolve(method)(*args, **kwargs)`` on every rank at once (the caller holds
+    ``core.lock``); each rank's result, rank 0's first. A worker's failure is a RuntimeError naming
+    its rank; a dead or late one shuts the engine down."""
+    call, kwargs = (method, tuple(args), dict(kwargs or {})), dict(kwargs or {})
+    runner, workers = core.resources.runner, core.resources.workers
+    if runner is None:
+        raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+    if workers is not None:
+        try:
+            pickle.dumps(call)
+        except Exception as e:
+            raise TypeError(f"the method, args and kwargs of a call to every rank must pickle: "
+                            f"{e}") from None
+        core.call_or_shut_down(workers.call, "reply", *call)
+    try:
+        result = runner.resolve(method)(*args, **kwargs)
+    finally:
+        replies = core.call_or_shut_down(workers.replies, deadline) if workers else []
+    for rank, (ok, value) in enumerate(replies, 1):
+        if not ok:
+            raise RuntimeError(f"tensor-parallel worker rank {rank} raised {value}")
+    return [result, *(value for _, value in replies)]
+
+
 def _exit_with_parent(pdeathsig: bool):
     """Ends this worker with rank 0's process, even when stuck in C code: Linux's parent-death SIGKILL, and a
     thread on the parent's sentinel."""
@@ -227,18 +280,16 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     code = 1
     try:
-        from nanovllm.engine.worker_extension import runner_class
-        from nanovllm.vllm_compat import rpc_reply
         # attached before joining the group: rank 0 writes nothing before every rank joined
         channel = CallChannel(segment, config.tensor_parallel_size, rank)
         group = TPGroup(rank, config.tensor_parallel_size, port, config.device)
-        runner = runner_class(config.worker_extension_cls)(config, rank, group)
+        runner = ModelRunner(config, rank, group)
         while (call := channel.read(doorbell)) is not None:
             method, args = call
-            if method == "rpc":  # collective_rpc: (method, args, kwargs), answered on the doorbell
-                doorbell.send_bytes(rpc_reply(runner, *args))
+            if method == "reply":  # (method, args, kwargs), answered on the doorbell
+                doorbell.send_bytes(reply(runner, *args))
             else:
-                getattr(runner, method)(*args)
+                runner.resolve(method)(*args)
             if method == "exit":
                 code = 0
                 break

@@ -1,34 +1,33 @@
-"""Kernel dispatch: the dense and MoE ops follow the tensor (Triton's for CUDA tensors when triton is installed);
-attention's backend is chosen at start-up (``layers.attention``)."""
+"""Kernel dispatch: an op follows its tensor (Triton's module for a CUDA tensor when triton is
+installed, the PyTorch reference otherwise); attention's backend is chosen at start-up
+(``layers.attention``)."""
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 from types import ModuleType
 
 import torch
 
-from nanovllm.kernels import moe_reference, reference
+from nanovllm.kernels import reference
 
 
 @functools.cache
-def _triton_module(name: str, fallback: ModuleType) -> ModuleType:
+def triton_module(name: str, fallback: ModuleType | None) -> ModuleType | None:
+    """``nanovllm.kernels.<name>``, or ``fallback`` without triton."""
     if importlib.util.find_spec("triton") is None:
         return fallback
     return importlib.import_module(f"nanovllm.kernels.{name}")
 
 
+def ops_for(x: torch.Tensor, name: str, fallback: ModuleType | None) -> ModuleType | None:
+    """The Triton module ``name`` for a CUDA tensor, else ``fallback``."""
+    return triton_module(name, fallback) if x.is_cuda else fallback
+
+
 def dense_ops(x: torch.Tensor) -> ModuleType:
-    return _triton_module("triton_linear", reference) if x.is_cuda else reference
-
-
-def fp8_ops(x: torch.Tensor) -> ModuleType | None:
-    """Triton's fp8-weight linear for a CUDA tensor (when triton is installed), else None (the reference)."""
-    return _triton_module("triton_fp8", None) if x.is_cuda else None
-
-
-def moe_ops(x: torch.Tensor) -> ModuleType:
-    return _triton_module("triton_moe", moe_reference) if x.is_cuda else moe_reference
+    return ops_for(x, "triton_linear", reference)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -1,7 +1,8 @@
-"""The MoE layer in PyTorch (the CPU path, ``triton_moe``'s oracle); weights packed as vLLM's: ``w13 [E, 2 * I, H]``
-(gate rows, then up), ``w2 [E, H, I]``, in x's dtype, or in float8_e4m3fn with block scales ``w13_scale [E,
-ceil(2 * I / bn), ceil(H / bk)]``, ``w2_scale [E, ceil(H / bn), ceil(I / bk)]`` (``block_shape`` = (bn, bk), a
-block-wise fp8 checkpoint's ``weight_scale_inv`` stacked). Its loop over the experts syncs with the host."""
+"""The MoE layer in PyTorch (the CPU path, ``triton_moe``'s oracle); weights packed as vLLM's:
+``w13 [E, 2 * I, H]`` (gate rows, then up), ``w2 [E, H, I]``, in x's dtype, or in float8_e4m3fn
+with block scales ``w13_scale [E, ceil(2 * I / bn), ceil(H / bk)]``, ``w2_scale [E, ceil(H / bn),
+ceil(I / bk)]`` (``block_shape`` = (bn, bk), a block-wise fp8 checkpoint's ``weight_scale_inv``
+stacked). Its loop over the experts syncs with the host."""
 from __future__ import annotations
 
 import math
@@ -9,12 +10,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from nanovllm.kernels.fp8_reference import FP8, dequantize_fp8_block
 from nanovllm.kernels.reference import silu_and_mul
-from nanovllm.layers.quantization import FP8, dequantize_fp8_block
 
 
-def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [M, top_k], topk_ids [M, top_k]) of the float32 softmax over the experts."""
+def fused_topk(router_logits: torch.Tensor, top_k: int,
+               renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [M, top_k], topk_ids [M, top_k]) of the float32 softmax over the
+    experts."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = probs.topk(top_k, dim=-1)
     if renormalize:
@@ -24,21 +27,23 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
                       w2_scale: torch.Tensor | None, block_shape) -> tuple[int, int] | None:
-    """``block_shape`` as a tuple when the experts are fp8 (None when they are not), after checking that fp8
-    weights come with both scales and a block, each scale of the shape its weight and block give, and that
-    weights in another dtype come with none of them."""
+    """``block_shape`` as a tuple when the experts are fp8 (None when they are not), after checking
+    that fp8 weights come with both scales and a block, each scale of the shape its weight and block
+    give, and that weights in another dtype come with none of them."""
     fp8 = w13.dtype == FP8
     if (w2.dtype == FP8) != fp8:
         raise TypeError(f"fused_moe: w13 is {w13.dtype} but w2 is {w2.dtype}: both fp8 or neither")
-    given = [name for name, v in (("w13_scale", w13_scale), ("w2_scale", w2_scale), ("block_shape", block_shape))
+    given = [name for name, v in (("w13_scale", w13_scale), ("w2_scale", w2_scale),
+                                  ("block_shape", block_shape))
              if v is not None]
     if not fp8:
         if given:
-            raise ValueError(f"fused_moe: {', '.join(given)} given but the experts are {w13.dtype}, not fp8")
+            raise ValueError(f"fused_moe: {', '.join(given)} given but the experts are "
+                             f"{w13.dtype}, not fp8")
         return None
     if len(given) != 3:
-        raise ValueError("fused_moe: float8_e4m3fn experts need w13_scale, w2_scale and block_shape; "
-                         f"got {', '.join(given) or 'none of them'}")
+        raise ValueError("fused_moe: float8_e4m3fn experts need w13_scale, w2_scale and "
+                         f"block_shape; got {', '.join(given) or 'none of them'}")
     if not (len(block_shape) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block_shape)):
         raise ValueError(f"fused_moe: block_shape must be two positive ints, got {block_shape!r}")
@@ -47,17 +52,20 @@ def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
         e, n, k = w.shape
         expected = (e, math.ceil(n / bn), math.ceil(k / bk))
         if tuple(scale.shape) != expected or scale.dtype != torch.float32:
-            raise ValueError(f"fused_moe: {name} is {scale.dtype} {tuple(scale.shape)} but experts {tuple(w.shape)} "
-                             f"with block_shape {tuple(block_shape)} need float32 {expected}")
+            raise ValueError(f"fused_moe: {name} is {scale.dtype} {tuple(scale.shape)} but experts "
+                             f"{tuple(w.shape)} with block_shape {tuple(block_shape)} need float32 "
+                             f"{expected}")
     return bn, bk
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, residual: torch.Tensor | None = None, *, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block_shape=None) -> torch.Tensor:
-    """sum over k of topk_weights[:, k] * down_e(SiLU(gate_e(x)) * up_e(x)), e = topk_ids[:, k], for x [M, H];
-    each pair's output rounded to x's dtype, summed in float32. Added in place to ``residual`` when given. fp8
-    experts: each expert the batch routes to is dequantized to x's dtype first."""
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None, *,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block_shape=None) -> torch.Tensor:
+    """sum over k of topk_weights[:, k] * down_e(SiLU(gate_e(x)) * up_e(x)), e = topk_ids[:, k], for
+    x [M, H]; each pair's output rounded to x's dtype, summed in float32. Added in place to
+    ``residual`` when given. fp8 experts: each expert the batch routes to is dequantized to x's
+    dtype first."""
     block = check_fp8_experts(w13, w2, w13_scale, w2_scale, block_shape)
     out = torch.zeros(x.size(0), w2.size(1), dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():

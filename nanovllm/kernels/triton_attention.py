@@ -1,5 +1,6 @@
-"""Paged attention in Triton with ``reference.py``'s functions and cache layout: the KV store (alone or fused with
-q/k norm and rotary), varlen causal prefill, split-KV decode. ``window`` > 0: position i sees keys (i - window, i]."""
+"""Paged attention in Triton with ``reference.py``'s functions and cache layout: the KV store (alone
+or fused with q/k norm and rotary), varlen causal prefill, split-KV decode. ``window`` > 0: position
+i sees keys (i - window, i]."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ from nanovllm.kernels import dot_precision, reference
 
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(reference.FP8_MAX)  # kernels may read only constexpr globals
-# the interpreter rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4): the stores round first
+# the interpreter rounds float -> e4m3 without carrying into the exponent (7.9 becomes 4): the
+# stores round first
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -24,8 +26,10 @@ def _round_to_e4m3(x):
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
     y = x / step  # exact: a power of two
     r = tl.floor(y + 0.5)
-    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to even
-    return ((r * step).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # -0 too
+    # a tie goes to even
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)
+    return ((r * step).to(tl.int32, bitcast=True)
+            | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)  # -0 too
 
 
 @triton.jit
@@ -39,17 +43,19 @@ def _to_cache(x, inv_scale, cache_ptr, FP8: tl.constexpr, ROUND_FP8: tl.constexp
 
 # ---- KV store
 @triton.jit
-def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v, inv_k_scale,
-                          inv_v_scale, D: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
-                          ROUND_FP8: tl.constexpr):
+def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
+                          inv_k_scale, inv_v_scale, D: tl.constexpr, BLOCK: tl.constexpr,
+                          FP8: tl.constexpr, ROUND_FP8: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i).to(tl.int64)
     if slot < 0:
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < D
-    k = _to_cache(tl.load(k_ptr + i * stride_k + offs, mask=mask), inv_k_scale, k_cache_ptr, FP8, ROUND_FP8)
-    v = _to_cache(tl.load(v_ptr + i * stride_v + offs, mask=mask), inv_v_scale, v_cache_ptr, FP8, ROUND_FP8)
+    k = _to_cache(tl.load(k_ptr + i * stride_k + offs, mask=mask), inv_k_scale, k_cache_ptr, FP8,
+                  ROUND_FP8)
+    v = _to_cache(tl.load(v_ptr + i * stride_v + offs, mask=mask), inv_v_scale, v_cache_ptr, FP8,
+                  ROUND_FP8)
     tl.store(k_cache_ptr + slot * D + offs, k, mask=mask)
     tl.store(v_cache_ptr + slot * D + offs, v, mask=mask)
 
@@ -67,15 +73,17 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == n
     if n:
         _store_kvcache_kernel[(n,)](
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), 1.0 / k_scale, 1.0 / v_scale, D=d,
-            BLOCK=triton.next_power_of_2(d), FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
+            k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), 1.0 / k_scale,
+            1.0 / v_scale, D=d, BLOCK=triton.next_power_of_2(d), FP8=is_fp8(k_cache),
+            ROUND_FP8=_ROUND_FP8)
 
 
 @triton.jit
-def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, slot_ptr,
-                               k_cache_ptr, v_cache_ptr, stride_t, eps, inv_k_scale, inv_v_scale,
-                               NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
+def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
+                               slot_ptr, k_cache_ptr, v_cache_ptr, stride_t, eps, inv_k_scale,
+                               inv_v_scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                               BLOCK_KV: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr,
                                ROUND_FP8: tl.constexpr):
     """One token, its q and k heads the rows of one tile; rounds where the unfused ops round."""
     i = tl.program_id(0)
@@ -91,8 +99,10 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / HEAD_DIM + eps)[:, None]
         is_q = (rows < NUM_HEADS)[:, None]
-        w1 = tl.where(is_q, tl.load(q_weight_ptr + cols)[None, :], tl.load(k_weight_ptr + cols)[None, :])
-        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + cols)[None, :], tl.load(k_weight_ptr + HALF + cols)[None, :])
+        w1 = tl.where(is_q, tl.load(q_weight_ptr + cols)[None, :],
+                      tl.load(k_weight_ptr + cols)[None, :])
+        w2 = tl.where(is_q, tl.load(q_weight_ptr + HALF + cols)[None, :],
+                      tl.load(k_weight_ptr + HALF + cols)[None, :])
         x1 = (w1.to(tl.float32) * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
         x2 = (w2.to(tl.float32) * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
     pos = tl.load(positions_ptr + i).to(tl.int64)
@@ -113,8 +123,8 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
         vr = tl.arange(0, BLOCK_KV)[:, None]
         d = tl.arange(0, HEAD_DIM)[None, :]
         v_mask = vr < NUM_KV_HEADS
-        v = tl.load(qkv_ptr + i.to(tl.int64) * stride_t + (NUM_HEADS + NUM_KV_HEADS + vr) * HEAD_DIM + d,
-                    mask=v_mask)
+        v = tl.load(qkv_ptr + i.to(tl.int64) * stride_t
+                    + (NUM_HEADS + NUM_KV_HEADS + vr) * HEAD_DIM + d, mask=v_mask)
         tl.store(v_cache_ptr + slot * (NUM_KV_HEADS * HEAD_DIM) + vr * HEAD_DIM + d,
                  _to_cache(v, inv_v_scale, v_cache_ptr, FP8, ROUND_FP8), mask=v_mask)
 
@@ -122,46 +132,57 @@ def _qk_norm_rope_store_kernel(qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, head_dim: int, k_scale: float = 1.0, v_scale: float = 1.0):
-    """q/k ``RMSNorm`` (unless the weights are None), ``RotaryEmbedding`` and ``store_kvcache`` in one launch, in
-    place on qkv [N, (num_heads + 2 * num_kv_heads) * head_dim]; returns its q, k, v views."""
+                       num_heads: int, num_kv_heads: int, head_dim: int, k_scale: float = 1.0,
+                       v_scale: float = 1.0):
+    """q/k ``RMSNorm`` (unless the weights are None), ``RotaryEmbedding`` and ``store_kvcache`` in
+    one launch, in place on qkv [N, (num_heads + 2 * num_kv_heads) * head_dim]; returns its q, k, v
+    views."""
     n = qkv.size(0)
     assert head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1 and cos_sin_cache.is_contiguous()
     assert qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim
     norm = q_weight is not None
     if n:
         _qk_norm_rope_store_kernel[(n,)](
-            qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv, slot_mapping,
-            k_cache, v_cache, qkv.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale, NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, FP8=is_fp8(k_cache), ROUND_FP8=_ROUND_FP8)
-    return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+            qkv, positions, cos_sin_cache, q_weight if norm else qkv, k_weight if norm else qkv,
+            slot_mapping, k_cache, v_cache, qkv.stride(0), eps, 1.0 / k_scale, 1.0 / v_scale,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads),
+            BLOCK_KV=triton.next_power_of_2(num_kv_heads), NORM=norm, FP8=is_fp8(k_cache),
+            ROUND_FP8=_ROUND_FP8)
+    return qkv.view(n, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1)
 
 
 # ---- prefill (its key tile also serves decode)
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale, v_scale,
                  k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
-                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-                 SCALE_V: tl.constexpr):
-    """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len on, 2 also the
-    causal diagonal and outside WINDOW. Cached tiles convert to q's dtype (fp16 for fp8: cheaper); SCALE_V's multiply
-    also keeps Triton from converting V after its layout shuffle (bytewise through shared memory)."""
+                 NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                 PAGED: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                 PRECISION: tl.constexpr, WINDOW: tl.constexpr, SCALE_V: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) of the online softmax. MASK: 0 none, 1 keys from k_len
+    on, 2 also the causal diagonal and outside WINDOW. Cached tiles convert to q's dtype (fp16 for
+    fp8: cheaper); SCALE_V's multiply also keeps Triton from converting V after its layout shuffle
+    (bytewise through shared memory)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_n < k_len
     if PAGED:
         page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-        kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0).to(q.dtype)
+        kv_off = ((page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
+                  + kv_head * HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None],
+                    other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None],
+                    other=0.0).to(q.dtype)
         if SCALE_V:
             v = v * tl.cast(v_scale, q.dtype)
     else:  # the new tokens
         rows = (q_start + offs_n)[:, None].to(tl.int64)
-        k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_ptr + rows * stride_kt + kv_head * HEAD_DIM + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + rows * stride_vt + kv_head * HEAD_DIM + offs_d[None, :],
+                    mask=valid[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASK == 1:
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -182,11 +203,13 @@ def _attend_tile(acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, q
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
-                    qk_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_vt, stride_ot, stride_oh, stride_bt,
-                    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, cu_k_ptr,
+                    bt_ptr, qk_scale, v_scale, stride_qt, stride_qh, stride_kt, stride_vt,
+                    stride_ot, stride_oh, stride_bt, GROUP: tl.constexpr,
+                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                    PAGED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr,
+                    Q_FP16: tl.constexpr):
     m_block, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kv_head = head // GROUP
     q_start = tl.load(cu_q_ptr + seq)
@@ -197,8 +220,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
     offs_d = tl.arange(0, HEAD_DIM)
     q_pos = k_len - q_len + offs_m  # its position among the keys
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=(offs_m < q_len)[:, None], other=0.0)
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh
+                + offs_d[None, :], mask=(offs_m < q_len)[:, None], other=0.0)
     if Q_FP16:
         q = q.to(tl.float16)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -212,16 +235,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_p
     for masked in tl.static_range(1 if WINDOW > 0 else 0, 2):  # the unmasked tiles, then the masked
         for start in range(masked_start if masked else 0, end if masked else masked_start, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale, v_scale, k_ptr, v_ptr,
-                k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE,
-                PAGED, BLOCK_N, 2 * masked, PRECISION, WINDOW, FP8)
+                acc, l_i, m_i, q, q_pos, start, seq, q_start, k_len, kv_head, qk_scale, v_scale,
+                k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, stride_kt, stride_vt, stride_bt,
+                NUM_KV_HEADS, HEAD_DIM, PAGE, PAGED, BLOCK_N, 2 * masked, PRECISION, WINDOW, FP8)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+    tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh
+             + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, paged: bool) -> dict:
-    # tools/bench_kernels.py --sweep's choice; short unpaged prompts: more programs, less causal waste
+    # tools/bench_kernels.py --sweep's choice; short unpaged prompts: more programs,
+    # less causal waste
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if paged or max_seqlen_q >= 2048:
@@ -248,23 +272,25 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         k_scale = v_scale = 1.0
     grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), cu_seqlens_q.numel() - 1, num_heads)
     _prefill_kernel[grid](
-        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, bt, scale * k_scale * LOG2E, v_scale,
-        q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1), bt.stride(0),
-        GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, k, v, k_cache, v_cache, out, cu_seqlens_q, cu_seqlens_k, bt, scale * k_scale * LOG2E,
+        v_scale, q.stride(0), q.stride(1), k.stride(0), v.stride(0), out.stride(0), out.stride(1),
+        bt.stride(0), GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        PAGE=k_cache.size(1) if paged else 1, PAGED=paged, BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
+        Q_FP16=fp8 and q.dtype != torch.float32, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 
-# ---- decode: a KV head's query heads share one tl.dot (each K/V tile read once); splits merge by log-sum-exp
+# ---- decode: a KV head's query heads share one tl.dot (each K/V tile read once);
+# splits merge by log-sum-exp
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr, part_lse_ptr,
-                   qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
-                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr,
-                   Q_FP16: tl.constexpr):
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr,
+                   part_lse_ptr, qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob,
+                   stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                   NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                   WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     first = 0  # the first visible key
@@ -284,9 +310,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for n in range(start, end, BLOCK_N):  # masked from the end of this split on
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale, v_scale, None,
-                                     None, k_cache_ptr, v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
-                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, seq, None, end, kv_head, qk_scale,
+                                     v_scale, None, None, k_cache_ptr, v_cache_ptr, bt_ptr, None,
+                                     None, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE, True, BLOCK_N,
+                                     1, PRECISION, 0, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
     if NUM_SPLITS == 1:
@@ -296,7 +323,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
         # fp32 partials [B, H, NUM_SPLITS, HEAD_DIM] and their log2-sum-exp [B, H, NUM_SPLITS]
         row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
-        tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=offs_g < GROUP)
+        tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)),
+                 mask=offs_g < GROUP)
 
 
 @triton.jit
@@ -318,8 +346,10 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
 _NUM_SMS: dict[int, int] = {}
 
 
-def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device, max_splits: int = 32) -> int:
-    """About two waves of programs over the SMs; depends on the batch only, so a captured graph's grid is fixed."""
+def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device,
+                      max_splits: int = 32) -> int:
+    """About two waves of programs over the SMs; depends on the batch only, so a captured graph's
+    grid is fixed."""
     if device.type != "cuda":
         return 1 if batch * num_kv_heads >= 8 else 2  # the interpreter: still exercise the merge
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -335,11 +365,13 @@ def _decode_config(dtype: torch.dtype, batch: int) -> dict:
     return dict(BLOCK_N=128 if batch >= 256 else 64, num_warps=4, num_stages=3)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_lens: torch.Tensor,
-                     block_tables: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                     window: int = 0, num_splits: int | None = None, config: dict | None = None,
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                     k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
+                     num_splits: int | None = None, config: dict | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """``reference.decode_attention``; ``num_splits`` defaults to ``num_decode_splits``'s, ``config``: the tiles."""
+    """``reference.decode_attention``; ``num_splits`` defaults to ``num_decode_splits``'s,
+    ``config``: the tiles."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
@@ -352,19 +384,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not fp8:
         k_scale = v_scale = 1.0
     if splits > 1:
-        part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32,
+                             device=q.device)
         part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # not written
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, scale * k_scale * LOG2E, v_scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
+        scale * k_scale * LOG2E, v_scale, q.stride(0), q.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"],
+        NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
+        Q_FP16=fp8 and q.dtype != torch.float32, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, num_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+            part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
     return out

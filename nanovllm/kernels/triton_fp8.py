@@ -1,12 +1,13 @@
-"""fp8 (e4m3) weights in Triton, with the block scales of an fp8 checkpoint ([N / bn, K / bk]) or one scale per
-output channel ([N, 1]). Activations are quantized to e4m3 too (W8A8, as vLLM does), at every batch size: per token
-for per-channel weights, per token and group of bk columns for block-wise ones.
-- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once, quantizes x in
-  registers (each program its own copy: x is small) and multiplies on the fp8 MMA (or, in the interpreter and for
-  fp32, both operands converted exactly to x's dtype), the scales on each chunk's product. Fusions follow
-  ``triton_linear``'s;
-- the GEMM, for more rows (prefill, large decode batches): x quantized by a kernel of its own, both operands
-  multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
+"""fp8 (e4m3) weights in Triton, with the block scales of an fp8 checkpoint ([N / bn, K / bk]) or
+one scale per output channel ([N, 1]). Activations are quantized to e4m3 too (W8A8, as vLLM does),
+at every batch size: per token for per-channel weights, per token and group of bk columns for
+block-wise ones.
+- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once,
+  quantizes x in registers (each program its own copy: x is small) and multiplies on the fp8 MMA
+  (or, in the interpreter and for fp32, both operands converted exactly to x's dtype), the scales on
+  each chunk's product. Fusions follow ``triton_linear``'s;
+- the GEMM, for more rows (prefill, large decode batches): x quantized by a kernel of its own, both
+  operands multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
 
 import os
@@ -19,15 +20,18 @@ from nanovllm.kernels import dot_precision
 from nanovllm.kernels.triton_attention import FP8_MAX, _round_to_e4m3
 from nanovllm.kernels.triton_linear import SKINNY_MAX_M, silu_and_mul, skinny_epilogue
 
-# the interpreter's float -> e4m3 cast does not carry into the exponent: it rounds in fp32 arithmetic instead
+# the interpreter's float -> e4m3 cast does not carry into the exponent: it rounds in fp32
+# arithmetic instead
 _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
-# tl.dot straight on e4m3 operands in the skinny kernel (sm_89+ MMA) instead of converting both to x's dtype first
+# tl.dot straight on e4m3 operands in the skinny kernel (sm_89+ MMA) instead of converting both to
+# x's dtype first
 FP8_DOT = os.environ.get("NANOVLLM_FP8_DOT", "1") == "1"
 
 
 @triton.jit
 def _to_e4m3(x, scale, ROUND_FP8: tl.constexpr):
-    """x [rows, cols] divided by each row's ``scale`` [rows], clamped to e4m3's range and rounded to it (RNE)."""
+    """x [rows, cols] divided by each row's ``scale`` [rows], clamped to e4m3's range and rounded to
+    it (RNE)."""
     q = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -FP8_MAX), FP8_MAX)
     if ROUND_FP8:
         q = _round_to_e4m3(q)
@@ -41,31 +45,35 @@ def _row_scale(amax):
 
 
 @triton.jit
-def _chunk_product(x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s, scale, dtype: tl.constexpr,
-                   SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """x (e4m3, one chunk of K) @ w[:, ks].T times ``scale`` (x's per-row scales as a column) and, block-wise, the
-    weight block's scales (per-channel ones are applied once, at the end); on the fp8 MMA or in ``dtype``."""
+def _chunk_product(x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s, scale,
+                   dtype: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                   PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """x (e4m3, one chunk of K) @ w[:, ks].T times ``scale`` (x's per-row scales as a column) and,
+    block-wise, the weight block's scales (per-channel ones are applied once, at the end); on the
+    fp8 MMA or in ``dtype``."""
     w = tl.load(w_ptr + w_rows + ks[None, :], mask=col_mask[:, None] & (ks < k)[None, :], other=0.0)
     if FP8_DOT:
         part = tl.dot(x, tl.trans(w))
     else:  # e4m3 -> dtype is exact
         part = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), input_precision=PRECISION)
     if not PER_CHANNEL:
-        scale = scale * tl.load(s_ptr + (cols // SCALE_N) * stride_s + kj // SCALE_K, mask=col_mask, other=0.0)[None, :]
+        scale = scale * tl.load(s_ptr + (cols // SCALE_N) * stride_s + kj // SCALE_K, mask=col_mask,
+                                other=0.0)[None, :]
     return part * scale
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_s, stride_r,
-                       stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                       SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr, FP8_DOT: tl.constexpr,
+def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w,
+                       stride_s, stride_r, stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+                       PER_CHANNEL: tl.constexpr, SILU_MUL: tl.constexpr, BIAS: tl.constexpr,
+                       RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr, FP8_DOT: tl.constexpr,
                        PRECISION: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """BLOCK_N columns of y = quantize(x) @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows, BLOCK_K columns of K
-    a step in chunks of CHUNK_K. x is quantized to e4m3 here: per row (PER_CHANNEL: the row's amax over all of K, a
-    first pass) or per row and chunk (block-wise: CHUNK_K is the weight's block in K, so a chunk is one group).
-    SILU_MUL: w is [gate; up] (scale rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual."""
+    """BLOCK_N columns of y = quantize(x) @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows,
+    BLOCK_K columns of K a step in chunks of CHUNK_K. x is quantized to e4m3 here: per row
+    (PER_CHANNEL: the row's amax over all of K, a first pass) or per row and chunk (block-wise:
+    CHUNK_K is the weight's block in K, so a chunk is one group). SILU_MUL: w is [gate; up] (scale
+    rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,30 +100,34 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stri
             if not PER_CHANNEL:
                 x_scale = _row_scale(tl.max(tl.abs(x.to(tl.float32)), 1))
             xq = _to_e4m3(x, x_scale, ROUND_FP8)
-            acc += _chunk_product(xq, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k, stride_s,
-                                  x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL, FP8_DOT, PRECISION)
+            acc += _chunk_product(xq, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k,
+                                  stride_s, x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL,
+                                  FP8_DOT, PRECISION)
             if SILU_MUL:
-                acc_up += _chunk_product(xq, w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols, col_mask, ks, kj,
-                                         k, stride_s, x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL,
-                                         FP8_DOT, PRECISION)
+                acc_up += _chunk_product(xq, w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols,
+                                         col_mask, ks, kj, k, stride_s, x_scale[:, None], dtype,
+                                         SCALE_N, SCALE_K, PER_CHANNEL, FP8_DOT, PRECISION)
     if PER_CHANNEL:
         acc *= tl.load(s_ptr + safe_cols * stride_s)[None, :]
         if SILU_MUL:
             acc_up *= tl.load(s_ptr + (n + safe_cols) * stride_s)[None, :]
-    skinny_epilogue(acc, acc_up, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
-                    SILU_MUL, BIAS, RESIDUAL)
+    skinny_epilogue(acc, acc_up, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n,
+                    stride_r, stride_y, SILU_MUL, BIAS, RESIDUAL)
 
 
 def skinny_config(n: int) -> dict:
-    """Columns 32 wide, or 16 where that leaves too few programs; 512 bytes of each weight row a step."""
+    """Columns 32 wide, or 16 where that leaves too few programs; 512 bytes of each weight row a
+    step."""
     return dict(BLOCK_N=32 if n >= 32 * 120 else 16, BLOCK_K=512, num_warps=4, num_stages=3)
 
 
-def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None, residual: torch.Tensor | None, silu_mul: bool, config: dict | None = None,
+def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None,
+               residual: torch.Tensor | None, silu_mul: bool, config: dict | None = None,
                fp8_dot: bool | None = None):
-    """``fp8_linear`` for m <= SKINNY_MAX_M rows, x quantized inside the kernel; ``config``: ``skinny_config``'s
-    keys; ``fp8_dot``: multiply on the fp8 MMA (default: FP8_DOT, off in the interpreter and for fp32)."""
+    """``fp8_linear`` for m <= SKINNY_MAX_M rows, x quantized inside the kernel; ``config``:
+    ``skinny_config``'s keys; ``fp8_dot``: multiply on the fp8 MMA (default: FP8_DOT, off in the
+    interpreter and for fp32)."""
     m, k = x.shape
     n = weight.size(0) // (2 if silu_mul else 1)
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -125,23 +137,25 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         if fp8_dot is None:
             fp8_dot = FP8_DOT and not _ROUND_FP8 and x.dtype != torch.float32
         _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, weight, scale, bias if bias is not None else x, residual if residual is not None else x, y,
-            m, k, n, x.stride(0), weight.stride(0), scale.stride(0),
-            residual.stride(0) if residual is not None else 0, y.stride(0),
-            SCALE_N=block[0] if block is not None else 1, SCALE_K=block[1] if block is not None else 1,
-            PER_CHANNEL=block is None, SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
+            x, weight, scale, bias if bias is not None else x,
+            residual if residual is not None else x, y, m, k, n, x.stride(0), weight.stride(0),
+            scale.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            SCALE_N=block[0] if block is not None else 1,
+            SCALE_K=block[1] if block is not None else 1, PER_CHANNEL=block is None,
+            SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
             BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, FP8_DOT=fp8_dot,
             PRECISION=dot_precision(x.dtype), ROUND_FP8=_ROUND_FP8,
             **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
     return y
 
 
-# ---- the tensor-core GEMM: x quantized to e4m3 (per token, or per token and group of bk columns), then fp8 x fp8
+# ---- the tensor-core GEMM: x quantized to e4m3 (per token, or per token and group of bk columns),
+# then fp8 x fp8
 @triton.jit(do_not_specialize=["m"])
-def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_s, GROUP, BLOCK: tl.constexpr,
-                            ROUND_FP8: tl.constexpr):
-    """Row ``program_id(0)``'s columns [g * GROUP, (g + 1) * GROUP) to e4m3, g = ``program_id(1)``, with their
-    scale (amax / 448, 1 for zeros) in s[row, g]."""
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, stride_s, GROUP,
+                            BLOCK: tl.constexpr, ROUND_FP8: tl.constexpr):
+    """Row ``program_id(0)``'s columns [g * GROUP, (g + 1) * GROUP) to e4m3, g = ``program_id(1)``,
+    with their scale (amax / 448, 1 for zeros) in s[row, g]."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     start = g * GROUP
@@ -164,28 +178,33 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, m, k, stride_x, stride_q, strid
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x in e4m3 [m, k], scales [m, ceil(k / group)] in float32): x ~= q * scale over each row's group."""
+    """(x in e4m3 [m, k], scales [m, ceil(k / group)] in float32): x ~= q * scale over each row's
+    group."""
     m, k = x.shape
     groups = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_groups_kernel[(m, groups)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), group,
-                                             BLOCK=min(1024, triton.next_power_of_2(group)), ROUND_FP8=_ROUND_FP8)
+        _quantize_groups_kernel[(m, groups)](x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0),
+                                             group, BLOCK=min(1024, triton.next_power_of_2(group)),
+                                             ROUND_FP8=_ROUND_FP8)
     return q, s
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, res_ptr, y_ptr, m, n, k, stride_a, stride_as, stride_w,
-                     stride_ws, stride_r, stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-                     PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """A [BLOCK_M, BLOCK_N] tile of y = (a * a_scale) @ (w * w_scale).T (+ bias, + residual), a and w in e4m3 and
-    multiplied on the tensor cores in fp8. PER_CHANNEL: one scale per row of a and of w, applied once at the end;
-    else a's scale per (row, group of SCALE_K) and w's per (SCALE_N x SCALE_K) block, applied per K block."""
+def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, res_ptr, y_ptr, m, n, k, stride_a,
+                     stride_as, stride_w, stride_ws, stride_r, stride_y, SCALE_N: tl.constexpr,
+                     SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr, BIAS: tl.constexpr,
+                     RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """A [BLOCK_M, BLOCK_N] tile of y = (a * a_scale) @ (w * w_scale).T (+ bias, + residual), a and
+    w in e4m3 and multiplied on the tensor cores in fp8. PER_CHANNEL: one scale per row of a and of
+    w, applied once at the end; else a's scale per (row, group of SCALE_K) and w's per (SCALE_N x
+    SCALE_K) block, applied per K block."""
     pid = tl.program_id(0)
     tiles_m, tiles_n = tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)  # GROUP_M row tiles sweep the columns together: w stays in L2
+    # GROUP_M row tiles sweep the columns together: w stays in L2
+    group = pid // (GROUP_M * tiles_n)
     first_m = group * GROUP_M
     size_m = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
@@ -208,21 +227,25 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, res_ptr, y_ptr, m, n, 
             w_scale = tl.load(ws_ptr + (safe_cols // SCALE_N) * stride_ws + k0 // SCALE_K)
             acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale[None, :]
     if PER_CHANNEL:
-        acc *= tl.load(as_ptr + safe_rows * stride_as)[:, None] * tl.load(ws_ptr + safe_cols * stride_ws)[None, :]
-    skinny_epilogue(acc, acc, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
-                    False, BIAS, RESIDUAL)
+        acc *= (tl.load(as_ptr + safe_rows * stride_as)[:, None]
+                * tl.load(ws_ptr + safe_cols * stride_ws)[None, :])
+    skinny_epilogue(acc, acc, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n,
+                    stride_r, stride_y, False, BIAS, RESIDUAL)
 
 
 def gemm_config(m: int, n: int) -> dict:
-    """64 rows a tile (one warpgroup's wgmma); 128 columns while that gives every SM a tile, else 64; K 128 a step
-    (one block of the scales); four stages (``tools/bench_fp8.py --sweep``'s choice at 64-8192 rows)."""
+    """64 rows a tile (one warpgroup's wgmma); 128 columns while that gives every SM a tile, else
+    64; K 128 a step (one block of the scales); four stages (``tools/bench_fp8.py --sweep``'s choice
+    at 64-8192 rows)."""
     block_n = 128 if triton.cdiv(m, 64) * triton.cdiv(n, 128) >= 132 else 64
     return dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 
 
-def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-             bias: torch.Tensor | None, residual: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
-    """``fp8_linear`` on the tensor cores: x quantized per token (``block`` None) or per token and group of bk."""
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             block: tuple[int, int] | None, bias: torch.Tensor | None,
+             residual: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
+    """``fp8_linear`` on the tensor cores: x quantized per token (``block`` None) or per token and
+    group of bk."""
     m, k = x.shape
     n = weight.size(0)
     scale_n, scale_k = block if block is not None else (1, k)
@@ -233,24 +256,27 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_gemm_kernel[grid](a, a_scale, weight, scale, bias if bias is not None else y,
-                           residual if residual is not None else y, y, m, n, k, a.stride(0), a_scale.stride(0),
-                           weight.stride(0), scale.stride(0), residual.stride(0) if residual is not None else 0,
-                           y.stride(0), SCALE_N=scale_n, SCALE_K=scale_k if block is not None else 1,
-                           PER_CHANNEL=block is None, BIAS=bias is not None, RESIDUAL=residual is not None, **cfg)
+                           residual if residual is not None else y, y, m, n, k, a.stride(0),
+                           a_scale.stride(0), weight.stride(0), scale.stride(0),
+                           residual.stride(0) if residual is not None else 0, y.stride(0),
+                           SCALE_N=scale_n, SCALE_K=scale_k if block is not None else 1,
+                           PER_CHANNEL=block is None, BIAS=bias is not None,
+                           RESIDUAL=residual is not None, **cfg)
     return y
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
-               silu_mul: bool = False) -> torch.Tensor:
-    """quantize(x) [m, K] @ the fp8 weight [N, K] dequantized: by its block scales [ceil(N / bn), ceil(K / bk)]
-    (``block`` = (bn, bk)) or, with ``block`` None, by one scale per row [N, 1]. x is quantized to e4m3 per token
-    (per-channel weights) or per token and group of bk columns (block-wise), at every batch size, as vLLM does.
-    Returns residual += y when ``residual`` is given (in place). Up to SKINNY_MAX_M rows the skinny kernel, more the
-    tensor-core GEMM."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None = None, *,
+               residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
+    """quantize(x) [m, K] @ the fp8 weight [N, K] dequantized: by its block scales [ceil(N / bn),
+    ceil(K / bk)] (``block`` = (bn, bk)) or, with ``block`` None, by one scale per row [N, 1]. x is
+    quantized to e4m3 per token (per-channel weights) or per token and group of bk columns
+    (block-wise), at every batch size, as vLLM does. Returns residual += y when ``residual`` is
+    given (in place). Up to SKINNY_MAX_M rows the skinny kernel, more the tensor-core GEMM."""
     m, k = x.shape
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn
-    assert block is None or (block[1] & (block[1] - 1) == 0 and 16 <= block[1] <= 512), "bk: a power of two, 16-512"
+    assert block is None or (block[1] & (block[1] - 1) == 0 and 16 <= block[1] <= 512), \
+        "bk: a power of two, 16-512"
     if m <= SKINNY_MAX_M:
         return fp8_skinny(x, weight, scale, block, bias, residual, silu_mul)
     if not silu_mul:

@@ -1,5 +1,6 @@
-"""The dense ops in Triton with ``reference.py``'s functions; ``linear``'s skinny kernel, for up to SKINNY_MAX_M rows,
-reads the weight once and fuses SiLU-and-mul or the residual add (more rows go to cuBLAS)."""
+"""The dense ops in Triton with ``reference.py``'s functions; ``linear``'s skinny kernel, for up to
+SKINNY_MAX_M rows, reads the weight once and fuses SiLU-and-mul or the residual add (more rows go to
+cuBLAS)."""
 from __future__ import annotations
 
 import torch
@@ -22,15 +23,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, n, eps, BLOCK: t
     f = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(f * f, 0) / n + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * (f * rstd).to(x.dtype).to(tl.float32)).to(x.dtype),
-             mask=mask)
+    tl.store(out_ptr + row * stride_o + offs,
+             (w.to(tl.float32) * (f * rstd).to(x.dtype).to(tl.float32)).to(x.dtype), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     m, n = x.shape
     out = torch.empty_like(x)
     if m:
-        _rms_norm_kernel[(m,)](x, weight, out, x.stride(0), out.stride(0), n, eps, BLOCK=triton.next_power_of_2(n))
+        _rms_norm_kernel[(m,)](x, weight, out, x.stride(0), out.stride(0), n, eps,
+                               BLOCK=triton.next_power_of_2(n))
     return out
 
 
@@ -43,7 +45,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
     up = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + row * n + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * n + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
+             mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -63,8 +66,9 @@ def silu_mul_rounded(gate, up, x_ptr):
 
 
 @triton.jit
-def skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
-                    SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+def skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n,
+                    stride_r, stride_y, SILU_MUL: tl.constexpr, BIAS: tl.constexpr,
+                    RESIDUAL: tl.constexpr):
     """Stores the skinny linear's tile: + bias, SiLU(gate) * up, + residual, in x's dtype."""
     if BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -74,17 +78,20 @@ def skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_m
     if SILU_MUL:
         acc = silu_mul_rounded(acc, acc_up, x_ptr)
     if RESIDUAL:
-        acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(x_ptr.dtype.element_ty), mask=out_mask)
+        acc += tl.load(res_ptr + rows[:, None] * stride_r + cols[None, :], mask=out_mask,
+                       other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(x_ptr.dtype.element_ty),
+             mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["m"])  # one compilation for every batch size (CUDA graph buckets)
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w, stride_r, stride_y,
-                          SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    """BLOCK_N columns of y = x @ w.T (+ bias) for all m <= BLOCK_M rows. SILU_MUL: w is [gate; up] and y is
-    SiLU(gate) * up; RESIDUAL: y += residual (y may be the residual: one program per element)."""
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w,
+                          stride_r, stride_y, SILU_MUL: tl.constexpr, BIAS: tl.constexpr,
+                          RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """BLOCK_N columns of y = x @ w.T (+ bias) for all m <= BLOCK_M rows. SILU_MUL: w is [gate; up]
+    and y is SiLU(gate) * up; RESIDUAL: y += residual (y may be the residual: one program per
+    element)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,20 +102,21 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = col_mask[:, None] & k_mask[None, :]
-        acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + ks[None, :], mask=w_mask, other=0.0)), acc,
-                     input_precision=PRECISION)
+        acc = tl.dot(x, tl.trans(tl.load(w_ptr + w_rows + ks[None, :], mask=w_mask, other=0.0)),
+                     acc, input_precision=PRECISION)
         if SILU_MUL:
             w_up = tl.load(w_ptr + n * stride_w + w_rows + ks[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
-    skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n, stride_r, stride_y,
-                    SILU_MUL, BIAS, RESIDUAL)
+    skinny_epilogue(acc, acc_up, x_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n,
+                    stride_r, stride_y, SILU_MUL, BIAS, RESIDUAL)
 
 
 def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
-    """All rows in one tile; columns 32 wide, or 16 where that leaves too few programs; as many K stages as fit."""
+    """All rows in one tile; columns 32 wide, or 16 where that leaves too few programs; as many K
+    stages as fit."""
     block_m, block_k = max(16, triton.next_power_of_2(m)), 256 // element_size * 2
     block_n = 32 if n >= 32 * 120 else 16
     stage_bytes = (block_m + (2 if silu_mul else 1) * block_n) * block_k * element_size
@@ -117,12 +125,15 @@ def skinny_config(m: int, n: int, element_size: int, silu_mul: bool) -> dict:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           residual: torch.Tensor | None = None, silu_mul: bool = False, config: dict | None = None):
+           residual: torch.Tensor | None = None, silu_mul: bool = False,
+           config: dict | None = None):
     """``reference.linear``; ``config``: the skinny kernel's tiles."""
     m, k = x.shape
-    if m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1 or (residual is not None and silu_mul):
+    if (m > SKINNY_MAX_M or x.stride(-1) != 1 or weight.stride(-1) != 1
+            or (residual is not None and silu_mul)):
         if residual is not None and bias is None and not silu_mul:
-            return residual.addmm_(x, weight.t())  # the add in cuBLAS's epilogue (addmm would copy first)
+            # the add in cuBLAS's epilogue (addmm would copy first)
+            return residual.addmm_(x, weight.t())
         y = F.linear(x, weight, bias)
         y = silu_and_mul(y) if silu_mul else y
         return y if residual is None else residual.add_(y)
@@ -131,8 +142,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if m:
         cfg = config or skinny_config(m, n, x.element_size(), silu_mul)
         _skinny_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-            x, weight, bias if bias is not None else x, residual if residual is not None else x, y, m, k, n,
-            x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
-            SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
-            PRECISION=dot_precision(x.dtype), **cfg)
+            x, weight, bias if bias is not None else x, residual if residual is not None else x, y,
+            m, k, n, x.stride(0), weight.stride(0),
+            residual.stride(0) if residual is not None else 0, y.stride(0), SILU_MUL=silu_mul,
+            BIAS=bias is not None, RESIDUAL=residual is not None, PRECISION=dot_precision(x.dtype),
+            **cfg)
     return y

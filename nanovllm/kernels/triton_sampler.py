@@ -1,5 +1,6 @@
-"""Plain batches' sampling (a temperature per row, 0 greedy) as Gumbel-max, argmax(logits / T + G), with in-kernel
-Philox noise, one read of the logits; the structured-output bitmask; a stream's wait for a pinned host flag."""
+"""Plain batches' sampling (a temperature per row, 0 greedy) as Gumbel-max, argmax(logits / T + G),
+with in-kernel Philox noise, one read of the logits; the structured-output bitmask; a stream's wait
+for a pinned host flag."""
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,10 @@ def _chunk_score(row_ptr, offs, vocab_size, inv_t, r, SAMPLED: tl.constexpr):
 
 
 @triton.jit
-def _chunk_best(row_ptr, base, vocab_size, inv_t, r0, r1, r2, r3, QUARTER: tl.constexpr, SAMPLED: tl.constexpr):
-    """The best score of logits [base, base + 4 * QUARTER) and its offset; strictly greater wins (ties: lowest id)."""
+def _chunk_best(row_ptr, base, vocab_size, inv_t, r0, r1, r2, r3, QUARTER: tl.constexpr,
+                SAMPLED: tl.constexpr):
+    """The best score of logits [base, base + 4 * QUARTER) and its offset; strictly greater wins
+    (ties: lowest id)."""
     q = tl.arange(0, QUARTER)
     best, idx = _chunk_score(row_ptr, base + q, vocab_size, inv_t, r0, SAMPLED)
     v, i = _chunk_score(row_ptr, base + QUARTER + q, vocab_size, inv_t, r1, SAMPLED)
@@ -59,9 +62,10 @@ def _pick_chunk_kernel(vals_ptr, idx_ptr, out_ptr, NUM_CHUNKS: tl.constexpr, BLO
     tl.store(out_ptr + row, tl.load(idx_ptr + row * NUM_CHUNKS + best).to(tl.int64))
 
 
-def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, quarter: int = 1024) -> torch.Tensor:
-    """Token ids [B] int64 for logits [B, V], temperatures [B] float32; ties go to the lowest id, as ``torch.argmax``.
-    ``seed`` (below 2**63) keys the noise: a new one for every draw."""
+def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
+           quarter: int = 1024) -> torch.Tensor:
+    """Token ids [B] int64 for logits [B, V], temperatures [B] float32; ties go to the lowest id, as
+    ``torch.argmax``. ``seed`` (below 2**63) keys the noise: a new one for every draw."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and temperatures.numel() == batch and 0 <= seed < 2 ** 63
     quarter = min(quarter, max(16, triton.next_power_of_2(triton.cdiv(vocab_size, 4))))
@@ -73,14 +77,16 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int, quarter:
     vals = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     _sample_chunks_kernel[(batch, num_chunks)](
-        logits, logits.stride(0), temperatures, seed, vals, idx, vocab_size, NUM_CHUNKS=num_chunks, QUARTER=quarter)
+        logits, logits.stride(0), temperatures, seed, vals, idx, vocab_size, NUM_CHUNKS=num_chunks,
+        QUARTER=quarter)
     _pick_chunk_kernel[(batch,)](vals, idx, out, NUM_CHUNKS=num_chunks,
                                  BLOCK=max(2, triton.next_power_of_2(num_chunks)))
     return out
 
 
 @triton.jit
-def _apply_token_bitmask_kernel(logits_ptr, stride_l, bitmask_ptr, stride_b, vocab_size, BLOCK: tl.constexpr):
+def _apply_token_bitmask_kernel(logits_ptr, stride_l, bitmask_ptr, stride_b, vocab_size,
+                                BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_vocab = offs < vocab_size
@@ -89,8 +95,10 @@ def _apply_token_bitmask_kernel(logits_ptr, stride_l, bitmask_ptr, stride_b, voc
     tl.store(logits_ptr + row * stride_l + offs, float("-inf"), mask=in_vocab & banned)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 4096) -> torch.Tensor:
-    """Sets logits [B, V] to -inf in place where bit t % 32 of int32 ``bitmask[b, t // 32]`` is clear."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        block: int = 4096) -> torch.Tensor:
+    """Sets logits [B, V] to -inf in place where bit t % 32 of int32 ``bitmask[b, t // 32]`` is
+    clear."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and bitmask.stride(1) == 1 and bitmask.size(0) >= batch
     assert bitmask.size(1) * 32 >= vocab_size and bitmask.dtype == torch.int32
@@ -115,8 +123,10 @@ def _wait_for_flag_kernel(flag_ptr, gave_up_ptr, ticket, max_polls):
         tl.store(gave_up_ptr, ticket)
 
 
-def wait_for_flag(flag: torch.Tensor, gave_up: torch.Tensor, ticket: int, max_polls: int = MAX_POLLS) -> None:
-    """Holds the current stream until pinned int64 ``flag[0]`` reaches ``ticket``; after ``max_polls`` reads it goes
-    on, writing ``ticket`` into pinned ``gave_up[0]``, so a silent host cannot hang it."""
+def wait_for_flag(flag: torch.Tensor, gave_up: torch.Tensor, ticket: int,
+                  max_polls: int = MAX_POLLS) -> None:
+    """Holds the current stream until pinned int64 ``flag[0]`` reaches ``ticket``; after
+    ``max_polls`` reads it goes on, writing ``ticket`` into pinned ``gave_up[0]``, so a silent host
+    cannot hang it."""
     assert flag.dtype == gave_up.dtype == torch.int64 and flag.numel() >= 1 and gave_up.numel() >= 1
     _wait_for_flag_kernel[(1,)](flag, gave_up, ticket, max_polls, num_warps=1)

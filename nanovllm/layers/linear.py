@@ -1,6 +1,8 @@
-"""Tensor-parallel linear layers: column-parallel ones split the output features (q/k/v or gate/up packed into one
-matmul), row-parallel ones the input features, all-reducing their output. Built inside ``quantization(...)``
-(``layers.quantization``) they hold fp8 weights and their scales; a block scale is sharded in whole blocks."""
+"""Tensor-parallel linear layers: column-parallel ones split the output features (q/k/v or gate/up
+packed into one matmul), row-parallel ones the input features, all-reducing their output. How a
+layer stores and multiplies its weight is its ``LinearMethod``: layers built inside
+``linear_methods(factory)`` take ``factory(layer)``'s (a quantization's; a scale tensor's ``block``
+says how many weight rows and columns one of its elements covers, and is sharded whole)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +13,38 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import dense_ops
-from nanovllm.layers.quantization import FP8, get_quant_config
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
+
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class LinearMethod:
+    """How a linear layer stores and multiplies its weight: ``create_weights`` replaces the
+    layer's plain ``weight`` (and adds scales) when it is built; ``apply`` is its forward."""
+
+    def create_weights(self, layer: LinearBase) -> None:
+        pass
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None,
+              residual: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+        return dense_ops(x).linear(x, layer.weight, bias, residual=residual, silu_mul=silu_mul)
+
+
+class _Methods(threading.local):
+    factory = None
+
+
+_METHODS = _Methods()
+
+
+@contextlib.contextmanager
+def linear_methods(factory):
+    """Linear layers built inside take ``factory(layer)``'s method (None: the plain one)."""
+    previous, _METHODS.factory = _METHODS.factory, factory
+    try:
+        yield
+    finally:
+        _METHODS.factory = previous
 
 
 class ShapeChecked(Exception):
@@ -46,9 +78,11 @@ def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
 
 
 def check_dtype(loaded: torch.Tensor, param: torch.Tensor):
-    """An fp8 tensor goes to an fp8 parameter only, and only an fp8 one does (a bf16 weight would lose its scale)."""
-    if (loaded.dtype == FP8) != (param.dtype == FP8):
-        why = "config.json's quantization_config makes this layer fp8" if param.dtype == FP8 else \
+    """A quantized (fp8) tensor goes to a quantized parameter only, and only a quantized one does
+    (a bf16 weight would lose its scale)."""
+    quantized = param.dtype in QUANTIZED_DTYPES
+    if (loaded.dtype in QUANTIZED_DTYPES) != quantized:
+        why = "config.json's quantization_config makes this layer fp8" if quantized else \
             "the model is not fp8 here (config.json's quantization_config, modules_to_not_convert)"
         raise ValueError(f"is {loaded.dtype} but the model expects {param.dtype}: {why}")
 
@@ -71,24 +105,14 @@ class LinearBase(nn.Module):
         self.tp_group = get_tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        config = get_quant_config()
-        self.quant_method = None if config is None else config.get_quant_method(self)
-        if self.quant_method is not None:
-            self.quant_method.create_weights(self)
+        factory = _METHODS.factory
+        self.quant_method = (factory and factory(self)) or LinearMethod()
+        self.quant_method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-
-    def unquantize(self):
-        """Back to a plain weight in the default dtype (a layer ``modules_to_not_convert`` names)."""
-        self.weight = nn.Parameter(torch.empty(self.weight.shape, device=self.weight.device), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        for name in ("weight_scale_inv", "weight_scale"):
-            if hasattr(self, name):
-                delattr(self, name)
-        self.quant_method = None
 
     def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...],
                param: torch.Tensor) -> torch.Tensor:
@@ -102,9 +126,7 @@ class LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
                 silu_mul: bool = False) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x, bias, residual, silu_mul)
-        return dense_ops(x).linear(x, self.weight, bias, residual=residual, silu_mul=silu_mul)
+        return self.quant_method.apply(self, x, bias, residual, silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)

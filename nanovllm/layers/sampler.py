@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,28 +38,15 @@ class SamplingBatch:
     banned_rows: torch.Tensor | None = None  # [B, E] bool: row b is under min_tokens and bans id e
     generators: list[torch.Generator | None] | None = None  # per row; None: the engine's generator
     num_logprobs: int = -1  # max top-k logprobs asked for in the batch; -1 = none
-    token_bitmask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32: bit t of row b allows token t
-    logits_transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # vLLM's logits processors' apply
+    # functions of the logits [B, V] that logits hooks add for a step: ``masks`` first (the
+    # logprobs see them), ``transforms`` after the logprobs
+    masks: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
+    transforms: list[Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=list)
 
     @property
     def is_plain(self) -> bool:
-        return self.num_logprobs < 0 and all(getattr(self, f) is None for f in (
-            "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators",
-            "logits_transform"))
-
-
-BITMASK_CHUNK_ROWS = 16  # rows unpacked at a time: ~9 bytes a logit of temporaries
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Sets disallowed tokens' logits to -inf in place: token t of row b is allowed when bit t % 32 of
-    ``bitmask[b, t // 32]`` is set (xgrammar's layout). Chunked: the KV sizing cannot measure the temporaries."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    for start in range(0, logits.size(0), BITMASK_CHUNK_ROWS):
-        rows = slice(start, start + BITMASK_CHUNK_ROWS)
-        allowed = ((bitmask[rows, :, None] >> shifts) & 1).flatten(1)[:, :logits.size(1)]
-        logits[rows].masked_fill_(allowed == 0, float("-inf"))
-    return logits
+        return self.num_logprobs < 0 and not self.transforms and all(getattr(self, f) is None for f in (
+            "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty", "banned_ids", "generators"))
 
 
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -102,13 +89,11 @@ class Sampler(nn.Module):
         self.num_draws = 0
 
     def forward(self, logits: torch.Tensor, b: SamplingBatch, generator: torch.Generator | None = None):
-        """(token ids [B], ``logprobs_of``'s tuple or None). vLLM's order: the bitmask, raw logprobs, the logits
-        processors, penalties, the min_tokens ban, temperature, top-k/top-p/min-p, a Gumbel-max draw; seeded rows
+        """(token ids [B], ``logprobs_of``'s tuple or None). vLLM's order: the masks (a grammar's), raw
+        logprobs, the transforms (logits processors), penalties, the min_tokens ban, temperature, top-k/top-p/min-p, a Gumbel-max draw; seeded rows
         use their own noise."""
-        if b.token_bitmask is not None:
-            kernels = _triton_sampler() if logits.is_cuda and logits.stride(1) == 1 else None
-            mask = kernels.apply_token_bitmask if kernels is not None else apply_token_bitmask
-            logits = mask(logits, b.token_bitmask)
+        for mask in b.masks:
+            logits = mask(logits)
         fast = _triton_sampler() if b.is_plain and logits.is_cuda else None
         if fast is not None:
             self.num_draws += 1
@@ -116,8 +101,8 @@ class Sampler(nn.Module):
         logits = logits.float()
         noise = torch.empty_like(logits).exponential_(1, generator=generator)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if b.num_logprobs >= 0 else None
-        if b.logits_transform is not None:
-            logits = b.logits_transform(logits)
+        for transform in b.transforms:
+            logits = transform(logits)
         if b.presence_penalty is not None:
             logits = apply_penalties(logits, b)
         if b.banned_ids is not None:

@@ -1,11 +1,12 @@
-"""The model registry, keyed by config.json's ``architectures``; each family is the Llama decoder with its options."""
+"""The dense model families, each the Llama decoder with its options, registered by config.json's
+``architectures`` in the one registry (features add theirs: Qwen3-MoE)."""
 from __future__ import annotations
 
 from torch import nn
 from transformers import PretrainedConfig
 
 from nanovllm.models.llama import DecoderOptions, LlamaForCausalLM
-from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from nanovllm.plugins import REGISTRY
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -27,14 +28,14 @@ class MistralForCausalLM(LlamaForCausalLM):
     """Llama's options; ``sliding_window`` (when set) on every layer."""
 
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-                                  Qwen3MoeForCausalLM)}
+for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+    REGISTRY.register("model", _cls.__name__, f"{_cls.__module__}:{_cls.__name__}")
 
 
 def get_model_class(hf_config) -> type[nn.Module]:
     architectures = getattr(hf_config, "architectures", None) or []
     for arch in architectures:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
-    raise ValueError(f"unsupported architecture(s) {architectures}; supported: {sorted(MODEL_REGISTRY)}")
+        if arch in REGISTRY.names("model"):
+            return REGISTRY.get("model", arch)
+    raise ValueError(f"unsupported architecture(s) {architectures}; supported: "
+                     f"{REGISTRY.names('model')}")

@@ -155,6 +155,16 @@ class LlamaForCausalLM(nn.Module):
         sliding_windows(config)
         rope_parameters(config)
 
+    head_dim = staticmethod(head_dim_of)
+
+    @staticmethod
+    def sharded_sizes(config: PretrainedConfig) -> dict[str, int | None]:
+        """The dimensions that tensor-parallel ranks split (each must divide by their number)."""
+        heads = config.num_attention_heads
+        return {"num_attention_heads": heads,
+                "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+                "intermediate_size": getattr(config, "intermediate_size", None)}
+
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):
         super().__init__()
         max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len

@@ -1,5 +1,5 @@
-"""Finds a checkpoint (a directory, a built-in model or a Hub snapshot) and loads it into a model through each
-parameter's ``weight_loader``, or random weights (``load_format="dummy"``); also its tokenizer and EOS ids."""
+"""Loads a checkpoint directory into a model through each parameter's ``weight_loader``, or random
+weights (``load_format="dummy"``); also its tokenizer and EOS ids."""
 from __future__ import annotations
 
 import contextlib
@@ -15,65 +15,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanovllm.layers.linear import ShapeChecked, check_shape, shapes_only
+from nanovllm.layers.linear import check_shape
 
 INDEX_FILE = "model.safetensors.index.json"
 # buffers old checkpoints saved (Llama's rotary tables); the model computes its own
 SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
                    "vocab.txt", "*.tiktoken")
-HUB_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja")  # downloaded besides the ones needed
-TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # huggingface_hub's, for HF_HUB_OFFLINE
 
 logger = logging.getLogger("nanovllm")
 # fp8 KV-cache scales as checkpoints name them
 KV_SCALE = re.compile(r"(?P<layer>.*\.self_attn)\.(?:[kvq]_proj\.|attn\.)?(?P<which>k_scale|v_scale|kv_scale|"
                       r"q_scale|prob_scale)")
-
-
-def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
-                  token: bool | str | None = None) -> str:
-    """The local directory a model or tokenizer name stands for; a directory, a preset or a non-Hub name as is."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from nanovllm.demo import PREFIX, builtin_model_path
-    from nanovllm.models.presets import PRESETS
-    if name.startswith(PREFIX):
-        return builtin_model_path(name)
-    if os.path.isdir(name) or name in PRESETS:
-        return name
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return name
-    return hub_snapshot(name, needs, revision, cache_dir, token)
-
-
-def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
-                 token: bool | str | None = None) -> str:
-    """``repo_id``'s snapshot with a file for each glob of ``needs``: the cache's, else a download unless
-    HF_HUB_OFFLINE is set, else a ValueError saying how to get it."""
-    from huggingface_hub import constants, snapshot_download
-    kwargs = dict(revision=revision, cache_dir=cache_dir, token=token, allow_patterns=[*HUB_FILES, *needs])
-    try:
-        path = snapshot_download(repo_id, local_files_only=True, **kwargs)
-    except OSError:  # not cached, or a snapshot known to be incomplete
-        problem = "is not in the local cache"
-    else:
-        if not (missing := [p for p in needs if not has_file(path, p)]):
-            return path
-        problem = f"has a snapshot without {', '.join(missing)} in the local cache"
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE_VALUES:
-        problem += " and HF_HUB_OFFLINE is set"
-    else:
-        logger.info("downloading %s from the Hugging Face Hub", repo_id)
-        try:
-            return snapshot_download(repo_id, **kwargs)
-        except OSError as e:
-            problem = f"could not be downloaded ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
-    at, option = (f" at revision {revision!r}", f" --revision {revision}") if revision else ("", "")
-    raise ValueError(f"{repo_id!r} is not a local directory, and the Hugging Face Hub model{at} {problem}: "
-                     f"run `hf download {repo_id}{option}` or pass a local checkpoint's path") from None
 
 
 def has_file(directory: str, pattern: str) -> bool:
@@ -182,50 +135,6 @@ def load_model(model: nn.Module, path: str):
 def _load_one(param: nn.Parameter, shard_args: tuple, tensor: torch.Tensor):
     """One checkpoint tensor through its parameter's weight loader (load_model's, check_weights', update_weights')."""
     getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
-
-
-def _weight_targets(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[tuple | None]:
-    """(parameter, weight_loader's extra arguments) of each named tensor, None for one skipped as ``load_model``
-    skips it; a ValueError naming the first that matches no parameter."""
-    resolve = target_resolver(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    targets = []
-    for name, _ in weights:
-        if name.endswith(SKIPPED_TENSORS):
-            targets.append(None)
-            continue
-        target, shard_args = resolve(name)
-        if target not in params:
-            raise ValueError(f"update_weights: tensor {name!r} matches no parameter of {type(model).__name__}")
-        targets.append((params[target], shard_args))
-    return targets
-
-
-@torch.no_grad()
-def check_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
-    """A dry run of ``update_weights``: a ValueError naming the first tensor whose name matches no parameter, or
-    whose dtype or shape its weight loader refuses; nothing is written."""
-    with shapes_only():
-        for (name, tensor), target in zip(weights, _weight_targets(model, weights)):
-            if target is None:
-                continue
-            try:
-                _load_one(*target, tensor)
-            except ShapeChecked:
-                continue
-            except ValueError as e:
-                raise ValueError(f"update_weights: tensor {name!r}: {e}") from None
-            raise RuntimeError(f"the weight loader of {name!r} wrote without checking its shape")
-
-
-@torch.no_grad()
-def update_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
-    """Copies (checkpoint name, tensor) pairs into ``model``'s parameters through their weight loaders (packing,
-    sharding, fp8 quantization, a cast to the parameter's dtype), in place: every parameter keeps its storage.
-    Unchecked: a refused tensor could leave the ones before it loaded, so ``check_weights`` runs first."""
-    for (_, tensor), target in zip(weights, _weight_targets(model, weights)):
-        if target is not None:
-            _load_one(*target, tensor)
 
 
 def _check_fp8_scales(fp8_weights: dict[str, str], names: set[str]):

@@ -1,13 +1,18 @@
-"""``LLMEngine.update_weights``: (checkpoint name, tensor) pairs checked, batched for the TP workers' shared memory,
-and loaded in place through the parameters' weight loaders."""
+"""``LLM.update_weights``, a feature of the RL surface: (checkpoint name, tensor) pairs checked,
+batched for the TP workers' shared memory, and loaded in place through the parameters' weight
+loaders on every rank."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
-from nanovllm.engine.sleep import check_awake
-from nanovllm.engine.worker_group import UPDATE_BATCH_BYTES
+from nanovllm.features.sleep import check_awake
+from nanovllm.layers.linear import ShapeChecked, shapes_only
+from nanovllm.utils.loader import SKIPPED_TENSORS, _load_one, target_resolver
+
+UPDATE_BATCH_BYTES = 32 * 2 ** 20  # the tensors of one call to the workers (a larger one alone)
 
 # the devices whose TP ranks get update_weights' tensors by a broadcast over their group (NCCL: device to device);
 # elsewhere through the call channel's shared memory
@@ -52,17 +57,33 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def send_to_workers(engine, runner, workers, batch: list[tuple[str, torch.Tensor]]) -> list:
-    """Starts the workers loading ``batch``: a broadcast from rank 0's device (CUDA), or shared memory (CPU).
-    Returns the batch as rank 0 loads it."""
+    """Starts the workers loading ``batch``: a broadcast from rank 0's device (CUDA), or shared
+    memory (CPU). Returns the batch as rank 0 loads it."""
     call = engine.core.call_or_shut_down
     if engine.config.device in BROADCAST_DEVICES:
         batch = [(name, tensor.to(runner.device).contiguous()) for name, tensor in batch]
-        call(workers.call, "receive_weights", [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in batch])
+        specs = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in batch]
+        call(workers.call, receive_weights, specs)
         for _, tensor in batch:
             call(runner.group.broadcast, tensor, 0)
     else:
-        call(workers.call, "update_weights", [(name, host_copy(tensor)) for name, tensor in batch])
+        call(workers.call, load_weights, [(name, host_copy(tensor)) for name, tensor in batch])
     return batch
+
+
+def load_weights(runner, weights: list[tuple[str, torch.Tensor]]):
+    """A rank's part: the (checked) tensors loaded into its part of the model."""
+    update_weights_in(runner.model, weights)
+
+
+def receive_weights(runner, specs: list[tuple[str, tuple[int, ...], torch.dtype]]):
+    """A worker's part on CUDA: each (name, shape, dtype) tensor received from rank 0's broadcast
+    (device to device), then loaded (rank 0 checked them)."""
+    weights = [(name, torch.empty(shape, dtype=dtype, device=runner.device))
+               for name, shape, dtype in specs]
+    for _, tensor in weights:
+        runner.group.broadcast(tensor, 0)
+    update_weights_in(runner.model, weights)
 
 
 def update_weights(engine, weights) -> None:
@@ -83,11 +104,57 @@ def update_weights(engine, weights) -> None:
             scheduler = engine.core.scheduler
             raise ValueError(f"update_weights() while {len(scheduler.waiting) + len(scheduler.running)} "
                              "completions are unfinished: let them finish or abort them first")
-        runner.check_weights(weights)
-        if workers is None:  # one rank: each tensor copied from where it is into its parameter, in one pass
-            engine.core.call_or_shut_down(runner.update_weights, weights, True)
+        check_weights(runner.model, weights)
+        if workers is None:  # one rank: each tensor copied from where it is into its parameter
+            engine.core.call_or_shut_down(load_weights, runner, weights)
         else:
             for batch in weight_batches(weights, UPDATE_BATCH_BYTES):
                 batch = send_to_workers(engine, runner, workers, batch)
-                engine.core.call_or_shut_down(runner.update_weights, batch, True)
+                engine.core.call_or_shut_down(load_weights, runner, batch)
         engine.core.scheduler.block_manager.reset_prefix_cache()
+
+def _weight_targets(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[tuple | None]:
+    """(parameter, weight_loader's extra arguments) of each named tensor, None for one skipped as ``load_model``
+    skips it; a ValueError naming the first that matches no parameter."""
+    resolve = target_resolver(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    targets = []
+    for name, _ in weights:
+        if name.endswith(SKIPPED_TENSORS):
+            targets.append(None)
+            continue
+        target, shard_args = resolve(name)
+        if target not in params:
+            raise ValueError(f"update_weights: tensor {name!r} matches no parameter of {type(model).__name__}")
+        targets.append((params[target], shard_args))
+    return targets
+
+
+@torch.no_grad()
+def check_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
+    """A dry run of ``update_weights``: a ValueError naming the first tensor whose name matches no parameter, or
+    whose dtype or shape its weight loader refuses; nothing is written."""
+    with shapes_only():
+        for (name, tensor), target in zip(weights, _weight_targets(model, weights)):
+            if target is None:
+                continue
+            try:
+                _load_one(*target, tensor)
+            except ShapeChecked:
+                continue
+            except ValueError as e:
+                raise ValueError(f"update_weights: tensor {name!r}: {e}") from None
+            raise RuntimeError(f"the weight loader of {name!r} wrote without checking its shape")
+
+
+@torch.no_grad()
+def update_weights_in(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
+    """Copies (checkpoint name, tensor) pairs into ``model``'s parameters through their weight loaders (packing,
+    sharding, fp8 quantization, a cast to the parameter's dtype), in place: every parameter keeps its storage.
+    Unchecked: a refused tensor could leave the ones before it loaded, so ``check_weights`` runs first."""
+    for (_, tensor), target in zip(weights, _weight_targets(model, weights)):
+        if target is not None:
+            _load_one(*target, tensor)
+
+
+

@@ -1,24 +1,28 @@
-"""vLLM's batch-level logits processors (``nanovllm.logits_processor``) behind the engine's ``LogitsProcessor``
-hooks: their batch indices, each step's ``BatchUpdate``, and their ``apply`` handed to the sampler."""
+"""vLLM's batch-level logits processors (``nanovllm.logits_processor``), a feature: installed by
+the ``logits_processors`` engine keyword or by a request's ``allowed_token_ids`` / ``bad_words``
+(rank 0); a ``LogitsHook`` that keeps their batch indices, builds each step's ``BatchUpdate`` and
+hands their ``apply`` to the sampler."""
 from __future__ import annotations
 
 import torch
 
 from nanovllm import logits_processor as vllm_lp
-from nanovllm.engine.sampling import LogitsProcessor, SamplingInputs
+from nanovllm.engine.sampling import LogitsHook, SamplingInputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.inputs import require_tokenizer
+from nanovllm.plugins import Feature
 
 
-class VllmLogitsProcessors(LogitsProcessor):
-    """The built-ins, then ``Config.logits_processors``; batch index i is row i of the step. Custom ones may read
-    any request's output tokens, so a step with them waits for the step in flight."""
+class VllmLogitsProcessors(LogitsHook):
+    """The built-ins, then the engine's ``logits_processors``; batch index i is row i of the step.
+    Custom ones may read any request's output tokens, so a step with them waits for the step in
+    flight."""
 
-    def __init__(self, config, device: torch.device):
-        self.classes = [*vllm_lp.BUILTIN_LOGITS_PROCESSORS, *config.logits_processors]
+    def __init__(self, config, device: torch.device, custom: list[type] = ()):
+        self.classes = [*vllm_lp.BUILTIN_LOGITS_PROCESSORS, *custom]
         self.processors = [cls(config, device, device.type == "cuda") for cls in self.classes]
-        self.custom, self.vocab_size = bool(config.logits_processors), config.hf_config.vocab_size
+        self.custom, self.vocab_size = bool(custom), config.hf_config.vocab_size
         self.rows: list[int] = []  # the seq_id at each batch index, as the processors last saw the batch
         self.outputs: dict[int, list[int]] = {}  # seq_id -> the live output list the processors were given
         self.users: set[int] = set()  # the live seq_ids with allowed_token_ids or bad_words
@@ -50,7 +54,7 @@ class VllmLogitsProcessors(LogitsProcessor):
         if used or self.rows:
             self._update(batch.seqs if used else [])
         if used:
-            sampling.batch.logits_transform = self.apply
+            sampling.batch.transforms.append(self.apply)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for processor in self.processors:
@@ -91,3 +95,34 @@ class VllmLogitsProcessors(LogitsProcessor):
     def forget(self, seq: Sequence) -> None:
         self.outputs.pop(seq.seq_id, None)
         self.users.discard(seq.seq_id)
+
+
+class LogitsProcessors(Feature):
+    """The feature; ``options["logits_processors"]``: the classes (or "module.Class" names)."""
+
+    def __init__(self, config, options: dict):
+        super().__init__(config, options)
+        self.classes = vllm_lp.load_logits_processors(options.get("logits_processors"))
+
+    @classmethod
+    def verify_params(cls, params) -> None:
+        """The fields' types (the vocabulary is checked at admission)."""
+        ids, words = params.allowed_token_ids, params.bad_words
+        if ids is not None and not (isinstance(ids, (list, tuple))
+                                    and all(type(t) is int and t >= 0 for t in ids)):
+            raise ValueError(f"allowed_token_ids must be a list of non-negative ints, got {ids!r:.80}")
+        if ids is not None and not ids:
+            raise ValueError(f"allowed_token_ids is not None and empty! (None allows every "
+                             f"token), got {ids!r}")
+        if words is not None and not (isinstance(words, (list, tuple))
+                                      and all(isinstance(w, str) for w in words)):
+            raise TypeError(f"bad_words must be a list of strings, got {words!r:.80}")
+        if words and not all(words):
+            raise ValueError(f"bad_words cannot contain an empty string, got {words!r:.80}")
+
+    def setup_engine(self, engine) -> None:
+        self.hook = VllmLogitsProcessors(engine.config, engine.model_runner.device, self.classes)
+        engine.core.hooks.append(self.hook)
+
+    def check_request(self, params, engine) -> None:
+        self.hook.verify(params, engine.tokenizer)

@@ -1,4 +1,4 @@
-"""fp8 (e4m3) linear weights, vLLM's ``quantization="fp8"``: block-wise fp8 checkpoints (the Qwen3-*-FP8 layout:
+"""fp8 (e4m3) linear weights, a feature, vLLM's ``quantization="fp8"``: block-wise fp8 checkpoints (the Qwen3-*-FP8 layout:
 ``weight`` in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block, the multiplier despite its name)
 and online quantization of a bf16/fp32 checkpoint at load (a scale per output channel, activations quantized per
 token). Both run W8A8 as vLLM does: activations are quantized to e4m3 per token (online) or per token and group of
@@ -13,41 +13,24 @@ import math
 import threading
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest float8_e4m3fn
+from nanovllm import kernels
+from nanovllm.kernels import reference
+from nanovllm.kernels.fp8_reference import (  # noqa: F401 (re-exported: the quantizers)
+    FP8,
+    FP8_MAX,
+    dequantize_fp8_block,
+    quantize_fp8_block,
+    quantize_fp8_per_channel,
+)
+from nanovllm.layers.linear import LinearBase, LinearMethod, linear_methods
+from nanovllm.plugins import Feature
+
 QUANTIZATION_METHODS = (None, "fp8")  # Config.quantization's values
 FP8_GROUPS = (16, 32, 64, 128, 256, 512)  # the block sizes in K that the Triton kernels take
 
 logger = logging.getLogger("nanovllm")
-
-
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)]) with w ~= w_fp8 * scale_inv over each block; a block's
-    scale is its amax / 448, so its largest value maps to e4m3's largest (an all-zero block gets scale 1)."""
-    n, k = w.shape
-    bn, bk = block
-    padded = F.pad(w.float(), (0, -k % bk, 0, -n % bn))
-    blocks = padded.view(padded.size(0) // bn, bn, padded.size(1) // bk, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:n, :k]
-    return q.to(FP8).contiguous(), scale
-
-
-def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w_fp8 [..., N, K] times each block's scale_inv [..., ceil(N/bn), ceil(K/bk)], in ``dtype``."""
-    n, k = w_fp8.shape[-2:]
-    scales = scale_inv.float().repeat_interleave(block[0], -2)[..., :n, :].repeat_interleave(block[1], -1)[..., :k]
-    return (w_fp8.float() * scales).to(dtype)
-
-
-def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_fp8, scale [N, 1]): one scale per row (an output channel of a weight, a token of an activation)."""
-    return quantize_fp8_block(w, (1, w.size(1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +98,7 @@ def _param(data: torch.Tensor, loader, block: tuple[int, int | None] | None = No
     return param
 
 
-class Fp8LinearMethod:
+class Fp8LinearMethod(LinearMethod):
     """Creates a linear layer's fp8 weight and scales, and runs its forward (``LinearBase`` calls these). A scale
     tensor's ``block``: how many weight rows and columns one of its elements covers (None: all columns)."""
 
@@ -149,11 +132,9 @@ class Fp8LinearMethod:
               silu_mul: bool) -> torch.Tensor:
         """The layer's ``linear``, W8A8: x quantized per token (online) or per token and group of bk columns
         (block-wise). On CUDA ``triton_fp8``'s kernels; else the reference, the fp8 GEMM emulated in float32."""
-        from nanovllm import kernels
-        from nanovllm.kernels import reference
         serialized = self.quant_config.is_checkpoint_fp8_serialized
         scale, block = (layer.weight_scale_inv, self.block) if serialized else (layer.weight_scale, None)
-        fp8 = kernels.fp8_ops(x)
+        fp8 = kernels.ops_for(x, "triton_fp8", None)
         if fp8 is not None and x.dim() == 2 and x.stride(-1) == 1 and (block is None or block[1] in FP8_GROUPS):
             return fp8.fp8_linear(x, layer.weight, scale, block, bias, residual=residual, silu_mul=silu_mul)
         x2 = x.reshape(-1, x.size(-1))
@@ -173,29 +154,57 @@ _QUANT = _QuantState()
 
 
 def get_quant_config() -> Fp8Config | None:
-    """The quantization of the model this thread builds (None: unquantized)."""
+    """The fp8 quantization of the model this thread builds (None: unquantized)."""
     return _QUANT.config
 
 
 @contextlib.contextmanager
 def quantization(config: Fp8Config | None):
-    """Layers built inside take ``config``'s quantization, as ``tensor_parallel`` gives them their rank."""
+    """Layers built inside take ``config``'s quantization, as ``tensor_parallel`` gives them
+    their rank."""
     previous, _QUANT.config = _QUANT.config, config
     try:
-        yield
+        with linear_methods(None if config is None else config.get_quant_method):
+            yield
     finally:
         _QUANT.config = previous
 
 
+def _unquantize(layer: LinearBase):
+    """Back to a plain weight in the default dtype (a layer ``modules_to_not_convert`` names)."""
+    layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device=layer.weight.device),
+                                requires_grad=False)
+    layer.weight.weight_loader = layer.weight_loader
+    for name in ("weight_scale_inv", "weight_scale"):
+        if hasattr(layer, name):
+            delattr(layer, name)
+    layer.quant_method = LinearMethod()
+
+
 def skip_unconverted_layers(model: nn.Module, config: Fp8Config | None):
-    """Rebuilds unquantized the linear layers that ``modules_to_not_convert`` names (known by name only once built)."""
+    """Rebuilds unquantized the linear layers that ``modules_to_not_convert`` names (known by name
+    only once built)."""
     if config is None or not config.ignored_layers:
         return
     packed = getattr(model, "packed_modules_mapping", {})
     for prefix, module in model.named_modules():
-        if getattr(module, "quant_method", None) is None:
+        if not isinstance(getattr(module, "quant_method", None), Fp8LinearMethod):
             continue
         name = prefix.rpartition(".")[2]
-        parts = [f"{prefix[:-len(name)]}{ckpt}" for ckpt, (target, _) in packed.items() if target == name]
+        parts = [f"{prefix[:-len(name)]}{ckpt}" for ckpt, (target, _) in packed.items()
+                 if target == name]
         if config.is_layer_skipped(parts or [prefix]):
-            module.unquantize()
+            _unquantize(module)
+
+
+class Fp8(Feature):
+    """The feature: ``quantization="fp8"`` or a checkpoint's fp8 ``quantization_config``; every
+    rank builds its linear layers (and MoE experts) with fp8 weights."""
+
+    def __init__(self, config, options: dict):
+        super().__init__(config, options)
+        self.quant_config = get_quantization_config(config.hf_config, options.get("quantization"))
+
+    def setup_runner(self, runner) -> None:
+        runner.build_contexts.append(lambda: quantization(self.quant_config))
+        runner.after_build.append(lambda model: skip_unconverted_layers(model, self.quant_config))

@@ -1,4 +1,4 @@
-"""Sleep mode, vLLM's semantics: ``LLM(enable_sleep_mode=True)``; ``sleep(level=1)`` copies the weights to host
+"""Sleep mode, a feature with vLLM's semantics: ``LLM(enable_sleep_mode=True)``; ``sleep(level=1)`` copies the weights to host
 memory (pinned on CUDA) and discards the KV cache, ``sleep(level=2)`` discards both; ``wake_up(tags)`` takes back
 the device memory of ``"weights"`` and/or ``"kv_cache"`` (all when None). Between the two, the trainer has the
 device: an RL loop sleeps while it trains and wakes to generate.
@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from nanovllm.engine.worker_group import call_every_rank
+from nanovllm.plugins import Feature
 from nanovllm.sampling_params import check_int
 
 logger = logging.getLogger("nanovllm")
@@ -139,37 +141,54 @@ def check_tags(tags) -> list[str]:
 
 
 def _require_sleep_mode(engine, what: str):
-    if not engine.config.enable_sleep_mode:
+    if "sleep" not in engine.features:
         raise ValueError(f"{what} needs sleep mode: create the LLM with enable_sleep_mode=True")
 
 
 def check_awake(runner, what: str, tags=TAGS):
-    """A RuntimeError when any of ``tags`` is asleep on ``runner`` (rank 0's mirrors every rank's)."""
-    if runner is not None and (asleep := [t for t in TAGS if t in tags and t in runner.sleep_state.asleep]):
+    """A RuntimeError when any of ``tags`` is asleep on ``runner`` (rank 0's mirrors every
+    rank's)."""
+    state = runner.extensions.get("sleep") if runner is not None else None
+    if state is not None and (asleep := [t for t in TAGS if t in tags and t in state.asleep]):
         raise RuntimeError(f"{what} while the engine sleeps ({' and '.join(asleep)} asleep): call "
                            f"wake_up({'' if len(asleep) > 1 else f'tags={asleep!r}'}) first")
 
 
 def sleep(engine, level: int = 1):
-    """``LLM.sleep``: every rank gives its KV cache and weights back (level 1 keeps the weights on the host);
-    the prefix cache forgets everything. Refused while requests are unfinished."""
+    """``LLM.sleep``: every rank gives its KV cache and weights back (level 1 keeps the weights on
+    the host); the prefix cache forgets everything. Refused while requests are unfinished."""
     check_int("level", level, lo=1, hi=2)
     _require_sleep_mode(engine, "sleep()")
     engine.core.drain_if_idle()
     with engine.core.lock:
         if not engine.core.is_finished():
             scheduler = engine.core.scheduler
-            raise ValueError(f"sleep() while {len(scheduler.waiting) + len(scheduler.running)} completions are "
-                             "unfinished: let them finish or abort them first")
-        engine._call_every_rank("sleep", (level,), {})
+            raise ValueError(f"sleep() while {len(scheduler.waiting) + len(scheduler.running)} "
+                             "completions are unfinished: let them finish or abort them first")
+        call_every_rank(engine.core, "sleep.sleep", (level,))
         engine.core.scheduler.block_manager.reset_prefix_cache()
 
 
 def wake_up(engine, tags: list[str] | None = None):
-    """``LLM.wake_up``: ``tags`` (None: both) take their device memory back on every rank; once both are awake,
-    CUDA graphs are captured again."""
+    """``LLM.wake_up``: ``tags`` (None: both) take their device memory back on every rank; once
+    both are awake, CUDA graphs are captured again."""
     tags = check_tags(tags)
     _require_sleep_mode(engine, "wake_up()")
     with engine.core.lock:
-        engine._call_every_rank("wake_up", (tags,), {})
+        call_every_rank(engine.core, "sleep.wake_up", (tags,))
 
+
+def is_sleeping(engine) -> bool:
+    state = engine.model_runner and engine.model_runner.extensions.get("sleep")
+    return bool(state and state.asleep)
+
+
+class Sleep(Feature):
+    """The feature (``enable_sleep_mode=True``): each rank's ``RunnerSleep`` as its "sleep"
+    extension; requests are refused while anything sleeps."""
+
+    def setup_runner(self, runner) -> None:
+        runner.extensions["sleep"] = RunnerSleep(runner)
+
+    def check_request(self, params, engine) -> None:
+        check_awake(engine.model_runner, "a request")

@@ -1,4 +1,4 @@
-"""vLLM's ``LLM.beam_search`` on ``generate``: each step is one call over every live beam (``max_tokens=1``,
+"""Beam search, a feature: vLLM's ``LLM.beam_search`` on ``generate``: each step is one call over every live beam (``max_tokens=1``,
 ``logprobs=2 * beam_width``) whose logprob entries are the candidates; the prefix cache shares the prefixes."""
 from __future__ import annotations
 
@@ -8,7 +8,29 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from nanovllm.engine.llm_engine import prompt_list
-from nanovllm.sampling_params import BeamSearchParams, SamplingParams, check_int
+from nanovllm.sampling_params import SamplingParams, check_bool, check_int, check_number
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters; each step's token sampled at ``temperature`` joins the candidates."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def verify(self) -> None:
+        check_int("beam_width", self.beam_width, lo=1)
+        check_int("max_tokens", self.max_tokens, lo=1)
+        check_number("temperature", self.temperature, lo=0.0)
+        check_number("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            check_bool(name, getattr(self, name))
+
+    __post_init__ = verify
 
 
 @dataclass

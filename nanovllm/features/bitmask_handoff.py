@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.kernels import triton_module
+
 logger = logging.getLogger("nanovllm")
 
 
@@ -78,8 +80,7 @@ class BitmaskHandoff:
         does not wait); on the CPU, ``fill``'s result."""
         if not self.on_device:
             return fill.result()
-        from nanovllm.kernels import triton_sampler
-        triton_sampler.wait_for_flag(self.flag, self.gave_up, ticket)
+        triton_module("triton_sampler", None).wait_for_flag(self.flag, self.gave_up, ticket)
         return self.rows[:num_rows].copy_(self.host[:num_rows], non_blocking=True)
 
 

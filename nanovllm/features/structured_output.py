@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import json as _json
 import os
 import re
 import threading
@@ -15,12 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.engine.bitmask_handoff import BitmaskHandoff, PendingFill, background
-from nanovllm.engine.sampling import LogitsProcessor, SamplingInputs
+from nanovllm.engine.sampling import LogitsHook, SamplingInputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling_params import StructuredOutputsParams
-from nanovllm.structured_checks import checked_schema
+from nanovllm.features.bitmask_handoff import BitmaskHandoff, PendingFill, background
+from nanovllm.features.structured_checks import TOO_DEEP, check_regex, checked_schema
+from nanovllm.inputs import require_tokenizer
+from nanovllm.kernels import ops_for
+from nanovllm.plugins import Feature
+from nanovllm.sampling_params import check_bool
 
 # xgrammar's C++ errors begin with a time and a source location: "[19:07:16] /project/cpp/x.cc:94: "
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -54,7 +58,7 @@ class Matcher:
     num_accepted: int = 0
 
 
-class StructuredOutputManager(LogitsProcessor):
+class StructuredOutputManager(LogitsHook):
     """Rank 0's structured outputs: the compiled grammars, a matcher per constrained sequence, and each step's
     bitmask, filled while the device runs the forward (``prepare``)."""
 
@@ -159,20 +163,33 @@ class StructuredOutputManager(LogitsProcessor):
             if self.last_fill is not None:  # one fill at a time: they share xgrammar's threads
                 self.last_fill, last = None, self.last_fill
                 last.wait()
-            sampling.token_bitmask = self.grammar_bitmask(batch.seqs, rows, pin)
+            self._mask(sampling, self.grammar_bitmask(batch.seqs, rows, pin))
             return
         handoff = self._bitmask_handoff(len(batch.seqs))
         if handoff is None:
             read_back()
-            sampling.token_bitmask = self.grammar_bitmask(batch.seqs, rows, pin)
+            self._mask(sampling, self.grammar_bitmask(batch.seqs, rows, pin))
             return
         ticket, started = handoff.reserve(), []
         read_back(after_accept=lambda refused: started.append(self.grammar_bitmask_async(
             batch.seqs, rows, pin, refused, handoff.host, lambda: handoff.publish(ticket))))
         if started[0] is not None:
-            sampling.token_bitmask = handoff.to_device(ticket, len(batch.seqs), started[0])
+            self._mask(sampling, handoff.to_device(ticket, len(batch.seqs), started[0]))
             self.last_fill = PendingFill(started[0], handoff, ticket)
             sampling.host_work.append(self.last_fill)
+
+    def _mask(self, sampling: SamplingInputs, bitmask: torch.Tensor | None) -> None:
+        """The sampler's first mask: ``bitmask`` applied to the logits (on their device)."""
+        if bitmask is None:
+            return
+        if bitmask.device != self.device:
+            bitmask = bitmask.to(self.device, non_blocking=True)
+
+        def mask(logits: torch.Tensor) -> torch.Tensor:
+            kernels = ops_for(logits, "triton_sampler", None) if logits.stride(1) == 1 else None
+            apply = kernels.apply_token_bitmask if kernels is not None else apply_token_bitmask
+            return apply(logits, bitmask)
+        sampling.batch.masks.append(mask)
 
     def _bitmask_handoff(self, num_rows: int) -> BitmaskHandoff | None:
         """The handoff for a step of ``num_rows`` sequences, or None where the sampler must wait for the fill."""
@@ -244,3 +261,118 @@ def fill_rows(rows: list[tuple[int, object]], bitmask: torch.Tensor, threads: in
 @functools.cache
 def _batch_matcher(threads: int):
     return import_xgrammar().BatchGrammarMatcher(threads)
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+BITMASK_CHUNK_ROWS = 16  # rows unpacked at a time: ~9 bytes a logit of temporaries
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Sets disallowed tokens' logits to -inf in place: token t of row b is allowed when bit t % 32
+    of ``bitmask[b, t // 32]`` is set (xgrammar's layout). Chunked: the KV sizing cannot measure
+    the temporaries."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    for start in range(0, logits.size(0), BITMASK_CHUNK_ROWS):
+        rows = slice(start, start + BITMASK_CHUNK_ROWS)
+        allowed = ((bitmask[rows, :, None] >> shifts) & 1).flatten(1)[:, :logits.size(1)]
+        logits[rows].masked_fill_(allowed == 0, float("-inf"))
+    return logits
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint, compiled by xgrammar: exactly one of ``json`` (a schema, dict or
+    string), ``regex``, ``choice``, ``grammar`` (EBNF) or ``json_object=True``."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False  # xgrammar's behaviour already
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def verify(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of {', '.join(CONSTRAINTS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        for name in ("structural_tag", "whitespace_pattern"):
+            if (value := getattr(self, name)) is not None:
+                raise ValueError(f"structured_outputs.{name} is not supported, got {value!r:.60}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            check_bool(f"structured_outputs.{name}", getattr(self, name))
+        if self.json is not None:
+            try:
+                self._check_json()
+            except RecursionError:
+                raise ValueError(TOO_DEEP) from None
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.regex is not None:
+            check_regex(self.regex)
+        choice = self.choice
+        if choice is not None and not (isinstance(choice, (list, tuple)) and choice
+                                       and all(isinstance(c, str) and c for c in choice)):
+            raise TypeError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                            f"got {choice!r:.80}")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True when given, got {self.json_object!r}")
+
+    __post_init__ = verify
+
+    def _check_json(self) -> None:
+        if not isinstance(self.json, (str, dict)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema dict or string, got {self.json!r:.80}")
+        try:
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON ({e}): {self.json!r:.80}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {self.json!r:.80}")
+        try:
+            _json.dumps(schema)  # the compiler is given its JSON text
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"structured_outputs.json must be JSON-serializable ({e}): {self.json!r:.80}") from None
+        checked_schema(schema)  # a ValueError naming what xgrammar would ignore
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
+
+
+
+
+class StructuredOutputs(Feature):
+    """The feature, installed on rank 0 by a request's ``structured_outputs``."""
+
+    @classmethod
+    def verify_params(cls, params) -> None:
+        constraint = params.structured_outputs
+        if not isinstance(constraint, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams, "
+                            f"got {constraint!r:.80}")
+        constraint.verify()
+        # the grammar decides where the output ends (EOS is allowed exactly where it is complete)
+        if params.ignore_eos:
+            raise ValueError("ignore_eos=True cannot be honoured with structured_outputs")
+        if params.min_tokens:
+            raise ValueError(f"min_tokens={params.min_tokens} cannot be honoured with "
+                             "structured_outputs")
+
+    def setup_engine(self, engine) -> None:
+        config, runner = engine.config, engine.model_runner
+        self.manager = StructuredOutputManager(engine.tokenizer, config.hf_config.vocab_size,
+                                               config.eos_token_ids)
+        self.manager.bind(runner.device, config.max_num_seqs,
+                          engine.workers is None and bool(config.async_scheduling))
+        engine.core.hooks.append(self.manager)
+
+    def check_request(self, params, engine) -> None:
+        if params.structured_outputs is not None:
+            require_tokenizer(engine.tokenizer, "structured outputs")
+            self.manager.compile(params.structured_outputs)  # a ValueError if it does not compile

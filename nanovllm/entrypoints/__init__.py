@@ -1,0 +1,1 @@
+"""The frontend: vLLM's API over the core and the features."""

@@ -1,0 +1,288 @@
+"""vLLM's engine keywords over the core's ``Config``: aliases renamed, no-op keywords dropped (and
+logged), unsupported values refused by name; the model name resolved (``hub``), ``hf_overrides``
+applied, and the features that keywords ask for listed. ``EngineArgs`` makes them CLI flags."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+
+from transformers import PretrainedConfig
+
+from nanovllm.config import Config, load_hf_config
+from nanovllm.demo import BUILTIN_MODELS, PREFIX, builtin_model_path
+from nanovllm.entrypoints import hub
+from nanovllm.models.presets import PRESETS, preset_config
+from nanovllm.sampling_params import check_bool
+
+logger = logging.getLogger("nanovllm")
+
+# vLLM engine keywords that change nothing here at any value: name -> why (logged)
+IGNORED_KEYWORDS = {
+    **dict.fromkeys(("trust_remote_code", "code_revision"), "the models are nanovllm's own code"),
+    **dict.fromkeys(("max_seq_len_to_capture", "max_context_len_to_capture"), "decode graphs cover max_model_len"),
+    **dict.fromkeys(("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path"), "text-only models"),
+    "swap_space": "preempted sequences are recomputed",
+    "disable_custom_all_reduce": "torch.distributed's all-reduce only",
+    "compilation_config": "no torch.compile",
+    "use_v2_block_manager": "one block manager",
+    "disable_async_output_proc": "outputs are processed each step",
+    "disable_cascade_attn": "no cascade attention",
+    "prefix_caching_hash_algo": "prefix blocks are keyed by xxhash",
+    "served_model_name": "no server",
+    "use_tqdm_on_load": "no progress bar while loading",
+}
+# vLLM engine keywords accepted only at the values that change nothing here: name -> (those values, why)
+UNSUPPORTED_KEYWORDS = {
+    "cpu_offload_gb": ((0,), "the weights stay on the device"),
+    "kv_cache_memory_bytes": ((None,), "sized by num_kvcache_blocks or gpu_memory_utilization"),
+    "pipeline_parallel_size": ((1,), "tensor parallelism only"),
+    "enable_expert_parallel": ((False,), "experts are sharded along their intermediate size"),
+    "data_parallel_size": ((1,), "one replica per engine (nanovllm.distributed.ray runs several)"),
+    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel ranks are local processes"),
+    "speculative_config": ((None,), "no speculative decoding"),
+    "enable_lora": ((False, None), "no LoRA adapters"),
+    "max_lora_rank": ((), "no LoRA adapters"),
+    "max_loras": ((), "no LoRA adapters"),
+    "scheduling_policy": (("fcfs",), "first come, first served only"),
+    "preemption_mode": ((None, "recompute"), "preempted sequences are recomputed"),
+    "num_scheduler_steps": ((1,), "one forward per schedule"),
+    "enable_prompt_embeds": ((False,), "prompts are text or token ids"),
+    "task": ((None, "auto", "generate"), "text generation only"),
+    "runner": (("auto", "generate"), "text generation only"),
+    "convert": (("auto", "none"), "text generation only"),
+    "model_impl": (("auto", "vllm"), "the models are nanovllm's own code"),
+    "tokenizer_mode": (("auto", "hf"), "transformers' AutoTokenizer only"),
+    "config_format": (("auto", "hf"), "Hugging Face's config.json only"),
+    "rope_scaling": ((None,), "config.json is used as it is"),
+    "rope_theta": ((None,), "config.json is used as it is"),
+    "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs use xgrammar"),
+    "structured_outputs_config": ((None, {}, {"backend": "auto"}, {"backend": "xgrammar"}),
+                                  "structured outputs use xgrammar; disable_any_whitespace is set per request"),
+    "disable_sliding_window": ((False,), "sliding windows are kept; max_model_len <= the window avoids them"),
+}
+KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+# generation_config.json's field -> SamplingParams'
+_GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+_GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
+
+
+# the frontend's keywords: (default, what takes it)
+FRONTEND_KEYWORDS = {"revision": None, "tokenizer_revision": None, "download_dir": None,
+                     "hf_token": None, "hf_overrides": None, "generation_config": "auto",
+                     "profiler_config": None, "quantization": None, "logits_processors": None,
+                     "worker_extension_cls": None, "enable_sleep_mode": False,
+                     "disable_log_stats": True}
+
+
+def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
+    """(``Config``'s keywords, the frontend's) from vLLM's ``LLM(model, **kwargs)``; a TypeError
+    names every unknown keyword."""
+    kwargs = _renamed(kwargs)
+    frontend = {**FRONTEND_KEYWORDS, **{k: kwargs.pop(k) for k in FRONTEND_KEYWORDS.keys() & kwargs}}
+    if frontend["generation_config"] is None:
+        frontend["generation_config"] = "auto"
+    _check_frontend(frontend)
+    model, hf_config = _model_and_config(model, kwargs, frontend)
+    kwargs["hf_config"], kwargs["features"] = hf_config, _features(hf_config, frontend)
+    return dict(kwargs, model=model), frontend
+
+
+def _renamed(kwargs: dict) -> dict:
+    """``kwargs`` with vLLM's aliases renamed and its no-op keywords dropped (logged). None means
+    "not given" for an alias or a field that takes no None (``LLM(**vars(args))`` passes every
+    flag of ``EngineArgs.add_cli_args``)."""
+    fields = {f.name: f for f in dataclasses.fields(Config) if f.init}
+    no_none = {n for n, f in fields.items() if "None" not in str(f.type).split(" | ")}
+    kwargs = {k: v for k, v in kwargs.items()
+              if v is not None or k not in no_none | set(KEYWORD_ALIASES) | {"disable_log_stats"}}
+    for alias, name in KEYWORD_ALIASES.items():
+        if alias in kwargs:
+            if kwargs.get(name) is not None:
+                raise TypeError(f"pass {name} or its alias {alias}, not both")
+            kwargs[name] = kwargs.pop(alias)
+    ignored = {name: IGNORED_KEYWORDS[name] for name in kwargs.keys() & IGNORED_KEYWORDS.keys()}
+    for name in sorted(kwargs.keys() & UNSUPPORTED_KEYWORDS.keys()):
+        accepted, why = UNSUPPORTED_KEYWORDS[name]
+        if kwargs[name] not in accepted:
+            only = f" (accepted: {', '.join(map(repr, accepted))})" if accepted else ""
+            raise ValueError(f"{name}={kwargs[name]!r} is not supported by nanovllm: {why}{only}")
+        ignored[name] = why
+    public = (fields.keys() | FRONTEND_KEYWORDS.keys()) - {"hf_config", "features"}
+    if unknown := sorted(set(kwargs) - public - ignored.keys()):
+        raise TypeError(f"unknown engine argument(s) {unknown}; allowed: "
+                        f"{sorted(public - {'model'})} and "
+                        "nanovllm.entrypoints.arg_utils.IGNORED_KEYWORDS")
+    if ignored:
+        logger.info("ignored vLLM engine argument(s), no effect in nanovllm: %s",
+                    "; ".join(f"{name} ({why})" for name, why in sorted(ignored.items())))
+    return {k: v for k, v in kwargs.items() if k not in ignored}
+
+
+def _check_frontend(frontend: dict) -> None:
+    choice = frontend["generation_config"]
+    if not isinstance(choice, (str, os.PathLike)) or (
+            choice not in ("auto", "vllm") and not os.path.isdir(choice)):
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {choice!r}")
+    for name in ("enable_sleep_mode", "disable_log_stats"):
+        check_bool(name, frontend[name])
+    frontend["profiler_config"] = profiler_options(frontend["profiler_config"])
+
+
+def _model_and_config(model, kwargs: dict, frontend: dict) -> tuple[str, PretrainedConfig]:
+    """The model's directory (or preset name) and its config, overridden."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path, a Hugging Face Hub id or 'nanovllm:demo', "
+                        f"got {model!r}")
+    model, dummy = os.fspath(model), kwargs.get("load_format") == "dummy"
+    hub_options = dict(cache_dir=frontend["download_dir"], token=frontend["hf_token"])
+    if model.startswith(PREFIX):
+        model = builtin_model_path(model)
+    elif not os.path.isdir(model):
+        needs = ("config.json",) if dummy else ("config.json", "*.safetensors")
+        model = hub.resolve_model(model, needs, frontend["revision"], **hub_options)
+    if kwargs.get("tokenizer") is not None:
+        revision = frontend["tokenizer_revision"] or frontend["revision"]
+        kwargs["tokenizer"] = hub.resolve_model(os.fspath(kwargs["tokenizer"]), (), revision,
+                                                **hub_options)
+    if model in PRESETS and not os.path.isdir(model):
+        if not dummy or not kwargs.get("skip_tokenizer_init"):
+            raise ValueError(f"model {model!r} is an architecture preset (no weights, no "
+                             "tokenizer): pass load_format='dummy' and skip_tokenizer_init=True")
+        return model, apply_hf_overrides(preset_config(model), frontend["hf_overrides"])
+    if not os.path.isdir(model):
+        raise ValueError(f"model directory {model!r} does not exist (built-in models: "
+                         f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
+    if frontend["hf_overrides"] is None:
+        return model, None  # the core reads config.json
+    return model, apply_hf_overrides(load_hf_config(model),
+                                     frontend["hf_overrides"])
+
+
+def _features(hf_config, frontend: dict) -> tuple[tuple[str, dict], ...]:
+    """The features that the keywords (or a quantized checkpoint) ask for, with their options."""
+    features = []
+    if frontend["quantization"] is not None or getattr(hf_config, "quantization_config", None):
+        features.append(("fp8", {"quantization": frontend["quantization"]}))
+    if frontend["enable_sleep_mode"]:
+        features.append(("sleep", {}))
+    if frontend["worker_extension_cls"] not in (None, ""):
+        features.append(("worker_extension",
+                         {"worker_extension_cls": frontend["worker_extension_cls"]}))
+    if frontend["logits_processors"]:
+        features.append(("logits_processors",
+                         {"logits_processors": frontend["logits_processors"]}))
+    if frontend["disable_log_stats"] is False:
+        features.append(("metrics", {}))
+    return tuple(features)
+
+
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
+    """vLLM's ``hf_overrides``: a dict merged into the model's config, or a function returning the config. A rope
+    dict or ``rope_theta`` alone is merged into transformers 5's ``rope_parameters``, keeping the other."""
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        if not isinstance(hf_config := overrides(hf_config), PretrainedConfig):
+            raise TypeError(f"hf_overrides must return the model's config, got {hf_config!r:.80}")
+        return hf_config
+    if not isinstance(overrides, dict):
+        raise TypeError(f"hf_overrides must be a dict or a callable, got {overrides!r:.80}")
+    overrides, rope = dict(overrides), getattr(hf_config, "rope_parameters", None)
+    if isinstance(rope, dict) and overrides.keys() & {"rope_scaling", "rope_parameters", "rope_theta"}:
+        new = dict(overrides.pop("rope_parameters", None) or overrides.pop("rope_scaling", None) or rope)
+        new.setdefault("rope_theta", overrides.pop("rope_theta", rope.get("rope_theta")))
+        overrides["rope_parameters"] = new
+    hf_config.update(overrides)
+    return hf_config
+
+
+# profiler_config's torch profiler flags: vLLM's name -> (torch.profiler's keyword, vLLM's default)
+_PROFILER_FLAGS = {"torch_profiler_with_stack": ("with_stack", True),
+                   "torch_profiler_with_flops": ("with_flops", False),
+                   "torch_profiler_record_shapes": ("record_shapes", False),
+                   "torch_profiler_with_memory": ("profile_memory", False),
+                   "torch_profiler_use_gzip": ("use_gzip", True)}
+_PROFILER_KEYS = ("profiler", "torch_profiler_dir", *_PROFILER_FLAGS)
+
+
+def profiler_options(config: dict | None) -> dict | None:
+    """vLLM's ``ProfilerConfig`` for the torch profiler, checked, its directory made absolute; None: no profiling."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise TypeError(f"profiler_config must be a dict, got {config!r:.80}")
+    if unknown := sorted(config.keys() - set(_PROFILER_KEYS)):
+        raise ValueError(f"profiler_config keys {unknown} are not supported by nanovllm; supported: "
+                         f"{', '.join(_PROFILER_KEYS)}")
+    profiler, directory = config.get("profiler"), config.get("torch_profiler_dir")
+    if profiler not in (None, "torch"):
+        raise ValueError(f"profiler_config profiler={profiler!r} is not supported by nanovllm: 'torch' only")
+    if directory and profiler != "torch":
+        raise ValueError("torch_profiler_dir is only applicable when profiler is set to 'torch'")
+    if profiler == "torch" and not directory:
+        raise ValueError("torch_profiler_dir must be set when profiler is 'torch'")
+    for name in config.keys() & _PROFILER_FLAGS.keys():
+        check_bool(f"profiler_config {name}", config[name])
+    if profiler is None:
+        return None
+    return {**config, "torch_profiler_dir": os.path.abspath(os.path.expanduser(directory))}
+
+
+def refuse_unsupported(priority=None, *, num_prompts: int | None = None, **keywords) -> None:
+    """A ValueError for the first of vLLM's per-call keywords (``lora_request``, ...) that is not None, or for a
+    ``priority`` other than 0 (or a list of ``num_prompts`` zeros)."""
+    many = isinstance(priority, (list, tuple))
+    if many and num_prompts is not None and len(priority) != num_prompts:
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and priority ({len(priority)}) must be the same")
+    if priority is not None and any(priority if many else [priority]):
+        raise ValueError(f"priority={priority!r} is not supported: first come, first served only")
+    for name, value in keywords.items():
+        if value is not None:
+            raise ValueError(f"{name}={value!r:.60} is not supported by nanovllm")
+
+
+class EngineArgs:
+    """vLLM's ``EngineArgs(model=..., **keywords)`` for ``LLMEngine.from_engine_args``; ``add_cli_args`` and
+    ``from_cli_args`` make the keywords command-line flags (``--max-model-len``, ...)."""
+
+    def __init__(self, model: str = "nanovllm:demo", **kwargs):
+        self.model, self.kwargs = model, kwargs
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """``--model`` and a flag per Config field, dashed; unset flags keep the defaults."""
+        parser.add_argument("--model", default="nanovllm:demo", help="checkpoint directory, Hub id or preset")
+        for name, type_ in _cli_fields().items():
+            parse = dict(action=argparse.BooleanOptionalAction) if type_ is bool else dict(type=type_)
+            parser.add_argument("--" + name.replace("_", "-"), default=None, **parse)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = _cli_fields()
+        return cls(args.model, **{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def _cli_fields() -> dict[str, type]:
+    """Config's keywords and vLLM's aliases of them, with the type their flag parses."""
+    fields = {f.name: str(f.type).split(" | ") for f in dataclasses.fields(Config)
+              if f.init and f.name not in ("model", "hf_config", "features")}
+    fields.update({name: ["str"] for name in FRONTEND_KEYWORDS if name not in _FRONTEND_TYPES})
+    fields.update(_FRONTEND_TYPES)
+    fields.update({alias: fields[name] for alias, name in KEYWORD_ALIASES.items()})
+    return {name: next((t for type_name, t in _FLAG_TYPES.items() if type_name in parts), str)
+            for name, parts in fields.items()}
+
+
+# a field's type name -> its flag's parser; the first in a field's type wins
+_FLAG_TYPES = {"dict": json.loads, "str": str, "bool": bool, "int": int, "float": float}
+
+
+
+
+# the frontend keywords' flag types (the others are strings)
+_FRONTEND_TYPES = {"hf_overrides": ["dict"], "profiler_config": ["dict"],
+                   "enable_sleep_mode": ["bool"], "disable_log_stats": ["bool"]}
