@@ -15,7 +15,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.layers.attention import resolve_backend
 from nanovllm.layers.rotary_embedding import rope_parameters
-from nanovllm.models import get_model_class
+from nanovllm.models import llama  # noqa: F401 (registers the dense families)
+from nanovllm.plugins import get_model_class
 from nanovllm.sampling_params import check_bool, check_int
 
 # vLLM's dtype names; their torch dtypes are accepted too

@@ -84,3 +84,13 @@ def features_of_params(params) -> list[str]:
     fields = [name for name in REGISTRY.meta_values("feature", "request_fields")
               if getattr(params, name, None) is not None]
     return sorted({f for name in fields for f in REGISTRY.find("feature", "request_fields", name)})
+
+
+def get_model_class(hf_config):
+    """The registered model class of config.json's ``architectures``."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    for arch in architectures:
+        if arch in REGISTRY.names("model"):
+            return REGISTRY.get("model", arch)
+    raise ValueError(f"unsupported architecture(s) {architectures}; supported: "
+                     f"{REGISTRY.names('model')}")

@@ -5,56 +5,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 
 from nanovllm.config import Config
 from nanovllm.engine import batch as step_inputs
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.output_processor import OutputProcessor, Request
-from nanovllm.engine.outputs import ModelRunnerOutput
+from nanovllm.engine.outputs import ModelRunnerOutput, OutputProcessor, Request
 from nanovllm.engine.sampling import LogitsHook, Penalties, SamplingInputs
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.worker_group import WorkerDiedError, WorkerGroup
+from nanovllm.engine.worker_group import EngineResources
 
 logger = logging.getLogger("nanovllm")
-DEATH_GRACE_S = 3.0  # a collective fails a moment before the dead peer's exit status is known
-
-
-@dataclass(eq=False)
-class EngineResources:
-    """The workers, their shared memory and the model runner, apart from the engine so that their finalizer does
-    not keep it alive."""
-
-    workers: WorkerGroup | None = None
-    runner: ModelRunner | None = None
-    healthy: bool = True  # False once a step failed part-way: the ranks may disagree on where they are
-    closed: bool = False
-
-    def close(self):
-        if self.closed:
-            return
-        self.closed = True
-        runner, self.runner = self.runner, None
-        try:
-            if runner is not None and self.healthy:
-                runner.exit()
-        finally:
-            if self.workers is not None:
-                self.workers.close(graceful=self.healthy)
-
-    def shut_down_and_raise(self, e: BaseException, shutdown):
-        """Calls ``shutdown()`` and raises ``e``, or the ``WorkerDiedError`` of a worker that died (or soon dies)."""
-        if not self.healthy:  # an inner call shut down already
-            raise e
-        self.healthy = False
-        error = e
-        if self.workers is not None and not isinstance(e, (WorkerDiedError, KeyboardInterrupt, ValueError, TypeError)):
-            error = self.workers.death_error(DEATH_GRACE_S) or e
-        shutdown()
-        if error is e:
-            raise e
-        raise error from e
 
 
 class EngineCore:

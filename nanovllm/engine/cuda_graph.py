@@ -1,10 +1,17 @@
-"""Decode under CUDA graphs, one per batch-size bucket, captured largest first into one memory pool; a step
-replays the smallest that covers its batch, its padding rows at slot -1 and context length 0."""
+"""What only CUDA runs: decode under CUDA graphs, one per batch-size bucket, captured largest first
+into one memory pool (a step replays the smallest that covers its batch, its padding rows at slot -1
+and context length 0); the warmup that sizes the KV cache; waits on device events."""
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from nanovllm.engine.batch import prepare_prefill
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import Context, set_context
 
 
@@ -56,3 +63,38 @@ class DecodeGraphs:
         b["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
         graph.replay()
         return b["outputs"][:bs]
+
+
+def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
+                   check_every_s: float = 0.05) -> None:
+    """Returns once ``event`` has completed. With ``alive`` it polls, raising once ``alive()`` is False: a
+    forward whose collectives wait for a dead NCCL rank never ends."""
+    if alive is None:
+        return event.synchronize()
+    next_check = time.monotonic() + check_every_s
+    while not event.query():
+        if time.monotonic() >= next_check:
+            if not alive():
+                raise RuntimeError("a tensor-parallel worker died during a forward")
+            next_check = time.monotonic() + check_every_s
+        time.sleep(poll_s)
+
+
+def warmup_model(runner):
+    """A prefill at the largest batch, so that the KV sizing sees the peak activations; its slots of -1
+    store nothing into a throwaway one-block cache."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    max_tokens = runner.config.max_num_batched_tokens
+    seq_len = min(max_tokens, runner.config.max_model_len)
+    num_seqs = max(1, min(max_tokens // seq_len, runner.config.max_num_seqs))
+    seqs = [Sequence([0] * seq_len, block_size=runner.block_size) for _ in range(num_seqs)]
+    for seq in seqs:
+        seq.num_scheduled_tokens = seq_len
+    dummy = torch.zeros(1, runner.block_size, runner.num_kv_heads, runner.head_dim, dtype=runner.kv_dtype)
+    for layer in runner.attention_layers:
+        layer.k_cache = layer.v_cache = dummy
+    sampling = runner.prepare_sample(SchedulerOutput(seqs, True)) if runner.rank == 0 else None
+    runner.run(prepare_prefill(seqs, runner.block_size), sampling)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

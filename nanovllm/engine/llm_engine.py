@@ -7,24 +7,19 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from time import perf_counter
 
-import torch
 from tqdm.auto import tqdm
-
 from transformers import set_seed
 
 from nanovllm.config import Config
-from nanovllm.engine.core import EngineCore, EngineResources
+from nanovllm.engine.core import EngineCore
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.output_processor import Request
-from nanovllm.engine.outputs import request_output, step_output
+from nanovllm.engine.outputs import Request, request_output
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.worker_group import WorkerGroup
-from nanovllm.inputs import parse_prompt, require_tokenizer
+from nanovllm.engine.worker_group import EngineResources, WorkerGroup
 from nanovllm.outputs import RequestOutput
 from nanovllm.plugins import REGISTRY, Feature, features_of_params
 from nanovllm.sampling_params import MAX_SEED, SamplingParams
@@ -151,36 +146,6 @@ class LLMEngine:
             feature.check_request(sp, self)
         return sp
 
-    def abort_request(self, request: Request | str | Iterable[str]):
-        """Ends a ``Request``'s or request ids' unfinished completions (finish_reason "abort"); ``step()`` does not
-        report them."""
-        targets = [request] if isinstance(request, (str, Request)) else list(request)
-        with self.core.lock:
-            for target in targets:
-                if isinstance(target, str):
-                    target = self._step_requests.get(target)
-                if target is not None:
-                    self._step_requests.pop(target.request_id, None)
-                    self.core.abort(target)
-
-    def step(self) -> list[RequestOutput]:
-        """One forward, if anything is left to run; a ``RequestOutput`` (by its ``output_kind``) for each
-        ``add_request`` request with news since its last report, whoever ran the steps (a finished one once)."""
-        with self.core.lock:
-            if not self.core.is_finished():
-                self.core.step()
-            outputs = []
-            for request_id, request in list(self._step_requests.items()):
-                if request is None:  # being admitted by another thread
-                    continue
-                if (output := step_output(request, self.tokenizer)) is None:
-                    continue
-                outputs.append(output)
-                if request.finished:
-                    self.core.forget(request)
-                    del self._step_requests[request_id]
-        return outputs
-
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in order;
@@ -202,22 +167,6 @@ class LLMEngine:
             pbar.close()
             self.core.release(requests)
         return [request_output(r, self.tokenizer) for r in requests]
-
-    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[dict]:
-        """Yields dicts of new text: ``index`` (the prompt's), ``output_index``, ``text`` (held back while it may
-        end inside a UTF-8 character or begin a stop string), ``token_ids``, and ``finished`` / ``finish_reason``
-        on a completion's last piece. Leaving the loop early aborts the unfinished requests."""
-        queue: deque = deque()
-        requests = self._add_requests(prompts, sampling_params, stream=queue)
-        try:
-            while True:
-                while queue:
-                    yield queue.popleft()
-                if all(r.finished for r in requests):
-                    break
-                self.core.interruptible_step()
-        finally:
-            self.core.release(requests)
 
     def _add_requests(self, prompts, sampling_params, stream: deque | None = None,
                       texts: list[str] | None = None) -> list[Request]:
@@ -243,3 +192,53 @@ class LLMEngine:
 
     def default_sampling_params(self) -> SamplingParams:
         return SamplingParams()
+
+
+def require_tokenizer(tokenizer, what: str):
+    if tokenizer is None:
+        raise ValueError(f"{what} need a tokenizer, but the engine has skip_tokenizer_init=True")
+
+
+def encode(tokenizer, what: str, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids; text that UTF-8 cannot encode (a lone surrogate) is refused naming ``what``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode text: {e.reason} {text[e.start]!r} at index {e.start}") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | None]:
+    """Prompt ``i``'s token ids, checked against the engine's ``config``, and its text (None for token ids)."""
+    if isinstance(prompt, dict):
+        if unknown := sorted(set(prompt) - {"prompt", "prompt_token_ids"}):
+            raise ValueError(f"prompt {i} has unsupported keys {unknown}")
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+            if not isinstance(prompt, (list, tuple)):  # a string here is not to be tokenized
+                raise TypeError(f"prompt {i}'s prompt_token_ids must be a list of ints, got {prompt!r:.80}")
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError(f"prompt {i}'s 'prompt' must be a string, got {prompt!r:.80}")
+        else:
+            raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
+    text = prompt if isinstance(prompt, str) else None
+    if text is not None:
+        require_tokenizer(tokenizer, "string prompts (pass token ids instead)")
+        prompt = encode(tokenizer, f"prompt {i}", prompt)
+    elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
+        raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, got {prompt!r:.80}")
+    # vLLM's wording (which scripts match), then our values
+    if not prompt:
+        raise ValueError(f"prompt {i}: the decoder prompt cannot be empty")
+    vocab_size = config.hf_config.vocab_size
+    if bad := [t for t in prompt if not 0 <= t < vocab_size]:
+        raise ValueError(f"prompt {i}: token id {bad[0]} is out of vocabulary "
+                         f"(ids {bad[:5]} outside [0, {vocab_size}))")
+    if len(prompt) >= config.max_model_len:
+        capacity = config.num_kvcache_blocks * config.kvcache_block_size
+        cache = f" (the whole KV cache holds {capacity} tokens)" if capacity == config.max_model_len else ""
+        raise ValueError(f"prompt {i} (length {len(prompt)}) plus at least 1 output token is longer than the maximum "
+                         f"context length: max_model_len={config.max_model_len}{cache}")
+    return list(prompt), text

@@ -7,23 +7,27 @@ import functools
 import gc
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.batch import StepInput, prepare_prefill
-from nanovllm.engine.cuda_graph import DecodeGraphs
+from nanovllm.engine.batch import StepInput
+from nanovllm.engine.cuda_graph import DecodeGraphs, warmup_model
+from nanovllm.engine.logprobs import prompt_logprobs
 from nanovllm.engine.outputs import ModelRunnerOutput
 from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, bind_backend
-from nanovllm.layers.sampler import Sampler, prompt_logprobs
+from nanovllm.layers.sampler import Sampler
 from nanovllm.plugins import REGISTRY
 from nanovllm.utils.context import get_context, set_context
-from nanovllm.utils.distributed import TPGroup, tensor_parallel
+from nanovllm.utils.distributed import tensor_parallel
 from nanovllm.utils.loader import load_dummy_weights, load_model
+
+if TYPE_CHECKING:
+    from nanovllm.engine.worker_group import TPGroup
 
 logger = logging.getLogger("nanovllm")
 
@@ -96,7 +100,8 @@ class ModelRunner:
         self.sampler = Sampler(self.config.seed)
         self.sampling = SamplingPreparer(self.device, hf_config.vocab_size, self.config.eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
-        self.attention_backend = bind_backend(self.config.attention_backend)
+        self.attention_backend = bind_backend(self.config.attention_backend,
+                                              self.config.torch_dtype, self.head_dim)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
@@ -105,7 +110,7 @@ class ModelRunner:
             logger.info("the KV-cache scales of %d layers are unused: kv_cache_dtype=%r is not fp8", scaled,
                         self.config.kv_cache_dtype)
         if self.is_cuda:
-            self.warmup_model()
+            warmup_model(self)
         self.allocate_kv_cache()
         if self.is_cuda and not self.config.enforce_eager:
             self.capture_cudagraph()
@@ -129,25 +134,6 @@ class ModelRunner:
         gc.collect()  # each parameter and its layer refer to each other (the bound weight_loader): a cycle
         if self.is_cuda:
             torch.cuda.empty_cache()
-
-    def warmup_model(self):
-        """A prefill at the largest batch, so that the KV sizing sees the peak activations; its slots of -1
-        store nothing into a throwaway one-block cache."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        max_tokens = self.config.max_num_batched_tokens
-        seq_len = min(max_tokens, self.config.max_model_len)
-        num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
-        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
-        for seq in seqs:
-            seq.num_scheduled_tokens = seq_len
-        dummy = torch.zeros(1, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.kv_dtype)
-        for layer in self.attention_layers:
-            layer.k_cache = layer.v_cache = dummy
-        sampling = self.prepare_sample(SchedulerOutput(seqs, True)) if self.rank == 0 else None
-        self.run(prepare_prefill(seqs, self.block_size), sampling)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
     def _block_bytes(self) -> int:
         return 2 * self.config.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim \

@@ -1,44 +1,93 @@
-"""Output assembly: a forward's sampled tokens on their way to the host, vLLM's logprob entries, and the
-``RequestOutput`` objects that ``generate`` returns."""
+"""Outputs: a ``Request`` (a prompt and its ``n`` completions), the stop conditions
+(``OutputProcessor``), a forward's sampled tokens on their way to the host, vLLM's logprob entries,
+and the ``RequestOutput`` objects that ``generate`` returns."""
 from __future__ import annotations
 
-import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.engine.detokenizer import stop_holdback
-from nanovllm.engine.sampling import PromptLogprobsBatch
+from nanovllm.engine.cuda_graph import wait_for_event
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, stop_holdback
+from nanovllm.engine.logprobs import (
+    PromptLogprobsBatch,
+    entries_out,
+    logprob_entries,
+    prompt_logprob_entries,
+)
 from nanovllm.engine.sequence import Sequence
-from nanovllm.logprobs import FlatLogprobs, Logprob
 from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanovllm.sampling_params import RequestOutputKind
 
 
-def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,
-                   rank: int) -> dict[int, Logprob]:
-    """vLLM's logprobs entry: the chosen (or actual) token first (its top-k rank if a tie), then the top k."""
-    top = list(zip(top_ids[:k], top_values[:k]))
-    entry = {token: Logprob(logprob, next((r for r, (t, _) in enumerate(top, 1) if t == token), rank))}
-    for r, (t, v) in enumerate(top, 1):
-        entry.setdefault(t, Logprob(v, r))
-    return entry
+@dataclass
+class Request:
+    """One prompt and its ``n`` completions."""
+
+    index: int
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    request_id: str = ""
+    prompt: str | None = None        # when it was given as text
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per completion
+    stream: deque | None = None      # the pieces its stream() call has not yielded yet
+    incremental_text: bool = False   # its outputs' text is its detokenizers' (step() reports it often)
+    num_reported: int = 0            # completion tokens step() has reported
+    reported: list = field(default_factory=list)  # per completion, the (tokens, characters) reported (DELTA)
+    error: str | None = None         # why a completion ended with finish_reason "error"
+
+    def __post_init__(self):
+        self.detokenizers = self.detokenizers or [None] * len(self.seqs)
+        self.reported = self.reported or [(0, 0)] * len(self.seqs)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
 
 
-def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
-                   check_every_s: float = 0.05) -> None:
-    """Returns once ``event`` has completed. With ``alive`` it polls, raising once ``alive()`` is False: a
-    forward whose collectives wait for a dead NCCL rank never ends."""
-    if alive is None:
-        return event.synchronize()
-    next_check = time.monotonic() + check_every_s
-    while not event.query():
-        if time.monotonic() >= next_check:
-            if not alive():
-                raise RuntimeError("a tensor-parallel worker died during a forward")
-            next_check = time.monotonic() + check_every_s
-        time.sleep(poll_s)
+class OutputProcessor:
+    def __init__(self, eos_token_ids, max_model_len: int):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None  # the model's own
+        self.max_model_len = max_model_len
+
+    def check_stop(self, request: Request, seq: Sequence, token_id: int) -> tuple[str, int | str | None] | None:
+        """(finish reason, stop reason) if ``token_id``, just appended, ends ``seq``, else None, in vLLM's order:
+        length, a stop token once ``min_tokens`` are out, a stop string (the text is cut there). Queues the text
+        a stream may show (all but what could still begin a stop string)."""
+        sp, detok = seq.sampling_params, request.detokenizers[request.seqs.index(seq)]
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        stops = sp.stop_strings
+        reason = stop_reason = hit = None
+        if num_out >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        elif num_out >= sp.min_tokens and not sp.ignore_eos and token_id in self.eos_token_ids:
+            # generation_config's other EOS ids are stop tokens to vLLM
+            reason, stop_reason = "stop", None if token_id == self.eos_token_id else token_id
+        elif num_out >= sp.min_tokens and token_id in sp.stop_token_ids:
+            reason, stop_reason = "stop", token_id
+        # a stop token's text is output only with include_stop_str_in_output (vLLM's)
+        counts = detok is not None and (reason != "stop" or sp.include_stop_str_in_output)
+        delta = detok.add(token_id) if counts else ""
+        if stops and reason != "stop" and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
+            at, stop = hit
+            detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
+            reason, stop_reason = "stop", stop
+        text = ""  # detokenize=False
+        if detok is not None:
+            if reason and not hit:
+                detok.flush()
+            text = detok.take(stop_holdback(stops, bool(reason)))
+        self.stream_piece(request, seq, text, [token_id], reason)
+        return (reason, stop_reason) if reason else None
+
+    @staticmethod
+    def stream_piece(request: Request, seq: Sequence, text: str, token_ids: list[int], reason: str | None = None):
+        if request.stream is not None:
+            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq), "text": text,
+                                   "token_ids": token_ids, "finished": reason is not None or seq.is_finished,
+                                   "finish_reason": reason or seq.finish_reason})
 
 
 class ModelRunnerOutput:
@@ -69,31 +118,10 @@ class ModelRunnerOutput:
         token_ids = self.token_ids.tolist()
         logprobs, prompt_logprobs = [None] * len(token_ids), [None] * len(token_ids)
         if self.logprobs is not None:
-            sampled, ranks, top_ids, top_values = (t.tolist() for t in self.logprobs)
-            logprobs = [None if k is None else _logprob_entry(top_ids[i], top_values[i], k, token, sampled[i], ranks[i])
-                        for i, (k, token) in enumerate(zip(self.num_logprobs, token_ids))]
+            logprobs = logprob_entries(self.logprobs, self.num_logprobs, token_ids)
         if self.prompt is not None:
-            target, ranks, top_ids, top_values = (t.tolist() for t in self.prompt_logprobs)
-            row = 0
-            for i, span in enumerate(self.prompt.spans):
-                if span is not None:
-                    first, count, k = span
-                    prompt_logprobs[i] = (first, [_logprob_entry(top_ids[r], top_values[r], k, self.prompt.targets[r],
-                                                                 target[r], ranks[r]) for r in range(row, row + count)])
-                    row += count
+            prompt_logprobs = prompt_logprob_entries(self.prompt, self.prompt_logprobs)
         return token_ids, logprobs, prompt_logprobs
-
-
-def _entries(entries: list, tokenizer, sp):
-    """A copy of logprob ``entries`` (the sequence's list grows), with each ``decoded_token`` ("" for an id past
-    the tokenizer's vocabulary) unless ``detokenize=False``, flat with ``flat_logprobs``."""
-    entries = list(entries)
-    if tokenizer is not None and sp.detokenize:
-        for token, lp in (item for entry in entries for item in (entry or {}).items()):
-            if lp.decoded_token is None:
-                piece = tokenizer.convert_ids_to_tokens(token)
-                lp.decoded_token = "" if piece is None else tokenizer.convert_tokens_to_string([piece])
-    return FlatLogprobs.of(entries) if sp.flat_logprobs else entries
 
 
 def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
@@ -113,8 +141,9 @@ def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
         text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
     logprobs = cumulative = None
     if sp.logprobs is not None:
-        cumulative = float(sum(entry[token] for entry, token in zip(seq.logprobs, seq.completion_token_ids)))
-        logprobs = _entries(seq.logprobs, tokenizer, sp)
+        cumulative = float(sum(entry[token] for entry, token
+                               in zip(seq.logprobs, seq.completion_token_ids)))
+        logprobs = entries_out(seq.logprobs, tokenizer, sp)
     return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs, seq.finish_reason,
                             seq.stop_reason)
 
@@ -131,33 +160,8 @@ def request_output(request, tokenizer) -> RequestOutput:
                              None if finish_time is None else finish_time - arrival)
     prompt_logprobs = None
     if first.prompt_logprobs is not None:
-        prompt_logprobs = _entries(first.prompt_logprobs, tokenizer, first.sampling_params)
+        prompt_logprobs = entries_out(first.prompt_logprobs, tokenizer, first.sampling_params)
     return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
                          [completion_output(seq, i, tokenizer, request.detokenizers[i], request.incremental_text)
                           for i, seq in enumerate(request.seqs)], finished,
                          first.num_prefix_cached_tokens or 0, metrics, request.error)
-
-
-def step_output(request, tokenizer) -> RequestOutput | None:
-    """What ``LLMEngine.step`` reports of a request by its ``output_kind``: None while nothing is new (FINAL_ONLY:
-    until it finishes); DELTA: what is new since the last report (the prompt logprobs in the first)."""
-    kind = request.seqs[0].sampling_params.output_kind
-    count = sum(seq.num_completion_tokens for seq in request.seqs)
-    if not request.finished and (count == request.num_reported or kind is RequestOutputKind.FINAL_ONLY):
-        return None
-    output = request_output(request, tokenizer)
-    if kind is RequestOutputKind.DELTA:
-        output.prompt_logprobs = None if request.num_reported else output.prompt_logprobs
-        output.outputs = [_delta(request, i, out) for i, out in enumerate(output.outputs)]
-    request.num_reported = count
-    return output
-
-
-def _delta(request, i: int, out: CompletionOutput) -> CompletionOutput:
-    """Completion ``i``'s part not reported yet, its text held back as a stream's is."""
-    tokens, chars = request.reported[i]
-    holdback = stop_holdback(request.seqs[i].sampling_params.stop_strings, bool(out.finish_reason))
-    end = max(chars, len(out.text) - holdback)
-    request.reported[i] = (len(out.token_ids), end)
-    return replace(out, text=out.text[chars:end], token_ids=out.token_ids[tokens:],
-                   logprobs=None if out.logprobs is None else out.logprobs[tokens:])

@@ -7,22 +7,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.engine.logprobs import PromptLogprobsBatch, prepare_prompt_logprobs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingBatch
-
-
-@dataclass
-class PromptLogprobsBatch:
-    """A prefill's prompt logprobs: the LM head projects every scheduled position of a sequence that computes
-    them and the last position of the others, in batch order."""
-
-    sample_rows: torch.Tensor  # [num_seqs] the logits row of each sequence's last scheduled position
-    rows: torch.Tensor  # [R] the logits rows whose next token is a prompt token
-    target_ids: torch.Tensor  # [R] those prompt tokens
-    targets: list[int]  # the same, on the host
-    spans: list[tuple[int, int, int] | None]  # per sequence: (first prompt position, count, k), or None
-    num_top: int  # the largest k
 
 
 @dataclass
@@ -30,7 +18,7 @@ class SamplingInputs:
     """What rank 0 needs, besides the logits, to sample one step."""
 
     batch: SamplingBatch
-    prompt: PromptLogprobsBatch | None
+    prompt: PromptLogprobsBatch | None  # engine.logprobs
     num_logprobs: list[int | None]  # per sequence: its logprobs k, or None
     # host work the launched step waits for (``wait()`` before the read-back waits on the device,
     # ``check()`` after)
@@ -87,7 +75,8 @@ class SamplingPreparer:
     @torch.inference_mode()
     def prepare(self, batch: SchedulerOutput) -> SamplingInputs:
         seqs = batch.seqs
-        prompt = self.prepare_prompt_logprobs(seqs) if batch.is_prefill else None
+        wanted = batch.is_prefill and any(seq.num_prompt_logprob_rows for seq in seqs)
+        prompt = prepare_prompt_logprobs(self, seqs) if wanted else None
         return SamplingInputs(self.prepare_sample(seqs, batch.kept_rows), prompt,
                               [seq.sampling_params.logprobs for seq in seqs])
 
@@ -136,28 +125,6 @@ class SamplingPreparer:
 
     def forget(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
-
-    def prepare_prompt_logprobs(self, seqs: list[Sequence]) -> PromptLogprobsBatch | None:
-        """Which logits rows give which prompt logprobs (position p's are token p + 1's), or None if none do."""
-        counts = [seq.num_prompt_logprob_rows for seq in seqs]
-        if not any(counts):
-            return None
-        sample_rows, rows, targets, spans = [], [], [], []
-        row = 0
-        for seq, count in zip(seqs, counts):
-            if count:
-                start = seq.num_cached_tokens
-                rows.extend(range(row, row + count))
-                targets.extend(seq.token_ids[start + 1:start + 1 + count])
-                spans.append((start + 1, count, seq.sampling_params.prompt_logprobs))
-                row += seq.num_scheduled_tokens
-            else:
-                spans.append(None)
-                row += 1
-            sample_rows.append(row - 1)
-        return PromptLogprobsBatch(self.to_device(sample_rows, torch.int64), self.to_device(rows, torch.int64),
-                                   self.to_device(targets, torch.int64), targets, spans,
-                                   max(span[2] for span in spans if span is not None))
 
     def _padded(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))

@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import glob
 import multiprocessing.connection
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
+
+import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.plugins import REGISTRY
-from nanovllm.utils.distributed import TPGroup, forget_in_forked_child, free_port
+from nanovllm.utils.distributed import forget_in_forked_child
 
 SEGMENT_PREFIX = "nanovllm-"
 SEGMENT_SIZE = 2 ** 20  # the first segment; a larger call moves to a larger one
@@ -28,8 +35,63 @@ MAIN_GUARD_HINT = ("workers start by 'spawn', which imports the main script agai
                    "`if __name__ == \"__main__\":`")
 
 
+# how long a collective waits for a peer alive but stuck (a dead one is noticed within seconds)
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPGroup:
+    """Gloo or NCCL collectives over a TCP store; rank 0 waits for every rank, calling ``waiting()`` between
+    checks (it raises when a worker died)."""
+
+    def __init__(self, rank: int, size: int, port: int, device: str, waiting: Callable[[], None] | None = None):
+        self.rank, self.size = rank, size
+        self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                                   wait_for_workers=False)
+        if rank > 0:
+            self.store.set(f"connected/{rank}", "1")
+        else:
+            while not self.store.check([f"connected/{peer}" for peer in range(1, size)]):
+                if waiting is not None:
+                    waiting()
+                time.sleep(0.01)
+        self.backend = (dist.ProcessGroupNCCL(self.store, rank, size) if device == "cuda"
+                        else dist.ProcessGroupGloo(self.store, rank, size, COLLECTIVE_TIMEOUT))
+
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        self.backend.allreduce([x], op).wait()
+        return x
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.backend.broadcast(x, src).wait()
+        return x
+
+    def gather(self, x: torch.Tensor, dst: int = 0) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` on ``dst`` (in rank order); None elsewhere."""
+        options = dist.GatherOptions()
+        options.rootRank = dst
+        parts = [[torch.empty_like(x) for _ in range(self.size)]] if self.rank == dst else []
+        self.backend.gather(parts, [x], options).wait()
+        return parts[0] if self.rank == dst else None
+
+    def abort(self):
+        """Ends the operations in flight without waiting (NCCL's would wait forever for a dead rank)."""
+        for name in ("abort", "_abort", "shutdown"):  # the first that this torch has and that works
+            with contextlib.suppress(Exception):
+                getattr(self.backend, name)()
+                return
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker ended while the engine needed it."""
+
+
+DEATH_GRACE_S = 3.0  # a collective fails a moment before the dead peer's exit status is known
 
 
 def create_segment(name: str, size: int) -> SharedMemory:
@@ -298,3 +360,39 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@dataclass(eq=False)
+class EngineResources:
+    """The workers, their shared memory and the model runner, apart from the engine so that their finalizer does
+    not keep it alive."""
+
+    workers: WorkerGroup | None = None
+    runner: ModelRunner | None = None
+    healthy: bool = True  # False once a step failed part-way: the ranks may disagree on where they are
+    closed: bool = False
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        runner, self.runner = self.runner, None
+        try:
+            if runner is not None and self.healthy:
+                runner.exit()
+        finally:
+            if self.workers is not None:
+                self.workers.close(graceful=self.healthy)
+
+    def shut_down_and_raise(self, e: BaseException, shutdown):
+        """Calls ``shutdown()`` and raises ``e``, or the ``WorkerDiedError`` of a worker that died (or soon dies)."""
+        if not self.healthy:  # an inner call shut down already
+            raise e
+        self.healthy = False
+        error = e
+        if self.workers is not None and not isinstance(e, (WorkerDiedError, KeyboardInterrupt, ValueError, TypeError)):
+            error = self.workers.death_error(DEATH_GRACE_S) or e
+        shutdown()
+        if error is e:
+            raise e
+        raise error from e

@@ -1,6 +1,6 @@
-"""vLLM's engine keywords over the core's ``Config``: aliases renamed, no-op keywords dropped (and
-logged), unsupported values refused by name; the model name resolved (``hub``), ``hf_overrides``
-applied, and the features that keywords ask for listed. ``EngineArgs`` makes them CLI flags."""
+"""vLLM's engine keywords (what the frontend's ``engine_kwargs`` maps onto the core's ``Config``):
+aliases, no-op keywords, unsupported values, the frontend's own; ``hf_overrides``,
+``profiler_config``; ``EngineArgs``, which makes them CLI flags."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +11,7 @@ import os
 
 from transformers import PretrainedConfig
 
-from nanovllm.config import Config, load_hf_config
-from nanovllm.demo import BUILTIN_MODELS, PREFIX, builtin_model_path
-from nanovllm.entrypoints import hub
-from nanovllm.models.presets import PRESETS, preset_config
+from nanovllm.config import Config
 from nanovllm.sampling_params import check_bool
 
 logger = logging.getLogger("nanovllm")
@@ -75,108 +72,6 @@ FRONTEND_KEYWORDS = {"revision": None, "tokenizer_revision": None, "download_dir
                      "profiler_config": None, "quantization": None, "logits_processors": None,
                      "worker_extension_cls": None, "enable_sleep_mode": False,
                      "disable_log_stats": True}
-
-
-def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
-    """(``Config``'s keywords, the frontend's) from vLLM's ``LLM(model, **kwargs)``; a TypeError
-    names every unknown keyword."""
-    kwargs = _renamed(kwargs)
-    frontend = {**FRONTEND_KEYWORDS, **{k: kwargs.pop(k) for k in FRONTEND_KEYWORDS.keys() & kwargs}}
-    if frontend["generation_config"] is None:
-        frontend["generation_config"] = "auto"
-    _check_frontend(frontend)
-    model, hf_config = _model_and_config(model, kwargs, frontend)
-    kwargs["hf_config"], kwargs["features"] = hf_config, _features(hf_config, frontend)
-    return dict(kwargs, model=model), frontend
-
-
-def _renamed(kwargs: dict) -> dict:
-    """``kwargs`` with vLLM's aliases renamed and its no-op keywords dropped (logged). None means
-    "not given" for an alias or a field that takes no None (``LLM(**vars(args))`` passes every
-    flag of ``EngineArgs.add_cli_args``)."""
-    fields = {f.name: f for f in dataclasses.fields(Config) if f.init}
-    no_none = {n for n, f in fields.items() if "None" not in str(f.type).split(" | ")}
-    kwargs = {k: v for k, v in kwargs.items()
-              if v is not None or k not in no_none | set(KEYWORD_ALIASES) | {"disable_log_stats"}}
-    for alias, name in KEYWORD_ALIASES.items():
-        if alias in kwargs:
-            if kwargs.get(name) is not None:
-                raise TypeError(f"pass {name} or its alias {alias}, not both")
-            kwargs[name] = kwargs.pop(alias)
-    ignored = {name: IGNORED_KEYWORDS[name] for name in kwargs.keys() & IGNORED_KEYWORDS.keys()}
-    for name in sorted(kwargs.keys() & UNSUPPORTED_KEYWORDS.keys()):
-        accepted, why = UNSUPPORTED_KEYWORDS[name]
-        if kwargs[name] not in accepted:
-            only = f" (accepted: {', '.join(map(repr, accepted))})" if accepted else ""
-            raise ValueError(f"{name}={kwargs[name]!r} is not supported by nanovllm: {why}{only}")
-        ignored[name] = why
-    public = (fields.keys() | FRONTEND_KEYWORDS.keys()) - {"hf_config", "features"}
-    if unknown := sorted(set(kwargs) - public - ignored.keys()):
-        raise TypeError(f"unknown engine argument(s) {unknown}; allowed: "
-                        f"{sorted(public - {'model'})} and "
-                        "nanovllm.entrypoints.arg_utils.IGNORED_KEYWORDS")
-    if ignored:
-        logger.info("ignored vLLM engine argument(s), no effect in nanovllm: %s",
-                    "; ".join(f"{name} ({why})" for name, why in sorted(ignored.items())))
-    return {k: v for k, v in kwargs.items() if k not in ignored}
-
-
-def _check_frontend(frontend: dict) -> None:
-    choice = frontend["generation_config"]
-    if not isinstance(choice, (str, os.PathLike)) or (
-            choice not in ("auto", "vllm") and not os.path.isdir(choice)):
-        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {choice!r}")
-    for name in ("enable_sleep_mode", "disable_log_stats"):
-        check_bool(name, frontend[name])
-    frontend["profiler_config"] = profiler_options(frontend["profiler_config"])
-
-
-def _model_and_config(model, kwargs: dict, frontend: dict) -> tuple[str, PretrainedConfig]:
-    """The model's directory (or preset name) and its config, overridden."""
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path, a Hugging Face Hub id or 'nanovllm:demo', "
-                        f"got {model!r}")
-    model, dummy = os.fspath(model), kwargs.get("load_format") == "dummy"
-    hub_options = dict(cache_dir=frontend["download_dir"], token=frontend["hf_token"])
-    if model.startswith(PREFIX):
-        model = builtin_model_path(model)
-    elif not os.path.isdir(model):
-        needs = ("config.json",) if dummy else ("config.json", "*.safetensors")
-        model = hub.resolve_model(model, needs, frontend["revision"], **hub_options)
-    if kwargs.get("tokenizer") is not None:
-        revision = frontend["tokenizer_revision"] or frontend["revision"]
-        kwargs["tokenizer"] = hub.resolve_model(os.fspath(kwargs["tokenizer"]), (), revision,
-                                                **hub_options)
-    if model in PRESETS and not os.path.isdir(model):
-        if not dummy or not kwargs.get("skip_tokenizer_init"):
-            raise ValueError(f"model {model!r} is an architecture preset (no weights, no "
-                             "tokenizer): pass load_format='dummy' and skip_tokenizer_init=True")
-        return model, apply_hf_overrides(preset_config(model), frontend["hf_overrides"])
-    if not os.path.isdir(model):
-        raise ValueError(f"model directory {model!r} does not exist (built-in models: "
-                         f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
-    if frontend["hf_overrides"] is None:
-        return model, None  # the core reads config.json
-    return model, apply_hf_overrides(load_hf_config(model),
-                                     frontend["hf_overrides"])
-
-
-def _features(hf_config, frontend: dict) -> tuple[tuple[str, dict], ...]:
-    """The features that the keywords (or a quantized checkpoint) ask for, with their options."""
-    features = []
-    if frontend["quantization"] is not None or getattr(hf_config, "quantization_config", None):
-        features.append(("fp8", {"quantization": frontend["quantization"]}))
-    if frontend["enable_sleep_mode"]:
-        features.append(("sleep", {}))
-    if frontend["worker_extension_cls"] not in (None, ""):
-        features.append(("worker_extension",
-                         {"worker_extension_cls": frontend["worker_extension_cls"]}))
-    if frontend["logits_processors"]:
-        features.append(("logits_processors",
-                         {"logits_processors": frontend["logits_processors"]}))
-    if frontend["disable_log_stats"] is False:
-        features.append(("metrics", {}))
-    return tuple(features)
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
@@ -242,6 +137,8 @@ def refuse_unsupported(priority=None, *, num_prompts: int | None = None, **keywo
     for name, value in keywords.items():
         if value is not None:
             raise ValueError(f"{name}={value!r:.60} is not supported by nanovllm")
+
+
 
 
 class EngineArgs:

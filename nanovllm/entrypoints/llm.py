@@ -1,276 +1,36 @@
-"""vLLM's ``LLM`` and ``LLMEngine`` over the core's ``LLMEngine``: vLLM's engine keywords
-(``arg_utils``), ``RequestOutput``s, ``add_request`` by request id, ``chat``, ``collective_rpc``,
-the profiler, metrics, the RL surface (``update_weights``, ``sleep``/``wake_up``) and
-``beam_search``; the features they need are imported when they are used."""
+"""vLLM's ``LLM`` and ``LLMEngine`` over the core's ``LLMEngine``: vLLM's engine keywords mapped
+onto the core's ``Config`` (aliases renamed, no-op keywords dropped and logged, unsupported values
+refused by name, the model name resolved, the features that keywords ask for listed), then
+vLLM's methods (``engine_api``). Features are imported when they are used."""
 from __future__ import annotations
 
-import functools
-import json
+import dataclasses
+import logging
 import os
-import time
-from dataclasses import dataclass
+
+from transformers import PretrainedConfig
 
 import nanovllm.features  # noqa: F401 (registers every feature with the core's registry)
+from nanovllm.config import Config, load_hf_config
+from nanovllm.demo import BUILTIN_MODELS, PREFIX, builtin_model_path
 from nanovllm.engine.llm_engine import LLMEngine as CoreEngine
-from nanovllm.engine.worker_group import call_every_rank
+from nanovllm.entrypoints import hub
 from nanovllm.entrypoints.arg_utils import (
-    _PROFILER_FLAGS,
-    EngineArgs,
-    engine_kwargs,
+    FRONTEND_KEYWORDS,
+    IGNORED_KEYWORDS,
+    KEYWORD_ALIASES,
+    UNSUPPORTED_KEYWORDS,
+    apply_hf_overrides,
+    profiler_options,
     refuse_unsupported,
 )
-from nanovllm.inputs import encode
+from nanovllm.entrypoints.engine_api import VllmEngineMixin
+from nanovllm.models.presets import PRESETS, preset_config
 from nanovllm.outputs import RequestOutput
 from nanovllm.plugins import REGISTRY
-from nanovllm.sampling_params import SamplingParams, check_bool, check_number
+from nanovllm.sampling_params import check_bool
 
-# generation_config.json's field -> SamplingParams'
-_GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-_GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
-
-
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The fields of vLLM's ``llm_engine.model_config`` that scripts read."""
-
-    model: str
-    tokenizer: str | None
-    dtype: object
-    max_model_len: int
-    hf_config: object
-
-
-class VllmEngineMixin:
-    """vLLM's engine methods, on the core ``LLMEngine``'s ``core``, ``config``, ``tokenizer`` and
-    ``_step_requests``."""
-
-    @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs):
-        return cls(engine_args.model, **engine_args.kwargs)
-
-    def add_request(self, *args, **kwargs):
-        """nano-vllm's ``add_request(prompt, sampling_params)``, returning the ``Request``, or
-        vLLM's ``add_request(request_id, prompt, params)``; either way ``step()`` reports it."""
-        if len(args) >= 2 and isinstance(args[1], SamplingParams) or "sampling_params" in kwargs:
-            return super().add_request(*args, **kwargs)
-        return self._add_request_by_id(*args, **kwargs)
-
-    def has_unfinished_requests(self) -> bool:
-        """Whether a request is unfinished, or an ``add_request`` one not yet reported finished by ``step()``."""
-        return not self.core.is_finished() or bool(self._step_requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        with self.core.lock:
-            return len({id(r) for r in self.core.requests.values() if not r.finished})
-
-    @property
-    def llm_engine(self) -> LLMEngine:
-        return self
-
-    @property
-    def model_config(self) -> ModelConfig:
-        c = self.config
-        return ModelConfig(c.model, c.tokenizer or c.model, c.torch_dtype, c.max_model_len, c.hf_config)
-
-    def get_model_config(self) -> ModelConfig:
-        return self.model_config
-
-    def get_tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError("get_tokenizer(): the engine has no tokenizer (skip_tokenizer_init=True)")
-        return self.tokenizer
-
-    def default_sampling_params(self) -> SamplingParams:
-        return self.get_default_sampling_params()
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's defaults (``max_tokens=16``, not nano-vllm's 64) under the fields that the
-        ``generation_config`` keyword's generation_config.json sets; what vLLM's forms use without
-        params."""
-        choice, fields = self.frontend["generation_config"], {}
-        path = os.path.join(self.config.model if choice == "auto" else choice, "generation_config.json")
-        if choice != "vllm" and os.path.isfile(path):
-            with open(path) as f:
-                fields = json.load(f)
-        return SamplingParams(**{"max_tokens": 16, **{
-            ours: fields[theirs] for theirs, ours in _GENERATION_FIELDS.items() if fields.get(theirs) is not None}})
-
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forgets every cached prefix block; refused (False) while requests hold blocks, unless
-        ``reset_running_requests``: they are preempted first, to be recomputed from their known tokens."""
-        check_bool("reset_running_requests", reset_running_requests)
-        with self.core.lock:
-            scheduler = self.core.scheduler
-            if reset_running_requests:
-                self.core.read_back()  # the step in flight: its tokens become known
-                while scheduler.running:
-                    scheduler.preempt(scheduler.running.pop())
-                for seq in scheduler.waiting:  # a prompt part-way through its chunks holds blocks
-                    scheduler.block_manager.deallocate(seq)
-            return scheduler.block_manager.reset_prefix_cache()
-
-    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list:
-        """vLLM's: ``method`` (a method's name, of the worker: the runner with
-        ``worker_extension_cls``'s methods; or a function of the worker) on every tensor-parallel
-        rank at once; each rank's result, rank 0's first. A worker missing ``timeout`` shuts the
-        engine down."""
-        if not (isinstance(method, str) or callable(method)):
-            raise TypeError(f"method must be a method name or a callable, got {method!r:.80}")
-        if timeout is not None:
-            check_number("timeout", timeout, lo=0, lo_open=True)
-        deadline = timeout and time.monotonic() + timeout
-        runner = self._resources.runner
-        if isinstance(method, str) and runner is not None and "." not in method and \
-                not callable(getattr(runner.worker, method, None)):
-            raise ValueError(f"method={method!r} is not a method of the workers (nanovllm's "
-                             "ModelRunner, with worker_extension_cls's methods)")
-        if callable(method):
-            method = functools.partial(_on_worker, method)
-        with self.core.lock:
-            try:
-                return call_every_rank(self.core, method, args, kwargs, deadline)
-            except TypeError as e:
-                raise TypeError(f"collective_rpc: {e}") from None
-            except RuntimeError as e:
-                if "raised" in str(e):
-                    raise RuntimeError(f"collective_rpc: {e}") from None
-                raise
-
-    def update_weights(self, weights) -> None:
-        """Replaces the weights in place with (checkpoint name, tensor) pairs as a transformers
-        model's ``named_parameters()`` gives them (any subset); every name and shape checked first
-        (a ValueError, nothing changed), storage kept (graphs stay valid), the prefix cache reset
-        (``features.weight_update``)."""
-        REGISTRY.get("method", "update_weights")(self, weights)
-
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep mode (``enable_sleep_mode=True``): gives the device memory of the KV cache
-        and the weights back; level 1 keeps the weights in host memory, level 2 discards them
-        (reload with ``update_weights``). Refused while requests are unfinished; requests are
-        refused until ``wake_up`` (``features.sleep``)."""
-        REGISTRY.get("method", "sleep")(self, level)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Takes back the device memory of ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
-        REGISTRY.get("method", "wake_up")(self, tags)
-
-    def is_sleeping(self) -> bool:
-        """Whether the weights or the KV cache are asleep."""
-        return REGISTRY.get("method", "is_sleeping")(self)
-
-    def start_profile(self, profile_prefix: str | None = None) -> None:
-        if self.frontend["profiler_config"] is None:
-            raise RuntimeError("start_profile() needs profiler_config={'profiler': 'torch', 'torch_profiler_dir': ...}")
-        self.collective_rpc(_start_profile, args=(self.frontend["profiler_config"], profile_prefix))
-
-    def stop_profile(self) -> None:
-        self.collective_rpc(_stop_profile)
-
-    def get_metrics(self) -> list:
-        """vLLM's metrics over the engine's life (``nanovllm.v1.metrics.reader``); they are counted
-        with ``disable_log_stats=False``, as in vLLM."""
-        if "metrics" not in self.features:
-            raise ValueError("get_metrics() needs the engine's statistics: create the LLM with "
-                             "disable_log_stats=False (vLLM's LLM disables them by default)")
-        with self.core.lock:
-            return self.features["metrics"].stats.snapshot(self.core.scheduler, self.config.model)
-
-    def _add_request_by_id(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
-                           lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
-        """vLLM's ``add_request``; the id is reserved first, so two threads cannot both take it."""
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {request_id!r}")
-        refuse_unsupported(priority, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                           trace_headers=trace_headers, arrival_time=arrival_time)  # arrival: the engine's clock
-        if self._step_requests.setdefault(request_id, None) is not None:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        try:
-            ids, text = self._parse_prompt(0, prompt)
-            params = self.get_default_sampling_params() if params is None else params
-            self._step_requests[request_id] = self._add(ids, text, self._admitted(params), 0,
-                                                        None, request_id, incremental=True)
-        except BaseException:
-            del self._step_requests[request_id]
-            raise
-
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
-             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
-             chat_template_content_format: str = "auto", lora_request=None,
-             mm_processor_kwargs=None) -> list[RequestOutput]:
-        """``generate`` on a conversation (a list of {"role", "content"} messages) or a list of them, rendered by
-        the tokenizer's chat template or ``chat_template``."""
-        refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
-        if chat_template_content_format not in ("auto", "string"):
-            raise ValueError("chat_template_content_format must be 'auto' or 'string', "
-                             f"got {chat_template_content_format!r}")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
-        if self.tokenizer is None or not (chat_template or self.tokenizer.chat_template):
-            raise ValueError("chat needs a tokenizer with a chat template (or chat_template=...)")
-        single = isinstance(messages, list) and messages and isinstance(messages[0], dict)
-        conversations = [messages] if single else messages
-        if not isinstance(conversations, list) or not all(
-                isinstance(c, list) and all(isinstance(m, dict) for m in c) for c in conversations):
-            raise TypeError(f"messages must be a conversation (a list of dicts) or a list of them, "
-                            f"got {messages!r:.80}")
-        where = "messages[{1}]" if single else "messages[{0}][{1}]"
-        conversations = [[text_message(where.format(c, i), m) for i, m in enumerate(conversation)]
-                         for c, conversation in enumerate(conversations)]
-        options = dict(chat_template=chat_template, tools=tools, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, **options) for c in conversations]
-        # the template writes the special tokens (BOS and the like) itself
-        prompts = [{"prompt_token_ids": encode(self.tokenizer, f"conversation {c}", text, add_special_tokens=False)}
-                   for c, text in enumerate(texts)]
-        return self._generate(self._add_requests(prompts, sampling_params, texts=texts), use_tqdm)
-
-
-def _start_profile(runner, options: dict, prefix: str | None) -> None:
-    """This rank's torch profiler, writing ``[prefix_]rank<r>.<time>.pt.trace.json[.gz]`` when stopped."""
-    import torch.profiler as tp
-    if getattr(runner, "torch_profiler", None) is not None:
-        raise RuntimeError("start_profile(): the profiler is running already")
-    name = f"{prefix}_rank{runner.rank}" if prefix else f"rank{runner.rank}"
-    flags = {ours: options.get(theirs, default) for theirs, (ours, default) in _PROFILER_FLAGS.items()}
-    handler = tp.tensorboard_trace_handler(options["torch_profiler_dir"], name, use_gzip=flags.pop("use_gzip"))
-    activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if runner.config.device == "cuda" else [])
-    runner.torch_profiler = tp.profile(activities=activities, on_trace_ready=handler, **flags)
-    runner.torch_profiler.start()
-
-
-def _stop_profile(runner) -> None:
-    if (profiler := getattr(runner, "torch_profiler", None)) is None:
-        raise RuntimeError("stop_profile() without start_profile()")
-    runner.torch_profiler = None
-    profiler.stop()
-
-
-def text_message(where: str, message: dict) -> dict:
-    """``message`` with its content as one string (vLLM's "string" format: text parts joined by newlines, None as
-    ""); a role that is not a string, or content other than text, is refused naming ``where``."""
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str):
-        raise ValueError(f"{where}['role'] must be a string, got {role!r:.60}")
-    if content is None or isinstance(content, str):
-        return {**message, "content": content or ""}
-    if not isinstance(content, list):
-        raise ValueError(f"{where}['content'] must be a string or a list of parts, got {content!r:.60}")
-    texts = []
-    for j, part in enumerate(content):
-        text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
-        if not isinstance(text, str) or isinstance(part, dict) and part.get("type", "text") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{where}['content'][{j}] has type {kind!r}: only text parts are supported "
-                             f"(nanovllm is text-only), got {part!r:.60}")
-        texts.append(text)
-    return {**message, "content": "\n".join(texts)}
+logger = logging.getLogger("nanovllm")
 
 
 class LLMEngine(VllmEngineMixin, CoreEngine):
@@ -283,8 +43,9 @@ class LLMEngine(VllmEngineMixin, CoreEngine):
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, *,
                  lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
-        num = len(prompts) if isinstance(prompts, (list, tuple)) else 1
-        refuse_unsupported(priority, num_prompts=num, lora_request=lora_request)
+        if lora_request is not None or priority is not None:
+            num = len(prompts) if isinstance(prompts, (list, tuple)) else 1
+            refuse_unsupported(priority, num_prompts=num, lora_request=lora_request)
         return super().generate(prompts, sampling_params, use_tqdm)
 
 
@@ -302,6 +63,104 @@ class LLM(LLMEngine):
                                                     concurrency_limit=concurrency_limit)
 
 
-def _on_worker(method, runner, *args, **kwargs):
-    """``collective_rpc``'s function of the worker, run on a rank."""
-    return method(runner.worker, *args, **kwargs)
+def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
+    """(``Config``'s keywords, the frontend's) from vLLM's ``LLM(model, **kwargs)``; a TypeError
+    names every unknown keyword."""
+    kwargs = _renamed(kwargs)
+    frontend = {**FRONTEND_KEYWORDS, **{k: kwargs.pop(k) for k in FRONTEND_KEYWORDS.keys() & kwargs}}
+    if frontend["generation_config"] is None:
+        frontend["generation_config"] = "auto"
+    _check_frontend(frontend)
+    model, hf_config = _model_and_config(model, kwargs, frontend)
+    kwargs["hf_config"], kwargs["features"] = hf_config, _features(hf_config, frontend)
+    return dict(kwargs, model=model), frontend
+
+
+def _renamed(kwargs: dict) -> dict:
+    """``kwargs`` with vLLM's aliases renamed and its no-op keywords dropped (logged). None means
+    "not given" for an alias or a field that takes no None (``LLM(**vars(args))`` passes every
+    flag of ``EngineArgs.add_cli_args``)."""
+    fields = {f.name: f for f in dataclasses.fields(Config) if f.init}
+    no_none = {n for n, f in fields.items() if "None" not in str(f.type).split(" | ")}
+    kwargs = {k: v for k, v in kwargs.items()
+              if v is not None or k not in no_none | set(KEYWORD_ALIASES) | {"disable_log_stats"}}
+    for alias, name in KEYWORD_ALIASES.items():
+        if alias in kwargs:
+            if kwargs.get(name) is not None:
+                raise TypeError(f"pass {name} or its alias {alias}, not both")
+            kwargs[name] = kwargs.pop(alias)
+    ignored = {name: IGNORED_KEYWORDS[name] for name in kwargs.keys() & IGNORED_KEYWORDS.keys()}
+    for name in sorted(kwargs.keys() & UNSUPPORTED_KEYWORDS.keys()):
+        accepted, why = UNSUPPORTED_KEYWORDS[name]
+        if kwargs[name] not in accepted:
+            only = f" (accepted: {', '.join(map(repr, accepted))})" if accepted else ""
+            raise ValueError(f"{name}={kwargs[name]!r} is not supported by nanovllm: {why}{only}")
+        ignored[name] = why
+    public = (fields.keys() | FRONTEND_KEYWORDS.keys()) - {"hf_config", "features"}
+    if unknown := sorted(set(kwargs) - public - ignored.keys()):
+        raise TypeError(f"unknown engine argument(s) {unknown}; allowed: "
+                        f"{sorted(public - {'model'})} and "
+                        "nanovllm.entrypoints.arg_utils.IGNORED_KEYWORDS")
+    if ignored:
+        logger.info("ignored vLLM engine argument(s), no effect in nanovllm: %s",
+                    "; ".join(f"{name} ({why})" for name, why in sorted(ignored.items())))
+    return {k: v for k, v in kwargs.items() if k not in ignored}
+
+
+def _check_frontend(frontend: dict) -> None:
+    choice = frontend["generation_config"]
+    if not isinstance(choice, (str, os.PathLike)) or (
+            choice not in ("auto", "vllm") and not os.path.isdir(choice)):
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {choice!r}")
+    for name in ("enable_sleep_mode", "disable_log_stats"):
+        check_bool(name, frontend[name])
+    if frontend["profiler_config"] is not None:
+        frontend["profiler_config"] = profiler_options(frontend["profiler_config"])
+
+
+def _model_and_config(model, kwargs: dict, frontend: dict) -> tuple[str, PretrainedConfig]:
+    """The model's directory (or preset name) and its config, overridden."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path, a Hugging Face Hub id or 'nanovllm:demo', "
+                        f"got {model!r}")
+    model, dummy = os.fspath(model), kwargs.get("load_format") == "dummy"
+    hub_options = dict(cache_dir=frontend["download_dir"], token=frontend["hf_token"])
+    if model.startswith(PREFIX):
+        model = builtin_model_path(model)
+    elif not os.path.isdir(model):
+        needs = ("config.json",) if dummy else ("config.json", "*.safetensors")
+        model = hub.resolve_model(model, needs, frontend["revision"], **hub_options)
+    if kwargs.get("tokenizer") is not None:
+        revision = frontend["tokenizer_revision"] or frontend["revision"]
+        kwargs["tokenizer"] = hub.resolve_model(os.fspath(kwargs["tokenizer"]), (), revision,
+                                                **hub_options)
+    if model in PRESETS and not os.path.isdir(model):
+        if not dummy or not kwargs.get("skip_tokenizer_init"):
+            raise ValueError(f"model {model!r} is an architecture preset (no weights, no "
+                             "tokenizer): pass load_format='dummy' and skip_tokenizer_init=True")
+        return model, apply_hf_overrides(preset_config(model), frontend["hf_overrides"])
+    if not os.path.isdir(model):
+        raise ValueError(f"model directory {model!r} does not exist (built-in models: "
+                         f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
+    if frontend["hf_overrides"] is None:
+        return model, None  # the core reads config.json
+    return model, apply_hf_overrides(load_hf_config(model),
+                                     frontend["hf_overrides"])
+
+
+def _features(hf_config, frontend: dict) -> tuple[tuple[str, dict], ...]:
+    """The features that the keywords (or a quantized checkpoint) ask for, with their options."""
+    features = []
+    if frontend["quantization"] is not None or getattr(hf_config, "quantization_config", None):
+        features.append(("fp8", {"quantization": frontend["quantization"]}))
+    if frontend["enable_sleep_mode"]:
+        features.append(("sleep", {}))
+    if frontend["worker_extension_cls"] not in (None, ""):
+        features.append(("worker_extension",
+                         {"worker_extension_cls": frontend["worker_extension_cls"]}))
+    if frontend["logits_processors"]:
+        features.append(("logits_processors",
+                         {"logits_processors": frontend["logits_processors"]}))
+    if frontend["disable_log_stats"] is False:
+        features.append(("metrics", {}))
+    return tuple(features)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from nanovllm import logits_processor as vllm_lp
+from nanovllm.engine.llm_engine import require_tokenizer
 from nanovllm.engine.sampling import LogitsHook, SamplingInputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
-from nanovllm.inputs import require_tokenizer
 from nanovllm.plugins import Feature
 
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.engine.llm_engine import require_tokenizer
 from nanovllm.engine.sampling import LogitsHook, SamplingInputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.features.bitmask_handoff import BitmaskHandoff, PendingFill, background
 from nanovllm.features.structured_checks import TOO_DEEP, check_regex, checked_schema
-from nanovllm.inputs import require_tokenizer
 from nanovllm.kernels import ops_for
 from nanovllm.plugins import Feature
 from nanovllm.sampling_params import check_bool

@@ -10,8 +10,6 @@ from types import ModuleType
 
 import torch
 
-from nanovllm.kernels import reference
-
 
 @functools.cache
 def triton_module(name: str, fallback: ModuleType | None) -> ModuleType | None:
@@ -24,10 +22,6 @@ def triton_module(name: str, fallback: ModuleType | None) -> ModuleType | None:
 def ops_for(x: torch.Tensor, name: str, fallback: ModuleType | None) -> ModuleType | None:
     """The Triton module ``name`` for a CUDA tensor, else ``fallback``."""
     return triton_module(name, fallback) if x.is_cuda else fallback
-
-
-def dense_ops(x: torch.Tensor) -> ModuleType:
-    return ops_for(x, "triton_linear", reference)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels import dense_ops
-from nanovllm.layers.linear import check_shape
+from nanovllm.layers.linear import check_shape, dense_ops
 from nanovllm.utils.context import get_context
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.kernels import dense_ops
+from nanovllm.layers.linear import dense_ops
 
 
 class RMSNorm(nn.Module):

@@ -12,10 +12,16 @@ import threading
 import torch
 from torch import nn
 
-from nanovllm.kernels import dense_ops
+from nanovllm.kernels import reference, triton_module
 from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dense_ops(x: torch.Tensor):
+    """The dense ops for ``x``: Triton's for a CUDA tensor (when triton is installed), else the
+    PyTorch reference."""
+    return triton_module("triton_linear", reference) if x.is_cuda else reference
 
 
 class LinearMethod:

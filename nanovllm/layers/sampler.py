@@ -128,12 +128,3 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> tupl
     chosen = logprobs.gather(1, token_ids[:, None])
     top = logprobs.topk(max(k, 1), dim=-1)
     return chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1, top.indices, top.values
-
-
-def prompt_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, num_top: int,
-                    slice_rows: int = 1024) -> tuple[torch.Tensor, ...]:
-    """``logprobs_of`` the next prompt tokens ``targets`` [R] at logits ``rows`` [R], ``slice_rows`` rows at a time
-    to bound the float32 copy."""
-    parts = [logprobs_of(torch.log_softmax(logits[rows[start:start + slice_rows]].float(), dim=-1),
-                         targets[start:start + slice_rows], num_top) for start in range(0, rows.numel(), slice_rows)]
-    return tuple(torch.cat(p) for p in zip(*parts))

@@ -1,4 +1,6 @@
-"""The tensor-parallel Llama decoder that every supported family shares, with its ``DecoderOptions``."""
+"""The tensor-parallel Llama decoder that every dense family shares, with its ``DecoderOptions``;
+the families (Llama, Mistral, Qwen2, Qwen3), registered as models by config.json's
+``architectures``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,6 +15,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
+from nanovllm.plugins import REGISTRY
 from nanovllm.utils.context import get_context
 
 
@@ -180,3 +183,25 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden_states)
 
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: biases on q, k and v only."""
+
+    @staticmethod
+    def options(config: PretrainedConfig) -> DecoderOptions:
+        return DecoderOptions(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def options(config: PretrainedConfig) -> DecoderOptions:
+        bias = getattr(config, "attention_bias", False)
+        return DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's options; ``sliding_window`` (when set) on every layer."""
+
+
+for _cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM):
+    REGISTRY.register("model", _cls.__name__, f"{_cls.__module__}:{_cls.__name__}")
