@@ -103,7 +103,7 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     of experts' sparse layer reads, per decode step, the experts its batch touches
     (``experts_touched`` at the step's number of running sequences) and computes top-k experts per
     token."""
-    from nanovllm.models.qwen3_moe import is_sparse_layer
+    from nanovllm.features.moe import is_sparse_layer
     c = hf_config
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -200,7 +200,8 @@ def run_nanovllm(args, prompts, params) -> float:
     args.async_scheduling = llm.config.async_scheduling
     args.attention_backend = llm.model_runner.attention_backend.name
     args.kv_cache_tokens = llm.config.num_kvcache_blocks * args.block_size  # what the cache holds
-    quant = llm.config.quant_config  # the roofline counts the weights in bf16 all the same
+    fp8 = llm.features.get("fp8")  # the roofline counts the weights in bf16 all the same
+    quant = fp8.quant_config if fp8 is not None else None
     args.weights = ("bf16" if quant is None else "fp8 block-wise" if quant.weight_block_size
                     else "fp8 per-channel")
     if args.scenario == "default":

@@ -22,14 +22,17 @@ SNIPPETS = [
 def show(title: str, prompts: list[str], outputs: list[dict]):
     print(f"\n{'=' * 30} {title} {'=' * 30}")
     for prompt, output in zip(prompts, outputs):
-        print(f"\n--- {prompt.splitlines()[-1]!r} ({len(output['token_ids'])} tokens, {output['finish_reason']})")
+        print(f"\n--- {prompt.splitlines()[-1]!r} "
+              f"({len(output['token_ids'])} tokens, {output['finish_reason']})")
         print(prompt + output["text"])
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="nanovllm:demo",
-                        help="a local Hugging Face checkpoint directory (default: the shipped demo model)")
+                        help="a local Hugging Face checkpoint directory "
+                             "(default: the shipped demo model)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8, help="of the sampled run")
     parser.add_argument("--seed", type=int, default=0, help="of the sampled run")
@@ -39,18 +42,22 @@ def main():
     args = parser.parse_args()
 
     start = time.perf_counter()
-    # max_num_seqs: the snippets are all it runs (a small KV cache on CPU, few CUDA Graphs to capture)
-    llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device, enforce_eager=args.enforce_eager,
-              max_num_seqs=len(SNIPPETS))
+    # max_num_seqs: the snippets are all it runs
+    # (a small KV cache on CPU, few CUDA Graphs to capture)
+    llm = LLM(args.model, tensor_parallel_size=args.tp, device=args.device,
+              enforce_eager=args.enforce_eager, max_num_seqs=len(SNIPPETS))
     where = f" ({llm.config.model})" if llm.config.model != args.model else ""
-    print(f"Loaded {args.model}{where} on {llm.config.device} in {time.perf_counter() - start:.1f} s")
+    print(f"Loaded {args.model}{where} on {llm.config.device} "
+          f"in {time.perf_counter() - start:.1f} s")
     try:
         greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         # a seed per snippet: one seed for all would draw the same noise for each
-        sampled = [SamplingParams(temperature=args.temperature, seed=args.seed + i, max_tokens=args.max_tokens)
+        sampled = [SamplingParams(temperature=args.temperature, seed=args.seed + i,
+                                  max_tokens=args.max_tokens)
                    for i in range(len(SNIPPETS))]
         show("greedy (temperature 0)", SNIPPETS, llm.generate(SNIPPETS, greedy, use_tqdm=False))
-        show(f"sampled (temperature {args.temperature}, seeds {args.seed}..{args.seed + len(SNIPPETS) - 1})",
+        show(f"sampled (temperature {args.temperature}, "
+             f"seeds {args.seed}..{args.seed + len(SNIPPETS) - 1})",
              SNIPPETS, llm.generate(SNIPPETS, sampled, use_tqdm=False))
     finally:
         llm.exit()

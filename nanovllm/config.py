@@ -1,14 +1,12 @@
-"""Engine configuration: one frozen dataclass of the core's fields, validated and resolved (every
-"auto", the model's config and class) in ``__post_init__``; ``derive`` makes the copy holding what
-start-up measures. vLLM's keywords, Hub ids and presets are the frontend's (``entrypoints``)."""
+"""Engine configuration: one frozen dataclass, validated and resolved (every "auto", the model's
+config and class) in ``__post_init__``; ``derive`` copies it with what start-up measures."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
@@ -19,9 +17,8 @@ from nanovllm.models import llama  # noqa: F401 (registers the dense families)
 from nanovllm.plugins import get_model_class
 from nanovllm.sampling_params import check_bool, check_int
 
-# vLLM's dtype names; their torch dtypes are accepted too
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+           "float16": torch.float16, "half": torch.float16}  # vLLM's names (torch dtypes too)
 
 logger = logging.getLogger("nanovllm")
 
@@ -50,10 +47,8 @@ class Config:
     cpu_kvcache_space: float = 4.0  # GiB of KV cache per rank on CPU, unless num_kvcache_blocks
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (scales of 1.0)
     enable_chunked_prefill: bool | None = None  # False: a prompt is never split
-    # None: the model directory's config.json (the frontend passes presets' and overridden ones)
-    hf_config: PretrainedConfig | None = field(default=None, repr=False)
-    # (registered feature, its options) installed on every rank (``plugins.Feature``)
-    features: tuple[tuple[str, dict], ...] = ()
+    hf_config: PretrainedConfig | None = field(default=None, repr=False)  # None: config.json's
+    features: tuple[tuple[str, dict], ...] = ()  # (registered feature, its options) on every rank
     # resolved in __post_init__
     model_class: type | None = field(default=None, init=False, repr=False)
     torch_dtype: torch.dtype | None = field(default=None, init=False)
@@ -63,52 +58,52 @@ class Config:
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a checkpoint directory, got {self.model!r}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        self._set(**{name: defaults[name] for name in _NONE_IS_DEFAULT
-                     if getattr(self, name) is None})
+        defaults = {f.name: f.default for f in fields(self) if f.name in _NONE_IS_DEFAULT}
+        self._set(**{name: defaults[name] for name in defaults if getattr(self, name) is None})
         self._check_values()
-        self._set(model=os.fspath(self.model),
-                  hf_config=self.hf_config or load_hf_config(os.fspath(self.model)))
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
+        hf = self.hf_config or load_hf_config(os.fspath(self.model))
+        self._set(model=os.fspath(self.model), hf_config=hf)
+        if self.device == "auto":
+            self._set(device="cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available")
-        if device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} exceeds the "
                              f"{torch.cuda.device_count()} visible GPU(s)")
-        self._set(device=device, async_scheduling=self.async_scheduling
-                  if self.async_scheduling is not None else device == "cuda")
-        self._resolve_model()
-        self._set(torch_dtype=self._resolve_dtype())
-        self._set(kv_cache_torch_dtype=self.torch_dtype if self.kv_cache_dtype == "auto"
-                  else torch.float8_e4m3fn)
-        # an unusable backend fails here; without a block size, choose with one every backend takes
-        backend = resolve_backend(self.attention_backend, self.device, self.torch_dtype,
-                                  self.kvcache_block_size or 256, self.model_class.head_dim(
-                                      self.hf_config), self.kv_cache_torch_dtype)
-        self._set(attention_backend=backend,
-                  kvcache_block_size=self.kvcache_block_size or DEFAULT_BLOCK_SIZE[backend])
-
-    def _resolve_model(self):
-        """The model class, ``max_model_len`` within its positions, and what it cannot build."""
-        hf = self.hf_config
+        if self.async_scheduling is None:
+            self._set(async_scheduling=self.device == "cuda")
+        # the model: max_model_len within its positions, its class (unsupported ones fail here)
         model_len = hf.max_position_embeddings
         max_model_len = model_len if self.max_model_len in (None, -1) else self.max_model_len
         if max_model_len > model_len:
             logger.info("max_model_len lowered from %d to the model's %d positions "
                         "(max_position_embeddings)", max_model_len, model_len)
-        # an unsupported architecture fails here, before any process starts
-        self._set(model_class=get_model_class(hf), max_model_len=min(max_model_len, model_len))
-        self.model_class.check_config(hf, self.max_model_len)
-        if self.enable_chunked_prefill is False and self.max_num_batched_tokens < self.max_model_len:
+        max_model_len = min(max_model_len, model_len)
+        self._set(model_class=get_model_class(hf), max_model_len=max_model_len)
+        self.model_class.check_config(hf, max_model_len)
+        if self.enable_chunked_prefill is False and self.max_num_batched_tokens < max_model_len:
             raise ValueError(f"enable_chunked_prefill=False needs max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens}) >= max_model_len "
-                             f"({self.max_model_len})")
+                             f"({self.max_num_batched_tokens}) >= max_model_len ({max_model_len})")
         for name, value in self.model_class.sharded_sizes(hf).items():
             if value and value % self.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide "
                                  f"the model's {name}={value}")
+        if self.dtype != "auto":
+            dtype = _DTYPES.get(self.dtype, self.dtype)
+        elif self.device == "cpu":
+            dtype = torch.float32
+        else:  # config.json's, by name
+            dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+            dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+            dtype = dtype if dtype in _DTYPES.values() else torch.bfloat16
+        self._set(torch_dtype=dtype, kv_cache_torch_dtype=dtype if self.kv_cache_dtype == "auto"
+                  else torch.float8_e4m3fn)
+        # an unusable backend fails here; without a block size, choose with one every backend takes
+        backend = resolve_backend(self.attention_backend, self.device, self.torch_dtype,
+                                  self.kvcache_block_size or 256, self.model_class.head_dim(hf),
+                                  self.kv_cache_torch_dtype)
+        self._set(attention_backend=backend,
+                  kvcache_block_size=self.kvcache_block_size or DEFAULT_BLOCK_SIZE[backend])
 
     def _set(self, **values) -> Config:
         for name, value in values.items():
@@ -116,8 +111,7 @@ class Config:
         return self
 
     def derive(self, **values) -> Config:
-        """A copy with what start-up found (``eos_token_ids``, ``num_kvcache_blocks``,
-        ``max_model_len``)."""
+        """A copy holding what start-up found (eos_token_ids, num_kvcache_blocks, max_model_len)."""
         return copy.copy(self)._set(**values)
 
     def _check_values(self):
@@ -138,8 +132,8 @@ class Config:
         if not self.cpu_kvcache_space > 0:
             raise ValueError(f"cpu_kvcache_space must be > 0 GiB, got {self.cpu_kvcache_space!r}")
         if not (self.dtype == "auto" or self.dtype in _DTYPES or self.dtype in _DTYPES.values()):
-            raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or their torch dtype, "
-                             f"got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or their torch "
+                             f"dtype, got {self.dtype!r}")
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
@@ -149,23 +143,11 @@ class Config:
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
 
-    def _resolve_dtype(self) -> torch.dtype:
-        if self.dtype != "auto":
-            return _DTYPES.get(self.dtype, self.dtype)
-        if self.device == "cpu":
-            return torch.float32
-        hf = self.hf_config
-        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-        dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype  # config.json: a name
-        return dtype if dtype in _DTYPES.values() else torch.bfloat16
-
 
 def load_hf_config(model: str) -> PretrainedConfig:
-    """A checkpoint directory's config.json."""
     if not os.path.isdir(model):
         raise ValueError(f"model directory {model!r} does not exist")
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.isfile(path := os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
     with open(path) as f:  # before transformers divides by its fields
         rope_parameters(json.load(f))
@@ -175,10 +157,9 @@ def load_hf_config(model: str) -> PretrainedConfig:
 _CHOICES = {"device": ("auto", "cuda", "cpu"), "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),
             "attention_backend": ("auto", "flash-attn", "triton", "torch"),
             "load_format": ("auto", "safetensors", "dummy")}
-# kvcache_block_size's default per backend: flash-attn's paged KV needs multiples of 256; 64 lets a
-# shared prefix of 64 tokens or more hit the prefix cache
+# kvcache_block_size's defaults: flash-attn's paged KV needs multiples of 256; 64: more prefix hits
 DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
-# the fields where vLLM's None means our default (max_model_len's and kvcache_block_size's None are
-# resolved later)
+# the fields where vLLM's None means our default (other fields resolve their None later)
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
                     "enable_prefix_caching")
+VllmConfig = Config  # the name vLLM's logits processors annotate their first argument with

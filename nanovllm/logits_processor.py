@@ -1,5 +1,5 @@
-"""vLLM v1's logits-processor interface (``vllm.v1.sample.logits_processor``), its per-request adapter, and the
-built-ins for ``SamplingParams.allowed_token_ids`` and ``bad_words``."""
+"""vLLM v1's logits-processor interface (``vllm.v1.sample.logits_processor``), its per-request
+adapter, and the built-ins for ``SamplingParams.allowed_token_ids`` and ``bad_words``."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,8 @@ import torch
 
 from nanovllm.plugins import import_by_name
 
-RequestLogitsProcessor = Callable[..., torch.Tensor]  # (output_ids, row) or (prompt_ids, output_ids, row) -> row
+# (output_ids, row) or (prompt_ids, output_ids, row) -> row
+RequestLogitsProcessor = Callable[..., torch.Tensor]
 
 
 class MoveDirectionality(Enum):
@@ -24,8 +25,9 @@ class MoveDirectionality(Enum):
 
 @dataclass(frozen=True)
 class BatchUpdate:
-    """The batch's changes since the last step, applied in this order: ``removed`` indices, ``added`` (index,
-    params, prompt ids, the live output ids list), ``moved`` (index 1, index 2, direction)."""
+    """The batch's changes since the last step, applied in this order: ``removed`` indices,
+    ``added`` (index, params, prompt ids, the live output ids list), ``moved`` (index 1, index 2,
+    direction)."""
 
     batch_size: int
     removed: Sequence[int]
@@ -34,7 +36,8 @@ class BatchUpdate:
 
 
 class LogitsProcessor(ABC):
-    """A batch-level logits processor: row i of ``apply``'s logits is the request at batch index i."""
+    """A batch-level logits processor: row i of ``apply``'s logits is the request at batch index
+    i."""
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
@@ -86,8 +89,8 @@ def process_dict_updates(req_entries: dict[int, Any], batch_update: BatchUpdate 
 
 
 class AdapterLogitsProcessor(LogitsProcessor):
-    """Runs per-request processors: ``new_req_logits_processor(params)`` returns a ``RequestLogitsProcessor``,
-    or None to leave the request alone."""
+    """Runs per-request processors: ``new_req_logits_processor(params)`` returns a
+    ``RequestLogitsProcessor``, or None to leave the request alone."""
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool):
         self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -123,10 +126,12 @@ class _Builtin(LogitsProcessor):
 class AllowedTokenIdsLogitsProcessor(_Builtin):
     """``SamplingParams.allowed_token_ids``: only those tokens may be sampled."""
 
-    masks: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, [rows, vocab] True = banned), kept while valid
+    # (rows, [rows, vocab] True = banned), kept while valid
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if process_dict_updates(self.entries, batch_update, lambda params, _, __: params.allowed_token_ids):
+        if process_dict_updates(self.entries, batch_update,
+                                lambda params, _, __: params.allowed_token_ids):
             self.masks = None
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -136,19 +141,21 @@ class AllowedTokenIdsLogitsProcessor(_Builtin):
             banned = torch.ones(len(self.entries), logits.size(1), dtype=torch.bool)
             for i, ids in enumerate(self.entries.values()):
                 banned[i, ids] = False
-            self.masks = torch.tensor(list(self.entries), device=logits.device), banned.to(logits.device)
+            self.masks = (torch.tensor(list(self.entries), device=logits.device),
+                          banned.to(logits.device))
         rows, banned = self.masks
         logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
         return logits
 
 
 class BadWordsLogitsProcessor(_Builtin):
-    """``SamplingParams.bad_words`` (as ``bad_words_token_ids``): a word's last token is banned right after its
-    other tokens (vLLM's semantics)."""
+    """``SamplingParams.bad_words`` (as ``bad_words_token_ids``): a word's last token is banned
+    right after its other tokens (vLLM's semantics)."""
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(self.entries, batch_update,
-                             lambda params, _, out: (params._bad_words_token_ids, out) if params.bad_words else None)
+                             lambda params, _, out: (params._bad_words_token_ids, out)
+                                                    if params.bad_words else None)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         banned = [(index, ids[-1]) for index, (words, out) in self.entries.items() for ids in words
@@ -159,15 +166,16 @@ class BadWordsLogitsProcessor(_Builtin):
 
 
 def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
-    """vLLM's tokenization of bad words: each as the text's start and, if that differs but is as long, after a
-    space."""
+    """vLLM's tokenization of bad words: each as the text's start and, if that differs but is as
+    long, after a space."""
     token_ids = []
     for word in bad_words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         if not plain:
             raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        token_ids += [plain, spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [plain]
+        token_ids += ([plain, spaced] if spaced and spaced[0] != plain[0]
+                      and len(spaced) == len(plain) else [plain])
     return token_ids
 
 
@@ -175,17 +183,19 @@ BUILTIN_LOGITS_PROCESSORS = (AllowedTokenIdsLogitsProcessor, BadWordsLogitsProce
 
 
 def load_logits_processors(entries) -> list[type[LogitsProcessor]]:
-    """The classes of ``logits_processors``: ``LogitsProcessor`` subclasses or "module.Class" / "module:Class"."""
+    """The classes of ``logits_processors``: ``LogitsProcessor`` subclasses or "module.Class" /
+    "module:Class"."""
     if entries is None:
         return []
     if not isinstance(entries, (list, tuple, str)):
-        raise TypeError(f"logits_processors must be a list of LogitsProcessor classes or 'module.Class' names, "
-                        f"got {entries!r:.80}")
+        raise TypeError("logits_processors must be a list of LogitsProcessor classes or "
+                        f"'module.Class' names, got {entries!r:.80}")
     return [_load(entry) for entry in ([entries] if isinstance(entries, str) else entries)]
 
 
 def _load(entry) -> type[LogitsProcessor]:
-    cls = import_by_name(entry, f"logits_processors entry {entry!r}") if isinstance(entry, str) else entry
+    cls = (import_by_name(entry, f"logits_processors entry {entry!r}") if isinstance(entry, str)
+           else entry)
     if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
         raise TypeError(f"logits_processors entry {entry!r:.80} is not a subclass of "
                         "nanovllm.logits_processor.LogitsProcessor")

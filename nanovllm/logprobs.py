@@ -1,5 +1,5 @@
-"""vLLM's ``vllm.logprobs``: ``Logprob``, the flat container of ``SamplingParams.flat_logprobs``, and the
-``PromptLogprobs`` / ``SampleLogprobs`` aliases."""
+"""vLLM's ``vllm.logprobs``: ``Logprob``, the flat container of ``SamplingParams.flat_logprobs``,
+and the ``PromptLogprobs`` / ``SampleLogprobs`` aliases."""
 from __future__ import annotations
 
 from collections import abc
@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 
 class Logprob(float):
-    """A token's log probability (a float) with vLLM's ``rank`` (1: the most likely) and ``decoded_token``."""
+    """A token's log probability (a float) with vLLM's ``rank`` (1: the most likely) and
+    ``decoded_token``."""
 
     __slots__ = ("rank", "decoded_token")
 
@@ -21,7 +22,8 @@ class Logprob(float):
         return float(self)
 
     def __repr__(self) -> str:
-        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
 
     def __reduce__(self):
         return Logprob, (float(self), self.rank, self.decoded_token)
@@ -29,8 +31,8 @@ class Logprob(float):
 
 @dataclass
 class FlatLogprobs(abc.Sequence):
-    """vLLM's flat container: position i's entries in columns ``start_indices[i]:end_indices[i]``; it reads as a
-    list of ``{token id: Logprob}`` ({} for None)."""
+    """vLLM's flat container: position i's entries in columns ``start_indices[i]:end_indices[i]``;
+    it reads as a list of ``{token id: Logprob}`` ({} for None)."""
 
     start_indices: list[int] = field(default_factory=list)
     end_indices: list[int] = field(default_factory=list)

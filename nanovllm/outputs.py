@@ -1,5 +1,5 @@
-"""vLLM's ``RequestOutput`` and ``CompletionOutput``, as ``generate`` and ``chat`` return them; the outputs also
-answer nano-vllm's dict keys (``out["text"]``)."""
+"""vLLM's ``RequestOutput`` and ``CompletionOutput``, as ``generate`` and ``chat`` return them;
+they also answer nano-vllm's dict keys (``out["text"]``)."""
 from __future__ import annotations
 
 import functools
@@ -12,8 +12,8 @@ logger = logging.getLogger("nanovllm")
 
 
 class DictLike:
-    """Dict-style access to a dataclass's fields and to ``_ALIASES`` (key -> a function of the object);
-    ``_OPTIONAL`` fields are absent keys while they are None."""
+    """Dict-style access to a dataclass's fields and to ``_ALIASES`` (key -> a function of the
+    object); ``_OPTIONAL`` fields are absent keys while they are None."""
 
     _ALIASES: dict = {}
     _OPTIONAL: tuple[str, ...] = ()
@@ -50,8 +50,8 @@ class DictLike:
 
 @dataclass
 class CompletionOutput(DictLike):
-    """``finish_reason``: "stop", "length", "abort" or "error"; ``stop_reason``: the stop string or token id
-    that ended it (None for EOS, length, abort)."""
+    """``finish_reason``: "stop", "length", "abort" or "error"; ``stop_reason``: the stop string
+    or token id that ended it (None for EOS, length, abort)."""
 
     index: int
     text: str
@@ -79,7 +79,8 @@ class RequestMetrics(DictLike):
 
 
 def _ignores_unknown_keywords(cls):
-    """vLLM's forward compatibility: the constructor logs and drops keywords of a later vLLM."""
+    """vLLM's forward compatibility: the constructor logs and drops keywords of a later vLLM (the
+    engine builds its outputs with the dataclass's own ``__init__``, ``__init__.__wrapped__``)."""
     init, names = cls.__init__, {f.name for f in fields(cls) if f.init}
 
     @functools.wraps(init)
@@ -106,8 +107,9 @@ class RequestOutput(DictLike):
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    error: str | None = field(default=None, repr=False)  # why a completion ended with finish_reason "error"
+    # why a completion ended with finish_reason "error"
+    error: str | None = field(default=None, repr=False)
 
-    _ALIASES = {"text": lambda o: o.outputs[0].text, "token_ids": lambda o: o.outputs[0].token_ids,
-                "finish_reason": lambda o: o.outputs[0].finish_reason, "logprobs": lambda o: o.outputs[0].logprobs}
+    _ALIASES = {name: (lambda o, name=name: getattr(o.outputs[0], name))
+                for name in ("text", "token_ids", "finish_reason", "logprobs")}
     _OPTIONAL = ("prompt_logprobs", "error", "logprobs")

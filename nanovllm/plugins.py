@@ -12,30 +12,23 @@ import importlib
 
 class Registry:
     def __init__(self):
-        self.entries: dict[str, dict[str, str]] = {}  # kind -> name -> "module:attribute"
-        self.meta: dict[tuple[str, str], dict] = {}  # what is known of an entry without importing it
+        self.entries: dict[str, dict[str, tuple[str, dict]]] = {}  # kind -> name -> (target, meta)
 
     def register(self, kind: str, name: str, target: str, **meta) -> None:
-        self.entries.setdefault(kind, {})[name] = target
-        self.meta[kind, name] = meta
-
-    def find(self, kind: str, key: str, value) -> list[str]:
-        """The names of ``kind`` whose ``key`` metadata holds ``value``."""
-        return [name for name in self.names(kind) if value in self.meta[kind, name].get(key, ())]
+        """``meta``: what is known of the entry without importing it."""
+        self.entries.setdefault(kind, {})[name] = (target, meta)
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries.get(kind, {}))
 
-    def meta_values(self, kind: str, key: str) -> set:
-        """Every value that ``kind``'s entries list under ``key``."""
-        return {v for name in self.names(kind) for v in self.meta[kind, name].get(key, ())}
+    def meta(self, kind: str, name: str) -> dict:
+        return self.entries[kind][name][1]
 
     def get(self, kind: str, name: str):
         """The registered object, imported now; a ValueError lists the names ``kind`` has."""
-        target = self.entries.get(kind, {}).get(name)
-        if target is None:
+        if name not in self.entries.get(kind, {}):
             raise ValueError(f"unknown {kind} {name!r}; registered: {self.names(kind)}")
-        return _load(target)
+        return _load(self.entries[kind][name][0])
 
 
 @functools.cache
@@ -66,7 +59,7 @@ class Feature:
 
     @classmethod
     def verify_params(cls, params) -> None:
-        """Checks its ``SamplingParams`` fields when the params are built (a ValueError names one)."""
+        """Checks its ``SamplingParams`` fields when the params are built (errors name them)."""
 
     def setup_runner(self, runner) -> None:
         """On every rank, before the model is built: ``runner.build_contexts`` (linear methods),
@@ -76,14 +69,14 @@ class Feature:
         """On rank 0 once the runners are built: logits hooks (``engine.core.hooks``), methods."""
 
     def check_request(self, params, engine) -> None:
-        """An admission check of a request's verified ``SamplingParams`` (a ValueError refuses it)."""
+        """An admission check of a request's verified ``SamplingParams`` (a ValueError refuses)."""
 
 
 def features_of_params(params) -> list[str]:
     """The registered features whose request fields ``params`` sets (none is imported)."""
-    fields = [name for name in REGISTRY.meta_values("feature", "request_fields")
-              if getattr(params, name, None) is not None]
-    return sorted({f for name in fields for f in REGISTRY.find("feature", "request_fields", name)})
+    return [name for name in REGISTRY.names("feature") if any(
+        getattr(params, f, None) is not None
+        for f in REGISTRY.meta("feature", name).get("request_fields", ()))]
 
 
 def get_model_class(hf_config):

@@ -1,5 +1,5 @@
-"""Per-request sampling parameters with vLLM's names and meanings (but nano-vllm's defaults ``temperature=1.0``,
-``max_tokens=64``), and the structured-output constraint."""
+"""Per-request sampling parameters with vLLM's names and meanings (nano-vllm's defaults
+``temperature=1.0``, ``max_tokens=64``), and the checks that name a bad value."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +15,7 @@ MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
 
 
 class RequestOutputKind(Enum):
-    """vLLM's: what ``LLMEngine.step`` reports of a request; ``generate`` returns the final output whatever it is."""
+    """vLLM's: what ``LLMEngine.step`` reports of a request (``generate``: the final output)."""
 
     CUMULATIVE = 0  # everything so far, at every report
     DELTA = 1       # only what is new since the last report
@@ -24,8 +24,8 @@ class RequestOutputKind(Enum):
 
 @dataclass
 class SamplingParams:
-    """vLLM's sampling parameters (``temperature=0`` is greedy). Logprobs come from the raw model distribution,
-    before temperature and penalties; completion i of ``n`` with a ``seed`` uses (seed + i) mod 2**64."""
+    """vLLM's sampling parameters (``temperature=0`` is greedy). Logprobs come from the raw model
+    distribution; completion i of ``n`` with a ``seed`` uses (seed + i) mod 2**64."""
 
     n: int = 1
     temperature: float = 1.0
@@ -52,7 +52,8 @@ class SamplingParams:
     extra_args: dict | None = None  # for custom logits processors
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)  # at admission
+    # vLLM's: bad_words tokenized at admission (by the logits processors' feature)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __setattr__(self, name: str, value):
         super().__setattr__(name, value)
@@ -60,7 +61,8 @@ class SamplingParams:
             self.__dict__.pop(derived, None)
 
     def verify(self) -> None:
-        """Raises naming the first bad field; makes ``stop_token_ids`` a list and ``temperature`` a float."""
+        """Raises naming the first bad field; ``stop_token_ids`` becomes a list, ``temperature`` a
+        float."""
         check_number("temperature", self.temperature, lo=0.0)
         check_number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         check_number("min_p", self.min_p, lo=0.0, hi=1.0)
@@ -72,11 +74,13 @@ class SamplingParams:
         check_int("max_tokens", self.max_tokens, lo=1)
         check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}")
         for name, hi in (("seed", MAX_SEED - 1), ("logprobs", None), ("prompt_logprobs", None)):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=0, hi=hi)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "flat_logprobs"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "detokenize", "flat_logprobs"):
             check_bool(name, getattr(self, name))
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -90,17 +94,19 @@ class SamplingParams:
     __post_init__ = verify  # at construction, and again when a request is admitted
 
     def _verify_stops(self) -> None:
-        if not (self.stop is None or isinstance(self.stop, str) or
-                (isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop))):
-            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        stop = self.stop
+        if not (stop is None or isinstance(stop, str) or
+                (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop))):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         if not all(self.stop_strings):
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
         if self.stop_strings and not self.detokenize:
-            raise ValueError(f"stop strings are only supported when detokenize is True. Set detokenize=True to use "
-                             f"stop (got stop={self.stop!r}, detokenize=False)")
+            raise ValueError(f"stop strings are only supported when detokenize is True. Set "
+                             f"detokenize=True to use stop (got stop={stop!r}, detokenize=False)")
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
-        if not _is_token_ids(ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        if not (isinstance(ids, (list, tuple)) and all(type(t) is int and t >= 0 for t in ids)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, "
+                             f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
 
     def clone(self) -> SamplingParams:
@@ -116,7 +122,8 @@ class SamplingParams:
 
     @cached_property
     def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     @cached_property
     def needs_top_k_top_p(self) -> bool:
@@ -125,14 +132,16 @@ class SamplingParams:
     @cached_property
     def is_plain(self) -> bool:
         """Temperature only: the sampler's fast path."""
-        return not (self.needs_top_k_top_p or self.min_p > 0 or self.needs_penalties or self.min_tokens
-                    or self.seed is not None or self.logprobs is not None)
+        return not (self.needs_top_k_top_p or self.min_p > 0 or self.needs_penalties
+                    or self.min_tokens or self.seed is not None or self.logprobs is not None)
 
 
-_DERIVED = tuple(name for name, value in vars(SamplingParams).items() if isinstance(value, cached_property))
+_DERIVED = tuple(name for name, value in vars(SamplingParams).items()
+                 if isinstance(value, cached_property))
 
 
-def check_number(name: str, value, lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False):
+def check_number(name: str, value, lo: float = -math.inf, hi: float = math.inf,
+                 lo_open: bool = False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     if not (math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi):
@@ -144,11 +153,8 @@ def check_int(name: str, value, lo: int, hi: int | None = None):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be >= {lo}{f' and <= {hi}' if hi is not None else ''}, got {value}")
-
-
-def _is_token_ids(value) -> bool:
-    return isinstance(value, (list, tuple)) and all(type(t) is int and t >= 0 for t in value)
+        upto = f" and <= {hi}" if hi is not None else ""
+        raise ValueError(f"{name} must be >= {lo}{upto}, got {value}")
 
 
 def check_bool(name: str, value):
@@ -157,8 +163,8 @@ def check_bool(name: str, value):
 
 
 def __getattr__(name: str):
-    """vLLM's other names in this module (``StructuredOutputsParams``, ``BeamSearchParams``), which
-    features register as the ``name`` kind: imported when first asked for."""
+    """vLLM's names here that features define (``StructuredOutputsParams``, ``BeamSearchParams``),
+    imported when first asked for."""
     if name in REGISTRY.names("name"):
         return REGISTRY.get("name", name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

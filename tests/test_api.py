@@ -394,8 +394,9 @@ def test_default_block_size_is_the_backends(tiny):
     """64 tokens unless flash-attn (its paged KV: multiples of 256); None, vLLM's "default", too; a given size
     stays, and one the backend cannot take is refused naming it."""
     from nanovllm.config import DEFAULT_BLOCK_SIZE, Config
+    from nanovllm.entrypoints.llm import create_engine_config
     assert Config(tiny, device="cpu").kvcache_block_size == 64
-    assert Config.from_kwargs(tiny, device="cpu", block_size=None).kvcache_block_size == 64
+    assert create_engine_config(tiny, device="cpu", block_size=None).kvcache_block_size == 64
     assert Config(tiny, device="cpu", kvcache_block_size=32).kvcache_block_size == 32
     from nanovllm.layers import attention
     assert set(DEFAULT_BLOCK_SIZE) == set(attention.BACKENDS)   # every backend has one

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import CPU_ENGINE
 
-from nanovllm.beam_search import (
+from nanovllm.features.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
     BeamSearchSequence,

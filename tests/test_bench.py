@@ -55,7 +55,7 @@ def test_bench_runs_on_cpu(tmp_path, quantization):
 
 def test_fp8_presets_are_qwens_block_wise_checkpoints():
     """qwen3-*-fp8: the model's config.json with Qwen3-*-FP8's quantization_config (e4m3, 128x128 blocks)."""
-    from nanovllm.layers.quantization import get_quantization_config
+    from nanovllm.features.fp8 import get_quantization_config
     fp8, bf16 = preset_config("qwen3-8b-fp8"), preset_config("qwen3-8b")
     assert fp8.hidden_size == bf16.hidden_size and fp8.num_hidden_layers == bf16.num_hidden_layers
     config = get_quantization_config(fp8, None)

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CHECKPOINTS, ENGINE, assert_matches_oracle, assert_no_leaks, random_prompts, run_engine
+from conftest import (
+    CHECKPOINTS,
+    ENGINE,
+    assert_matches_oracle,
+    assert_no_leaks,
+    random_prompts,
+    run_engine,
+)
 
 from nanovllm import LLM, SamplingParams
 

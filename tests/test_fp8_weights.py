@@ -16,7 +16,7 @@ from tiny_model import build_tiny_qwen3
 from transformers import AutoConfig
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.quantization import (
+from nanovllm.features.fp8 import (
     FP8,
     dequantize_fp8_block,
     get_quantization_config,
@@ -25,6 +25,7 @@ from nanovllm.layers.quantization import (
     quantize_fp8_per_channel,
     skip_unconverted_layers,
 )
+from nanovllm.layers.linear import LinearMethod
 from nanovllm.models import get_model_class
 from nanovllm.utils import loader
 from nanovllm.utils.distributed import tensor_parallel
@@ -289,7 +290,7 @@ def test_modules_to_not_convert_keeps_a_layer_float(float_ckpt, tmp_path):
         **c, "modules_to_not_convert": ["lm_head", "model.layers.1.mlp"]})
     model = _load(ckpt)
     assert model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.float32
-    assert model.model.layers[1].mlp.gate_up_proj.quant_method is None
+    assert type(model.model.layers[1].mlp.gate_up_proj.quant_method) is LinearMethod
     assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
 
 
@@ -334,7 +335,8 @@ def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckp
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
     reference, _ = run_engine(path, prompts, params, device="cpu", dtype="float32", **kw)
     calls = []
-    monkeypatch.setattr(kernels, "fp8_ops", lambda x: calls.append(x.size(0)) or triton_fp8)
+    monkeypatch.setattr(kernels, "ops_for", lambda x, name, fallback: (
+        calls.append(x.size(0)) or triton_fp8) if name == "triton_fp8" else fallback)
     with_kernel, _ = run_engine(path, prompts, params, device="cpu", dtype="float32", **kw)
     assert calls and max(calls) > triton_fp8.SKINNY_MAX_M and min(calls) <= 2  # prefill, then decode
     diffs = []

@@ -230,7 +230,7 @@ def test_tensor_parallel_2_dead_worker_raises(tiny):
 def test_nccl_group_collectives_eager_and_in_a_graph():
     """The engine's own NCCL group (no torch.distributed default group), here of one rank: the collectives
     the layers use, eager and captured in a CUDA graph (decode under TP replays them), then abort."""
-    from nanovllm.utils.distributed import TPGroup, free_port
+    from nanovllm.engine.worker_group import TPGroup, free_port
     group = TPGroup(0, 1, free_port(), "cuda")
     x = torch.arange(6, dtype=torch.float32, device="cuda")
     assert torch.equal(group.all_reduce(x.clone()), x)

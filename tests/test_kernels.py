@@ -218,7 +218,7 @@ def test_flash_attn_backend_sliding_window_matches_reference(window):
     from types import SimpleNamespace
 
     from nanovllm.layers.attention import bind_backend
-    backend = bind_backend("flash-attn")
+    backend = bind_backend("flash-attn", torch.bfloat16, 128)
     lens = [1, 300, 1000]
     k_cache, v_cache, tables = paged_cache(lens, 8, 128, 256, torch.bfloat16, seed=11)
     layer = SimpleNamespace(k_cache=k_cache, v_cache=v_cache, scale=128 ** -0.5, sliding_window=window,

@@ -221,13 +221,15 @@ def test_bad_logits_processor_classes_are_refused_by_name(tiny, entry, error, ma
 
 
 def test_logits_processors_by_name_and_not_a_list(tiny):
-    from nanovllm.config import Config
+    from nanovllm.logits_processor import load_logits_processors
     names = ["test_logits_processors.DummyLogitsProcessor", "test_logits_processors:CountingProcessor"]
-    assert Config(tiny, device="cpu", logits_processors=names).logits_processors == [DummyLogitsProcessor,
-                                                                                     CountingProcessor]
-    assert Config(tiny, device="cpu", logits_processors=None).logits_processors == []
+    assert load_logits_processors(names) == [DummyLogitsProcessor, CountingProcessor]
+    with LLM(tiny, **CPU_ENGINE, logits_processors=names) as llm:  # the feature takes the names
+        assert llm.features["logits_processors"].classes == [DummyLogitsProcessor, CountingProcessor]
+    with LLM(tiny, **CPU_ENGINE, logits_processors=None) as llm:  # none: the feature is not installed
+        assert "logits_processors" not in llm.features
     with pytest.raises(TypeError, match="logits_processors must be a list of LogitsProcessor classes"):
-        Config(tiny, device="cpu", logits_processors=DummyLogitsProcessor)
+        LLM(tiny, **CPU_ENGINE, logits_processors=DummyLogitsProcessor)
 
 
 def test_a_processor_class_that_cannot_pickle_runs_under_tensor_parallelism(tiny):

@@ -31,8 +31,9 @@ from transformers import AutoConfig
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.rotary_embedding import get_rope
-from nanovllm.models import MODEL_REGISTRY, get_model_class
+from nanovllm.models import get_model_class
 from nanovllm.models.llama import head_dim_of
+from nanovllm.plugins import REGISTRY
 from nanovllm.utils import loader
 from nanovllm.utils.distributed import tensor_parallel
 
@@ -67,7 +68,9 @@ def test_sliding_windows_per_layer():
                                        layer_types=["sliding_attention", "full_attention"] * 2)) == [8, 0, 8, 0]
     assert sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=16)) == [16, 16]
     assert sliding_windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [0, 0]
-    from transformers import Qwen3MoeConfig  # no layer_types: every layer windowed when use_sliding_window
+    from transformers import (
+        Qwen3MoeConfig,  # no layer_types: every layer windowed when use_sliding_window
+    )
     assert sliding_windows(Qwen3MoeConfig(num_hidden_layers=3, use_sliding_window=True, sliding_window=64,
                                           max_window_layers=1)) == [64] * 3
     assert sliding_windows(Qwen3MoeConfig(num_hidden_layers=3, sliding_window=64)) == [0] * 3
@@ -247,7 +250,10 @@ def test_one_rotary_table_of_max_model_len_rows(tiny):
     assert _build(tiny).model.rotary_emb.cos_sin_cache.shape[0] == config.max_position_embeddings
 
 
-@pytest.mark.parametrize("cls", list(MODEL_REGISTRY.values()), ids=list(MODEL_REGISTRY))
+MODELS = {name: REGISTRY.get("model", name) for name in REGISTRY.names("model")}
+
+
+@pytest.mark.parametrize("cls", list(MODELS.values()), ids=list(MODELS))
 @pytest.mark.parametrize("bad", [0, -1, "512", 1.5])
 def test_every_family_takes_max_model_len(tiny, cls, bad):
     config = AutoConfig.from_pretrained(tiny)

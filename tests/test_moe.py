@@ -30,8 +30,8 @@ from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_model
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.features.fp8 import FP8, quantize_fp8_block
 from nanovllm.kernels import moe_reference
-from nanovllm.layers.quantization import FP8, quantize_fp8_block
 
 triton_moe = pytest.importorskip("nanovllm.kernels.triton_moe")
 
@@ -140,7 +140,9 @@ def test_dummy_weights_and_bad_configs(moe_checkpoints, tmp_path):
     odd = edited_checkpoint(path, tmp_path / "odd", moe_intermediate_size=33)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide the model's moe_intermediate_size=33"):
         LLM(odd, device="cpu", tensor_parallel_size=2)
-    from nanovllm.config import Config  # the checks alone (no engine): the dense MLP's size matters only if built
+    from nanovllm.config import (
+        Config,  # the checks alone (no engine): the dense MLP's size matters only if built
+    )
     Config(edited_checkpoint(path, tmp_path / "sparse", mlp_only_layers=[], intermediate_size=33),
            tensor_parallel_size=2, device="cpu")
     with pytest.raises(ValueError, match="must divide the model's intermediate_size=33"):
@@ -158,9 +160,9 @@ def test_dummy_router_is_the_same_on_every_rank(moe_checkpoints):
     route alike on all of them: rank 0's values everywhere."""
     from transformers import AutoConfig
 
-    from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+    from nanovllm.features.moe import Qwen3MoeForCausalLM
+    from nanovllm.models.presets import load_dummy_weights
     from nanovllm.utils.distributed import tensor_parallel
-    from nanovllm.utils.loader import load_dummy_weights
     config = AutoConfig.from_pretrained(moe_checkpoints["topk_norm_mixed"])
     ranks = []
     for rank in range(2):
@@ -363,9 +365,9 @@ def test_fp8_fused_moe_refuses_missing_or_misshapen_scales(fused_moe):
 def test_fused_moe_layer_hands_its_fp8_experts_to_the_kernel(monkeypatch):
     """FusedMoE of a block-wise fp8 model passes the e4m3 experts, their scales and block to the kernel (no
     dequantized copy), which gives the reference layer's output."""
-    from nanovllm.layers import fused_moe as layer_module
-    from nanovllm.layers.fused_moe import FusedMoE
-    from nanovllm.layers.quantization import Fp8Config, quantization
+    from nanovllm.features import moe as layer_module
+    from nanovllm.features.fp8 import Fp8Config, quantization
+    from nanovllm.features.moe import FusedMoE
     with quantization(Fp8Config(True, (32, 32))):
         layer = FusedMoE(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64, renormalize=True)
     g = torch.Generator().manual_seed(13)

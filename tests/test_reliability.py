@@ -15,7 +15,15 @@ import time
 import weakref
 
 import pytest
-from conftest import CPU_ENGINE, ENGINE, GREEDY, assert_no_leaks, edited_checkpoint, random_prompts, token_ids_of
+from conftest import (
+    CPU_ENGINE,
+    ENGINE,
+    GREEDY,
+    assert_no_leaks,
+    edited_checkpoint,
+    random_prompts,
+    token_ids_of,
+)
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine import worker_group
@@ -244,7 +252,7 @@ def test_script_without_main_guard_fails_at_once_with_the_fix(tiny, tmp_path):
 def test_waiting_for_a_step_notices_a_dead_worker():
     """With NCCL a step whose collectives wait for a dead rank never completes: the wait for its sampled
     tokens polls the step's event and gives up once a worker is gone, instead of blocking forever."""
-    from nanovllm.engine.outputs import wait_for_event
+    from nanovllm.engine.cuda_graph import wait_for_event
 
     class NeverDone:  # a CUDA event of a forward stuck in a collective
         def query(self):

@@ -32,7 +32,7 @@ class Extension:
 
 
 class Clashing:
-    def sleep(self):
+    def capture_cudagraph(self):  # the runner's own
         pass
 
 
@@ -89,9 +89,9 @@ def test_sleep_and_wake_up_one_rank(pair, oracle):
         assert generate(llm) == generate(llm)  # the prefix cache (reset at sleep) refilled and hit
         # a second level-1 sleep after a level-2 one, and level 2 over level 1 discards the host copy
         llm.sleep(level=1)
-        assert llm.model_runner.sleep_state.host is not None
+        assert llm.model_runner.extensions["sleep"].host is not None
         llm.sleep(level=2)
-        assert llm.model_runner.sleep_state.host is None
+        assert llm.model_runner.extensions["sleep"].host is None
         llm.wake_up()
         assert all(not p.detach().any() for p in llm.model_runner.model.parameters())  # discarded: zeros
         llm.update_weights(weights)
@@ -116,7 +116,7 @@ def test_sleep_and_extension_on_two_ranks(pair, oracle, monkeypatch):
     """TP=2: sleep and wake_up run on both ranks (the update after level 2 reaches the worker's shard), and the
     extension's methods run on each with the runner as ``self``. The updates take CUDA's route here: the worker
     gets the tensors by a broadcast over the TP group (gloo on CPU), not through the call channel."""
-    from nanovllm.engine import weight_update
+    from nanovllm.features import weight_update
     monkeypatch.setattr(weight_update, "BROADCAST_DEVICES", ("cuda", "cpu"))
     a, b = pair
     with LLM(a, **SLEEPY, tensor_parallel_size=2, worker_extension_cls=f"{__name__}.Extension") as llm:
@@ -144,14 +144,14 @@ def test_worker_extension_cls_one_rank(pair):
     with LLM(pair[0], **CPU_ENGINE, worker_extension_cls=Extension) as llm:
         before = generate(llm)
         total = llm.collective_rpc("weight_sum")[0]
-        assert total == pytest.approx(Extension.weight_sum(llm.model_runner))
+        assert total == pytest.approx(Extension.weight_sum(llm.model_runner.worker))
         assert llm.collective_rpc("scale_norms", kwargs={"factor": 0.0}) == [9]
         assert generate(llm) != before  # the extension changed the model
     with pytest.raises(ValueError, match=r"worker_extension_cls='no.such.Class' cannot be imported"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls="no.such.Class")
     with pytest.raises(TypeError, match="worker_extension_cls must be a class"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=3)
-    with pytest.raises(ValueError, match=r"Clashing: attribute\(s\) \['sleep'\] conflict"):
+    with pytest.raises(ValueError, match=r"Clashing: attribute\(s\) \['capture_cudagraph'\] conflict"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=Clashing)
     with pytest.raises(ValueError, match="WithInit defines __init__"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=WithInit)

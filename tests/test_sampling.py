@@ -21,7 +21,13 @@ from conftest import (
 
 from nanovllm import LLM, Logprob, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.layers.sampler import Sampler, SamplingBatch, apply_min_p, apply_penalties, apply_top_k_top_p
+from nanovllm.layers.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 from nanovllm.utils.context import get_context
 
 
@@ -40,7 +46,7 @@ def test_top_k_top_p_masks_by_hand():
 
 
 def test_prompt_logprobs_by_hand_and_in_slices():
-    from nanovllm.layers.sampler import prompt_logprobs
+    from nanovllm.engine.logprobs import prompt_logprobs
     logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     rows, targets = torch.tensor([0, 2, 3, 4, 6]), torch.tensor([5, 0, 10, 5, 1])
     target, ranks, top_ids, top_values = prompt_logprobs(logits, rows, targets, 3)

@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from nanovllm import LLM
 from nanovllm.engine.batch import prepare_decode, prepare_prefill
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.core import EngineCore, EngineResources
-from nanovllm.engine.output_processor import Request
-from nanovllm.engine.sampling import LogitsProcessor
+from nanovllm.engine.core import EngineCore
+from nanovllm.engine.outputs import Request
+from nanovllm.engine.sampling import LogitsHook
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.worker_group import EngineResources
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -207,7 +208,7 @@ class FakeRunner:
     def __init__(self):
         self.core: EngineCore | None = None
         self.seqs: list[Sequence] = []
-        self.sampling = LogitsProcessor()  # no per-sequence sampling state to forget
+        self.sampling = LogitsHook()  # no per-sequence sampling state to forget
 
     def prepare_sample(self, batch):
         self.seqs = list(batch.seqs)

@@ -19,10 +19,13 @@ import torch
 from conftest import CPU_ENGINE, ENGINE, assert_no_leaks
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.engine.bitmask_handoff import BitmaskHandoff, PendingFill
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.structured_output import StructuredOutputManager, choice_grammar
-from nanovllm.layers.sampler import apply_token_bitmask
+from nanovllm.features.bitmask_handoff import BitmaskHandoff, PendingFill
+from nanovllm.features.structured_output import (
+    StructuredOutputManager,
+    apply_token_bitmask,
+    choice_grammar,
+)
 from nanovllm.sampling_params import StructuredOutputsParams as FromModule
 
 # a guard for users without the extras (pip install -e ".[test,structured]"); CI installs both
@@ -170,7 +173,9 @@ def test_apply_token_bitmask_matches_a_loop():
     assert torch.equal(got, expected) and torch.equal(got[1], logits[1])
     assert torch.isinf(got[0]).any() and torch.isinf(got[2]).any() and torch.isinf(got[39]).any()
     if importlib.util.find_spec("triton") is not None:  # the Triton kernel (the interpreter on CPU), in blocks
-        from nanovllm.kernels import triton_sampler  # that split a word's bits and end past the vocabulary
+        from nanovllm.kernels import (
+            triton_sampler,  # that split a word's bits and end past the vocabulary
+        )
         device = "cuda" if torch.cuda.is_available() else "cpu"
         wide = torch.randn(40, 100, generator=gen)
         got = wide.to(device)
@@ -349,12 +354,12 @@ def test_free_requests_are_unchanged_by_constrained_neighbours(demo, monkeypatch
     free = [i for i, sp in enumerate(params) if sp.structured_outputs is None]
     bitmasks, sampler = [], demo.model_runner.sampler
     for fill in ("grammar_bitmask", "grammar_bitmask_async"):
-        monkeypatch.setattr(demo.structured_outputs, fill, lambda *a: pytest.fail("a bitmask was filled"))
-    monkeypatch.setattr(demo.model_runner, "sampler", lambda logits, b, g: bitmasks.append(b.token_bitmask) or
+        monkeypatch.setattr(demo.install("structured_outputs").manager, fill, lambda *a: pytest.fail("a bitmask was filled"))
+    monkeypatch.setattr(demo.model_runner, "sampler", lambda logits, b, g: bitmasks.append(b.masks) or
                         sampler(logits, b, g))
     alone = demo.generate([prompts[i] for i in free], [params[i] for i in free], use_tqdm=False)
     monkeypatch.undo()
-    assert bitmasks and all(b is None for b in bitmasks)
+    assert bitmasks and not any(bitmasks)
     assert_same(_comparable([mixed[i] for i in free]), _comparable(alone))
     con = [i for i in range(len(params)) if i not in free]
     for i in con:
@@ -370,7 +375,7 @@ def test_a_fill_slower_than_the_forward_changes_nothing(monkeypatch):
     outputs are exactly those of the sampler launched after its fill."""
     import time
 
-    from nanovllm.engine import structured_output
+    from nanovllm.features import structured_output
     prompts, params = _mixed_workload()
     fill_rows = structured_output.fill_rows
 
@@ -383,7 +388,7 @@ def test_a_fill_slower_than_the_forward_changes_nothing(monkeypatch):
     for hand_off in (False, True):
         llm = LLM("nanovllm:demo", dtype="float32", num_kvcache_blocks=64, kvcache_block_size=16,
                   async_scheduling=True)
-        manager = llm.structured_outputs
+        manager = llm.install("structured_outputs").manager
         manager.can_hand_off = hand_off
         try:
             results.append(_comparable(llm.generate(prompts[:8], params[:8], use_tqdm=False)))
@@ -406,7 +411,7 @@ def test_async_matches_sync_under_preemption():
     for async_scheduling, hand_off in ((False, True), (True, True), (True, False)):
         llm = LLM("nanovllm:demo", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=14,
                   max_num_batched_tokens=48, max_model_len=224, async_scheduling=async_scheduling)
-        manager = llm.structured_outputs
+        manager = llm.install("structured_outputs").manager
         manager.can_hand_off = hand_off and async_scheduling
         original = manager._bitmask_handoff
 
@@ -521,7 +526,7 @@ def test_schemas_xgrammar_enforces_are_still_accepted(demo):
                {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"pattern": "^a"}},
                {"type": "string", "format": "date"}, {"type": "array", "uniqueItems": False, "maxItems": 2}]
     for schema in schemas:
-        demo.structured_outputs.compile(StructuredOutputsParams(json=schema))
+        demo.install("structured_outputs").manager.compile(StructuredOutputsParams(json=schema))
 
 
 @pytest.mark.parametrize("schema", [{"type": "string", "minLength": 2, "maxLength": 8},
@@ -533,7 +538,7 @@ def test_length_limited_strings_admit_only_json_legal_characters(demo, schema):
     raw characters, each counted once."""
     import xgrammar as xgr
     wrap = (lambda s: f"{{{s}: 1}}") if "propertyNames" in schema else (lambda s: s)
-    compiled = demo.structured_outputs.compile(StructuredOutputsParams(json=schema))
+    compiled = demo.install("structured_outputs").manager.compile(StructuredOutputsParams(json=schema))
     for text, legal in (('"a\x01b"', False), ('"a\nb"', False), ('"a\tb"', False), ('"ab"', True), ('"é😀"', True),
                         ('"abcdefgh"', True), ('"abcdefghi"', False), ('"a"', False)):
         assert xgr.GrammarMatcher(compiled).accept_string(wrap(text)) is legal, text
@@ -566,7 +571,7 @@ def test_regex_syntax_xgrammar_misreads_is_refused_by_name(regex, named):
 
 def test_regex_syntax_xgrammar_reads_right_is_accepted_and_the_rest_refused_at_admission(demo):
     for regex in (r"^\d{3}-\d{4}$", r"a\$b[$^]", r"[a\^]\x41\u0041[\b]\.", r"(?:ab|c)*?d\s\w"):
-        demo.structured_outputs.compile(StructuredOutputsParams(regex=regex))
+        demo.install("structured_outputs").manager.compile(StructuredOutputsParams(regex=regex))
     for regex, reason in ((r"\bab", "Word boundary"), (r"(a)\1", "Backreference"), (r"(?i)ab", "Group modifier"),
                           ("a++", "Two consecutive repetition"), ("(?<=a)b", "Lookbehind")):
         with pytest.raises(ValueError, match=f"structured_outputs.regex does not compile: .*{reason}"):
@@ -608,7 +613,7 @@ def test_a_refused_token_ends_that_request_alone(demo, async_scheduling):
                    async_scheduling=True)
     bad = demo.add_request("config = ", json_params())
     good = demo.add_request("config = ", json_params())
-    manager = demo.structured_outputs
+    manager = demo.install("structured_outputs").manager
     accept = manager.accept
 
     def refuse_bad(advanced):  # the real accepts, then the bad request's token refused
@@ -631,7 +636,7 @@ def test_a_refused_token_ends_that_request_alone(demo, async_scheduling):
 
 
 def test_compiled_grammars_are_cached(demo):
-    manager = demo.structured_outputs
+    manager = demo.install("structured_outputs").manager
     a = manager.compile(StructuredOutputsParams(json=SCHEMA))
     assert manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA)))) is a  # an equal schema
     assert manager.compile(StructuredOutputsParams(json=json.dumps(SCHEMA))) is a
@@ -642,7 +647,7 @@ def test_compiled_grammars_are_cached(demo):
 
 def test_grammar_cache_is_bounded_in_bytes(demo, monkeypatch):
     """Least recently used grammars go once the cache holds more than CACHE_BYTES (the newest always stays)."""
-    from nanovllm.engine import structured_output
+    from nanovllm.features import structured_output
     manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
     first = manager.compile(StructuredOutputsParams(regex="a+"))
     one = first.memory_size_bytes
@@ -737,7 +742,7 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
     monkeypatch.setattr(fast, "sample", lambda logits, t, seed: masked_batches.append(
         bool(torch.isinf(logits).any())) or original_sample(logits, t, seed))
     llm = LLM("nanovllm:demo", num_kvcache_blocks=64, kvcache_block_size=16)
-    splits, manager = [], llm.structured_outputs
+    splits, manager = [], llm.install("structured_outputs").manager
     original = manager._bitmask_handoff
     manager._bitmask_handoff = lambda num_rows: splits.append(1) or original(num_rows)
     try:
@@ -768,7 +773,7 @@ def test_cuda_graphs_bf16_and_the_fast_sampler(monkeypatch):
 def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(demo):
     """fill_rows on several threads (xgrammar's BatchGrammarMatcher) fills the same bits as one thread filling
     every row, into the rows named, leaving the others."""
-    from nanovllm.engine import structured_output
+    from nanovllm.features import structured_output
     manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
     compiled = manager.compile(StructuredOutputsParams(json={"type": "object", "properties": {
         "name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
@@ -791,7 +796,7 @@ def test_bitmask_rows_filled_by_xgrammars_batch_matcher_are_those_of_one_thread(
 def test_accept_advances_each_matcher(demo):
     """The tokens a matcher takes advance it (num_accepted counts them); a refused one is an error naming it for
     that sequence alone; the matchers end where one-by-one accepts leave them."""
-    from nanovllm.engine import structured_output
+    from nanovllm.features import structured_output
     manager = StructuredOutputManager(demo.tokenizer, 4096, (0,))
     params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     tok = demo.tokenizer
@@ -848,7 +853,7 @@ def test_exit_lets_go_of_a_device_wait_for_a_bitmask():
             if llm.core.inflight is not None and llm.core.inflight[1].host_work:
                 break
         assert llm.core.inflight[1].host_work
-        handoff = llm.structured_outputs.handoff
+        handoff = llm.install("structured_outputs").manager.handoff
         assert handoff._flag[0] < BitmaskHandoff.OPEN
     finally:
         llm.exit()

@@ -54,7 +54,8 @@ def test_update_weights_gives_the_new_model(pair, oracle):
 def test_update_weights_tensor_parallel(pair, oracle, monkeypatch):
     """TP=2: each worker gets the full tensors over the call channel, in batches that keep the shared memory at
     its first size, and keeps its shard."""
-    from nanovllm.engine import weight_update, worker_group
+    from nanovllm.engine import worker_group
+    from nanovllm.features import weight_update
     a, b = pair
     monkeypatch.setattr(weight_update, "UPDATE_BATCH_BYTES", 2 ** 16)
     assert len(list(weight_update.weight_batches(weights_of(oracle, b), 2 ** 16))) > 2

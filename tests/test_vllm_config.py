@@ -19,6 +19,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 
 from nanovllm import LLM, RequestOutput, SamplingParams
 from nanovllm.config import Config
+from nanovllm.entrypoints.llm import create_engine_config
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 PROMPTS = ["Hello, Nano-vLLM.", [1, 2, 3, 4, 5]]
@@ -27,7 +28,8 @@ PROMPTS = ["Hello, Nano-vLLM.", [1, 2, 3, 4, 5]]
 # ---- keywords ------------------------------------------------------------------------------------
 def test_ignored_keywords_are_logged_once_and_the_engine_runs(tiny, llm, caplog):
     caplog.set_level(logging.INFO, logger="nanovllm")
-    ignored = dict(trust_remote_code=True, swap_space=4, disable_log_stats=True, compilation_config={"level": 3},
+    # (disable_log_stats is not among them: False installs get_metrics()'s statistics)
+    ignored = dict(trust_remote_code=True, swap_space=4, compilation_config={"level": 3},
                    max_seq_len_to_capture=8192, cpu_offload_gb=0)
     engine = LLM(tiny, **ENGINE, **ignored)
     try:
@@ -60,7 +62,7 @@ def test_unsupported_keywords_are_refused_by_name(tiny, kwargs, match):
 
 def test_structured_output_backend_xgrammar_is_accepted(tiny):
     """vLLM's backend choice at the value nanovllm uses (xgrammar, or auto) changes nothing: accepted."""
-    config = Config.from_kwargs(tiny, device="cpu", guided_decoding_backend="xgrammar",
+    config = create_engine_config(tiny, device="cpu", guided_decoding_backend="xgrammar",
                                 structured_outputs_config={"backend": "auto"})
     assert config.model == tiny
 
@@ -77,7 +79,7 @@ def test_unknown_keyword_is_still_a_type_error(tiny):
     (torch.bfloat16, torch.bfloat16),
 ])
 def test_dtype_aliases(tiny, dtype, expected):
-    assert Config.from_kwargs(tiny, dtype=dtype, device="cpu").torch_dtype == expected
+    assert create_engine_config(tiny, dtype=dtype, device="cpu").torch_dtype == expected
 
 
 def test_dtype_alias_in_a_running_engine(tiny):
@@ -102,19 +104,19 @@ def test_seed_none_is_vllms_default_zero(tiny):
     assert runs[None] == runs[0] != runs[1]
     for bad in (-1, 2 ** 32):  # outside vLLM's range (numpy's seeds)
         with pytest.raises(ValueError, match="seed"):
-            Config.from_kwargs(tiny, seed=bad)
+            create_engine_config(tiny, seed=bad)
 
 
 def test_none_and_minus_one_conventions(tiny):
     for auto in (None, -1):  # the model's length
-        assert Config.from_kwargs(tiny, max_model_len=auto).max_model_len == 1024
-    config = Config.from_kwargs(tiny, max_num_seqs=None, max_num_batched_tokens=None, block_size=None,
+        assert create_engine_config(tiny, max_model_len=auto).max_model_len == 1024
+    config = create_engine_config(tiny, max_num_seqs=None, max_num_batched_tokens=None, block_size=None,
                                 num_gpu_blocks_override=None, enable_prefix_caching=None)
     default = Config(tiny)
     for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks",
                  "enable_prefix_caching"):
         assert getattr(config, name) == getattr(default, name), name
-    assert Config.from_kwargs(tiny, num_gpu_blocks_override=64).num_kvcache_blocks == 64
+    assert create_engine_config(tiny, num_gpu_blocks_override=64).num_kvcache_blocks == 64
 
 
 # ---- Hugging Face Hub ids ------------------------------------------------------------------------
@@ -149,8 +151,8 @@ def test_hub_id_resolves_to_its_cached_snapshot(tiny, llm, hub_cache):
             token_ids_of(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     finally:
         engine.exit()
-    assert Config.from_kwargs("org/name", revision=COMMIT).model == snapshot
-    assert Config.from_kwargs(tiny, tokenizer="org/name").tokenizer == snapshot
+    assert create_engine_config("org/name", revision=COMMIT).model == snapshot
+    assert create_engine_config(tiny, tokenizer="org/name").tokenizer == snapshot
 
 
 def test_hub_id_missing_from_the_cache(tiny, hub_cache):
@@ -178,7 +180,7 @@ def test_hub_id_downloads_only_after_the_cache_and_when_online(tiny, hub_cache, 
         return add_snapshot(hub_cache, repo_id, tiny)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    config = Config.from_kwargs("org/name", revision="main")
+    config = create_engine_config("org/name", revision="main")
     assert config.model == str(hub_cache / "models--org--name" / "snapshots" / COMMIT)
     assert calls == [("org/name", True, "main"), ("org/name", False, "main")]
 
@@ -203,11 +205,11 @@ def test_flexible_argument_parser_flags_reach_the_engine_through_llm_of_vars_arg
     finally:
         engine.exit()
     with pytest.raises(TypeError, match="pass kvcache_block_size or its alias block_size, not both"):
-        Config.from_kwargs(tiny, kvcache_block_size=16, block_size=32)
+        create_engine_config(tiny, kvcache_block_size=16, block_size=32)
 
 
 def test_beam_search_params_has_vllms_module_path():
-    from nanovllm.beam_search import BeamSearchParams as FromBeamSearch
+    from nanovllm.features.beam_search import BeamSearchParams as FromBeamSearch
     from nanovllm.sampling_params import BeamSearchParams
     assert BeamSearchParams is FromBeamSearch
     assert BeamSearchParams(beam_width=2, max_tokens=4).length_penalty == 1.0
@@ -331,7 +333,7 @@ def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
 ])
 def test_profiler_config_is_checked_by_name(tiny, profiler_config, error, match):
     with pytest.raises(error, match=match):
-        Config.from_kwargs(tiny, profiler_config=profiler_config)
+        create_engine_config(tiny, profiler_config=profiler_config)
 
 
 def metric_values(engine) -> dict:
@@ -341,7 +343,10 @@ def metric_values(engine) -> dict:
 def test_get_metrics_counts_requests_tokens_preemptions_and_the_prefix_cache(tiny):
     from nanovllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
     assert all(issubclass(t, Metric) for t in (Counter, Gauge, Histogram, Vector))
-    engine = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=12, device="cpu")
+    with LLM(tiny, device="cpu") as plain, pytest.raises(ValueError, match="disable_log_stats=False"):
+        plain.get_metrics()  # as in vLLM, the statistics are off by default
+    engine = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=12, device="cpu",
+                 disable_log_stats=False)
     prompt = list(range(1, 41))  # two full blocks the prefix cache can share
     try:
         sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
@@ -399,7 +404,7 @@ def test_hf_overrides_extend_the_context_as_config_json_would(tiny, llm, tmp_pat
     config = json.loads((edited / "config.json").read_text())
     config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 2.0}
     (edited / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=2048)))
-    assert Config.from_kwargs(tiny, max_model_len=None, hf_overrides=overrides).max_model_len == 2048
+    assert create_engine_config(tiny, max_model_len=None, hf_overrides=overrides).max_model_len == 2048
     runs = []
     for path, kwargs in ((tiny, dict(hf_overrides=overrides)), (str(edited), {})):
         engine = LLM(path, **ENGINE, **kwargs)
@@ -413,11 +418,11 @@ def test_hf_overrides_extend_the_context_as_config_json_would(tiny, llm, tmp_pat
     def extend(hf_config):
         hf_config.max_position_embeddings = 4096
         return hf_config
-    assert Config.from_kwargs(tiny, max_model_len=None, hf_overrides=extend).max_model_len == 4096
+    assert create_engine_config(tiny, max_model_len=None, hf_overrides=extend).max_model_len == 4096
     with pytest.raises(TypeError, match="hf_overrides must be a dict or a callable"):
-        Config.from_kwargs(tiny, hf_overrides=[("max_position_embeddings", 2048)])
+        create_engine_config(tiny, hf_overrides=[("max_position_embeddings", 2048)])
     with pytest.raises(TypeError, match="hf_overrides must return the model's config"):
-        Config.from_kwargs(tiny, hf_overrides=lambda hf_config: None)
+        create_engine_config(tiny, hf_overrides=lambda hf_config: None)
 
 
 def test_enable_chunked_prefill_false_runs_unchunked_or_is_refused_by_name(tiny, llm):
@@ -431,9 +436,9 @@ def test_enable_chunked_prefill_false_runs_unchunked_or_is_refused_by_name(tiny,
         engine.exit()
     with pytest.raises(ValueError, match=r"enable_chunked_prefill=False needs max_num_batched_tokens \(64\) >= "
                                          r"max_model_len \(512\)"):
-        Config.from_kwargs(tiny, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=512)
+        create_engine_config(tiny, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=512)
     with pytest.raises(TypeError, match="enable_chunked_prefill"):
-        Config.from_kwargs(tiny, enable_chunked_prefill="no")
+        create_engine_config(tiny, enable_chunked_prefill="no")
 
 
 def test_request_output_ignores_keywords_of_a_later_vllm(caplog):

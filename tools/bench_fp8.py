@@ -1,11 +1,13 @@
-"""fp8 weights' linear layers on one GPU against bf16's, same shapes, same run: Qwen3-0.6B's and -8B's projections
-at 1-8192 rows, each timed as the engine runs it (CUDA Graph replays of back-to-back calls over enough copies of
-the weight that L2 holds none of them when it comes round again).
+"""fp8 weights' linear layers on one GPU against bf16's, same shapes, same run: Qwen3-0.6B's
+and -8B's projections at 1-8192 rows, each timed as the engine runs it (CUDA Graph replays of
+back-to-back calls over enough copies of the weight that L2 holds none of them when it comes round
+again).
 
-Columns: ``bf16_us`` (the skinny kernel up to 16 rows, else cuBLAS), ``block_us`` (a block-wise 128x128 fp8
-checkpoint's weight: the skinny fp8 kernel, or activation quantization plus the fp8 tensor-core GEMM), ``channel_us``
-(``quantization="fp8"``'s per-channel weight, activations quantized per token), ``scaled_mm_us`` (torch._scaled_mm
-with the same per-token and per-channel scales: cuBLAS's fp8 GEMM, a ceiling for ours), then weight bytes read per
+Columns: ``bf16_us`` (the skinny kernel up to 16 rows, else cuBLAS), ``block_us`` (a block-wise
+128x128 fp8 checkpoint's weight: the skinny fp8 kernel, or activation quantization plus the fp8
+tensor-core GEMM), ``channel_us`` (``quantization="fp8"``'s per-channel weight, activations
+quantized per token), ``scaled_mm_us`` (torch._scaled_mm with the same per-token and per-channel
+scales: cuBLAS's fp8 GEMM, a ceiling for ours), then weight bytes read per
 second (``*_tbs``) and TFLOP/s. ``--sweep``: the fastest other tiles for some rows and layers.
 
     python tools/bench_fp8.py [--out DIR] [--sweep]
@@ -30,15 +32,16 @@ from bench_kernels import LINEAR_SHAPES, bench_graph_each, copy_bandwidth, faste
 
 from nanovllm.kernels import triton_fp8 as tf  # noqa: E402
 from nanovllm.kernels import triton_linear as tlin  # noqa: E402
-from nanovllm.layers.quantization import quantize_fp8_block, quantize_fp8_per_channel  # noqa: E402
+from nanovllm.kernels.fp8_reference import quantize_fp8_block, quantize_fp8_per_channel  # noqa: E402
 
 ROWS = (1, 4, 16, 32, 64, 128, 256, 1024, 8192)
 GEMM_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=8, num_warps=w, num_stages=st)
-                for bm, bn, w, st in [(64, 64, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 4),
-                                      (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3)]]
+                for bm, bn, w, st in [(64, 64, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3),
+                                      (128, 64, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4),
+                                      (128, 256, 8, 3)]]
 SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-                  for bn, bk, w, st in [(16, 512, 4, 3), (16, 1024, 4, 2), (32, 256, 4, 4), (32, 512, 4, 4),
-                                        (32, 1024, 8, 2), (64, 512, 8, 3)]]
+                  for bn, bk, w, st in [(16, 512, 4, 3), (16, 1024, 4, 2), (32, 256, 4, 4),
+                                        (32, 512, 4, 4), (32, 1024, 8, 2), (64, 512, 8, 3)]]
 
 
 def _weights(n: int, k: int, copies: int):
@@ -52,18 +55,21 @@ def _weights(n: int, k: int, copies: int):
 
 def _scaled_mm(x, w_fp8, w_scale):
     x_q, x_scale = tf.quantize_activations(x, x.size(1))
-    return torch._scaled_mm(x_q, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=torch.bfloat16)
+    return torch._scaled_mm(x_q, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(),
+                            out_dtype=torch.bfloat16)
 
 
 def _sweep(m: int, x, weights, kwargs) -> dict:
-    """The fastest tiles for the block-wise weight at m rows (the skinny kernel's, or the GEMM's)."""
+    """The fastest tiles for the block-wise weight at m rows (the skinny kernel's, or the
+    GEMM's)."""
     skinny = m <= tlin.SKINNY_MAX_M
     configs = SKINNY_CONFIGS if skinny else GEMM_CONFIGS
 
     def time_it(cfg):
         if skinny:
-            return bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128), None, kwargs["residual"],
-                                             kwargs["silu_mul"], config=cfg) for _, wb, sb, _, _ in weights], 30)
+            return bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128), None,
+                                             kwargs["residual"], kwargs["silu_mul"], config=cfg)
+                                     for _, wb, sb, _, _ in weights], 30)
         return bench_graph_each([partial(tf.fp8_gemm, x, wb, sb, (128, 128), None, None, config=cfg)
                                  for _, wb, sb, _, _ in weights], 30)
     best = fastest(float("inf"), ((cfg, partial(time_it, cfg)) for cfg in configs))
@@ -78,21 +84,26 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
     rows = []
     for m in ROWS:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if fusion == "residual" else None
+        residual = torch.randn(m, n, device="cuda",
+                               dtype=torch.bfloat16) if fusion == "residual" else None
         kwargs = dict(silu_mul=silu, residual=residual)
-        row = dict(kind="fp8_linear", model=model, layer=layer, k=k, n=n, fusion=fusion, m=m, bf16_mb=nbytes / 1e6)
+        row = dict(kind="fp8_linear", model=model, layer=layer, k=k, n=n, fusion=fusion, m=m,
+                   bf16_mb=nbytes / 1e6)
         times = dict(
             bf16=bench_graph_each([partial(tlin.linear, x, w, **kwargs) for w, *_ in weights]),
             block=bench_graph_each([partial(tf.fp8_linear, x, wb, sb, (128, 128), **kwargs)
                                     for _, wb, sb, _, _ in weights]),
             channel=bench_graph_each([partial(tf.fp8_linear, x, wc, sc, None, **kwargs)
                                       for *_, wc, sc in weights]))
-        if m <= tlin.SKINNY_MAX_M:  # the skinny kernel with both operands converted to bf16 instead of the fp8 MMA
-            times["block_bf16mma"] = bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128), None, residual,
-                                                               silu, fp8_dot=False) for _, wb, sb, _, _ in weights])
+        if m <= tlin.SKINNY_MAX_M:
+            # the skinny kernel with both operands converted to bf16 instead of the fp8 MMA
+            times["block_bf16mma"] = bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128),
+                                                               None, residual, silu, fp8_dot=False)
+                                                       for _, wb, sb, _, _ in weights])
         if m >= 16 and not silu and residual is None:
             try:
-                times["scaled_mm"] = bench_graph_each([partial(_scaled_mm, x, wc, sc) for *_, wc, sc in weights])
+                times["scaled_mm"] = bench_graph_each([partial(_scaled_mm, x, wc, sc)
+                                                       for *_, wc, sc in weights])
             except Exception as e:  # an older torch without row-wise scales
                 print("scaled_mm:", repr(e)[:120], file=sys.stderr)
         for name, t in times.items():
@@ -101,7 +112,8 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
             row[f"{name}_tflops"] = round(2 * m * n_all * k / t / 1e12, 1)
         row["block_speedup"] = round(times["bf16"] / times["block"], 3)
         row["channel_speedup"] = round(times["bf16"] / times["channel"], 3)
-        if sweep and m in (1, 16, 64, 256, 8192) and layer in ("gate_up_proj", "down_proj") and model == "8b":
+        if (sweep and m in (1, 16, 64, 256, 8192) and layer in ("gate_up_proj", "down_proj")
+                and model == "8b"):
             row.update(_sweep(m, x, weights, kwargs))
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -109,16 +121,19 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--sweep", action="store_true", help="also time other tiles")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
-    rows = [row for shape in LINEAR_SHAPES if shape[1] != "lm_head" for row in rows_of(*shape, bw, args.sweep)]
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                copy_tbs=bw / 1e12, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    rows = [row for shape in LINEAR_SHAPES if shape[1] != "lm_head"
+            for row in rows_of(*shape, bw, args.sweep)]
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, copy_tbs=bw / 1e12,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     with open(os.path.join(args.out, "fp8_linear.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(json.dumps(meta))

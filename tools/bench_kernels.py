@@ -1,24 +1,25 @@
-"""Kernel microbenchmarks on one GPU: our Triton attention beside flash-attn's, and our decode-shaped linear
-layers beside cuBLAS, same shapes, same run.
+"""Kernel microbenchmarks on one GPU: our Triton attention beside flash-attn's, and our
+decode-shaped linear layers beside cuBLAS, same shapes, same run.
 
 Decode: KV bytes read per second (every cached K and V of every sequence read once) at batch
 1/16/64/256/512 x context 512/2048/8192. Prefill: TFLOP/s (4 * heads * head_dim per visible
 query-key pair) at 1-16 sequences x 512-8192 tokens, with and without a cached prefix. Also
 the device copy bandwidth (bytes read + written). Linear (``--only linear`` for these alone): the
-decode projections of Qwen3-0.6B and -8B and 0.6B's LM head at 1-256 rows, weight bytes read per second
-by cuBLAS alone, by the unfused chain (norm kernel, cuBLAS, SiLU-and-mul kernel) and by the fused skinny
-kernel (M <= 16), with ``--sweep`` over its tile sizes. MoE (``--only moe``): Qwen3-30B-A3B's experts (128 of
-2048 x 768, top-8; one layer) at 1-4096 tokens, the fused kernel against a loop over the experts the batch
-touches of cuBLAS GEMMs (gather, gate/up, SiLU-and-mul, down, weighted index_add; the routing found
-beforehand, so the loop has no host sync), both replayed from CUDA Graphs over 8 routings, in expert weight
-bytes read per second (each touched expert once; ``layer_us`` adds the top-k), ``--sweep`` over its tiles; beside
-it the same experts in block-wise fp8 (Qwen3-30B-A3B-FP8's 128x128 blocks, x in bf16) through the fp8 kernel, in
-their e4m3 and scale bytes read per second (``fp8_*``; ``fp8_speedup``: the bf16 kernel's time over the fp8 one's).
-Shapes: Qwen3-0.6B's attention (16 query / 8
-KV heads, head_dim 128), bf16, page 256. Timings are medians of triton.testing.do_bench; decode
-calls are captured in a CUDA Graph and replayed, as the engine runs them. ``--kv-cache-dtype fp8``: the
-decode rows alone over an fp8 (e4m3) cache, its bytes counted at one a value (kernels_fp8.json). ``--page``:
-the decode rows' page size; ``--only decode``: those rows alone.
+decode projections of Qwen3-0.6B and -8B and 0.6B's LM head at 1-256 rows, weight bytes read per
+second by cuBLAS alone, by the unfused chain (norm kernel, cuBLAS, SiLU-and-mul kernel) and by the
+fused skinny kernel (M <= 16), with ``--sweep`` over its tile sizes. MoE (``--only moe``):
+Qwen3-30B-A3B's experts (128 of 2048 x 768, top-8; one layer) at 1-4096 tokens, the fused kernel
+against a loop over the experts the batch touches of cuBLAS GEMMs (gather, gate/up, SiLU-and-mul,
+down, weighted index_add; the routing found beforehand, so the loop has no host sync), both replayed
+from CUDA Graphs over 8 routings, in expert weight bytes read per second (each touched expert once;
+``layer_us`` adds the top-k), ``--sweep`` over its tiles; beside it the same experts in block-wise
+fp8 (Qwen3-30B-A3B-FP8's 128x128 blocks, x in bf16) through the fp8 kernel, in their e4m3 and scale
+bytes read per second (``fp8_*``; ``fp8_speedup``: the bf16 kernel's time over the fp8 one's).
+Shapes: Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128), bf16, page 256. Timings are
+medians of triton.testing.do_bench; decode calls are captured in a CUDA Graph and replayed, as the
+engine runs them. ``--kv-cache-dtype fp8``: the decode rows alone over an fp8 (e4m3) cache, its
+bytes counted at one a value (kernels_fp8.json). ``--page``: the decode rows' page size;
+``--only decode``: those rows alone.
 
     python tools/bench_kernels.py [--out DIR] [--no-flash] [--sweep]
 """
@@ -62,8 +63,9 @@ def bench_graph(fn, rep: int = 100) -> float:
 
 
 def fastest(default_seconds: float, candidates) -> tuple[float, object]:
-    """(seconds, config) of the fastest of the default (config "default") and ``candidates``, pairs of a config
-    and a function timing it; a config that does not compile (too much shared memory) is skipped and named."""
+    """(seconds, config) of the fastest of the default (config "default") and ``candidates``, pairs
+    of a config and a function timing it; a config that does not compile (too much shared memory) is
+    skipped and named."""
     best = (default_seconds, "default")
     for cfg, time_it in candidates:
         try:
@@ -99,9 +101,11 @@ def paged_kv(lens: list[int], page: int = PAGE, kv_dtype: torch.dtype = DTYPE):
 
 
 def decode_configs(kv_dtype: torch.dtype) -> list[dict]:
-    """The decode tiles swept; an fp8 cache's tiles are half the bytes, so 256 keys a tile are tried too."""
+    """The decode tiles swept; an fp8 cache's tiles are half the bytes, so 256 keys a tile are tried
+    too."""
     tiles = (64, 128, 256) if kv_dtype.itemsize == 1 else (64, 128)
-    return [dict(BLOCK_N=bn, num_warps=w, num_stages=s) for bn in tiles for w in (4, 8) for s in (2, 3)]
+    return [dict(BLOCK_N=bn, num_warps=w, num_stages=s)
+            for bn in tiles for w in (4, 8) for s in (2, 3)]
 
 
 def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE, page: int = PAGE):
@@ -113,44 +117,50 @@ def decode_rows(flash, sweep: bool, kv_dtype: torch.dtype = DTYPE, page: int = P
             q = torch.randn(batch, H, D, device="cuda", dtype=DTYPE)
             cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
             nbytes = 2 * batch * ctx * KVH * D * kv_dtype.itemsize
-            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9, kv_cache_dtype=str(kv_dtype),
-                       page=page)
+            row = dict(kind="decode", batch=batch, ctx=ctx, gbytes=nbytes / 1e9,
+                       kv_cache_dtype=str(kv_dtype), page=page)
             args = (q, k_cache, v_cache, cl, tables, SCALE)
             t = bench_graph(partial(ta.decode_attention, *args))
             row.update(triton_us=t * 1e6, triton_tbs=nbytes / t / 1e12,
                        splits=ta.num_decode_splits(batch, KVH, q.device))
             if sweep:
                 best = fastest(t, ((dict(cfg, splits=splits),
-                                    partial(bench_graph, partial(ta.decode_attention, *args, num_splits=splits,
-                                                                 config=cfg), rep=30))
+                                    partial(bench_graph, partial(ta.decode_attention, *args,
+                                                                 num_splits=splits, config=cfg),
+                                            rep=30))
                                    for cfg in decode_configs(kv_dtype)
-                                   for splits in sorted({row["splits"], min(32, 2 * row["splits"])})))
+                                   for splits in sorted({row["splits"],
+                                                         min(32, 2 * row["splits"])})))
                 row.update(best_tbs=nbytes / best[0] / 1e12, best_config=best[1])
             if flash is not None:
-                tf = bench_graph(partial(flash.flash_attn_with_kvcache, q.unsqueeze(1), k_cache, v_cache,
-                                         cache_seqlens=cl, block_table=tables, softmax_scale=SCALE, causal=True))
+                tf = bench_graph(partial(flash.flash_attn_with_kvcache, q.unsqueeze(1), k_cache,
+                                         v_cache, cache_seqlens=cl, block_table=tables,
+                                         softmax_scale=SCALE, causal=True))
                 row.update(flash_us=tf * 1e6, flash_tbs=nbytes / tf / 1e12)
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
-# (model, layer, K, N, fusion): "silu" is SiLU-and-mul after the projection (N is then the output width: the
-# weight has 2N rows), "residual" the residual add after it
+# (model, layer, K, N, fusion): "silu" is SiLU-and-mul after the projection (N is then the output
+# width: the weight has 2N rows), "residual" the residual add after it
 LINEAR_SHAPES = [("0.6b", "qkv_proj", 1024, 4096, ""), ("0.6b", "o_proj", 2048, 1024, "residual"),
-                 ("0.6b", "gate_up_proj", 1024, 3072, "silu"), ("0.6b", "down_proj", 3072, 1024, "residual"),
+                 ("0.6b", "gate_up_proj", 1024, 3072, "silu"),
+                 ("0.6b", "down_proj", 3072, 1024, "residual"),
                  ("0.6b", "lm_head", 1024, 151936, ""),
                  ("8b", "qkv_proj", 4096, 6144, ""), ("8b", "o_proj", 4096, 4096, "residual"),
-                 ("8b", "gate_up_proj", 4096, 12288, "silu"), ("8b", "down_proj", 12288, 4096, "residual")]
+                 ("8b", "gate_up_proj", 4096, 12288, "silu"),
+                 ("8b", "down_proj", 12288, 4096, "residual")]
 SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-                  for bn, bk, w, st in [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3),
-                                        (32, 512, 8, 2), (64, 256, 8, 2)]]
-SWEPT = {("0.6b", "o_proj"), ("8b", "gate_up_proj"), ("8b", "down_proj")}  # the sweep's shapes (compiles are slow)
+                  for bn, bk, w, st in [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3),
+                                        (64, 128, 4, 3), (32, 512, 8, 2), (64, 256, 8, 2)]]
+# the sweep's shapes (compiles are slow)
+SWEPT = {("0.6b", "o_proj"), ("8b", "gate_up_proj"), ("8b", "down_proj")}
 
 
 def bench_graph_each(fns: list, rep: int = 100) -> float:
-    """Median seconds per call of ``fns`` captured back to back in one CUDA Graph: what one kernel costs
-    inside the engine's decode graph (the graph's own launch spread over the calls)."""
+    """Median seconds per call of ``fns`` captured back to back in one CUDA Graph: what one kernel
+    costs inside the engine's decode graph (the graph's own launch spread over the calls)."""
     return bench_graph(lambda: [fn() for fn in fns], rep) / len(fns)
 
 
@@ -161,52 +171,65 @@ def linear_rows(sweep: bool, bw: float):
     for model, layer, k, n, fusion in LINEAR_SHAPES:
         silu = fusion == "silu"
         nbytes = (2 if silu else 1) * n * k * DTYPE.itemsize
-        # enough copies of the weight that the L2 cache (50 MB) holds none of them when it comes round again
+        # enough copies of the weight that the L2 cache (50 MB) holds none of them
+        # when it comes round again
         weights = [torch.randn((2 if silu else 1) * n, k, device="cuda", dtype=DTYPE) / k ** 0.5
                    for _ in range(max(4, triton.cdiv(200 * 2 ** 20, nbytes)))]
         for m in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-            x, residual = torch.randn(m, k, device="cuda", dtype=DTYPE), torch.randn(m, n, device="cuda", dtype=DTYPE)
+            x, residual = (torch.randn(m, k, device="cuda", dtype=DTYPE),
+                           torch.randn(m, n, device="cuda", dtype=DTYPE))
             kwargs = dict(silu_mul=silu, residual=residual if fusion == "residual" else None)
-            row = dict(kind="linear", model=model, layer=layer, k=k, n=n, fusion=fusion, m=m, weight_mb=nbytes / 1e6)
-            t_cublas = bench_graph_each([partial(torch.nn.functional.linear, x, w) for w in weights])
-            t_chain = bench_graph_each([partial(_unfused, x, w, silu, kwargs["residual"]) for w in weights])
-            row.update(cublas_us=t_cublas * 1e6, cublas_of_copy=nbytes / t_cublas / bw, unfused_us=t_chain * 1e6)
+            row = dict(kind="linear", model=model, layer=layer, k=k, n=n, fusion=fusion, m=m,
+                       weight_mb=nbytes / 1e6)
+            t_cublas = bench_graph_each([partial(torch.nn.functional.linear, x, w)
+                                         for w in weights])
+            t_chain = bench_graph_each([partial(_unfused, x, w, silu, kwargs["residual"])
+                                        for w in weights])
+            row.update(cublas_us=t_cublas * 1e6, cublas_of_copy=nbytes / t_cublas / bw,
+                       unfused_us=t_chain * 1e6)
             if m <= tlin.SKINNY_MAX_M:
                 t = bench_graph_each([partial(tlin.linear, x, w, **kwargs) for w in weights])
                 row.update(skinny_us=t * 1e6, skinny_of_copy=nbytes / t / bw,
                            config=tlin.skinny_config(m, n, DTYPE.itemsize, silu))
                 if sweep and m in (1, 16) and (model, layer) in SWEPT:
                     configs = [dict(cfg, BLOCK_M=16) for cfg in SKINNY_CONFIGS]
-                    best = fastest(t, ((cfg, partial(bench_graph_each, [partial(tlin.linear, x, w, config=cfg, **kwargs)
-                                                                        for w in weights], 30)) for cfg in configs))
-                    row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw, best_config=best[1])
+                    best = fastest(t, (
+                        (cfg, partial(bench_graph_each,
+                                      [partial(tlin.linear, x, w, config=cfg, **kwargs)
+                                       for w in weights], 30))
+                        for cfg in configs))
+                    row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw,
+                               best_config=best[1])
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
 def _unfused(x, weight, silu: bool, residual):
-    """What ``linear`` does past the skinny limit, at any row count: cuBLAS (the residual in its epilogue),
-    then the activation kernel."""
+    """What ``linear`` does past the skinny limit, at any row count: cuBLAS (the residual in its
+    epilogue), then the activation kernel."""
     if residual is not None:
         return torch.addmm(residual, x, weight.t())
     y = torch.nn.functional.linear(x, weight)
     return tlin.silu_and_mul(y) if silu else y
 
 
-MOE_SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B (Qwen3-Coder-30B-A3B's too), TP 1
+# Qwen3-30B-A3B (Qwen3-Coder-30B-A3B's too), TP 1
+MOE_SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)
 MOE_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-               for bm, bn, bk, w, st in [(16, 32, 64, 4, 4), (16, 64, 128, 4, 3), (16, 128, 64, 4, 3),
-                                         (32, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
+               for bm, bn, bk, w, st in [(16, 32, 64, 4, 4), (16, 64, 128, 4, 3),
+                                         (16, 128, 64, 4, 3), (32, 64, 64, 4, 4),
+                                         (64, 64, 64, 4, 3), (64, 128, 64, 8, 3),
                                          (128, 128, 64, 8, 3)]]
-MOE_FP8_CONFIGS = MOE_CONFIGS + [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
-                                 for bm, bn, w, st in [(16, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 3)]]
+MOE_FP8_CONFIGS = MOE_CONFIGS + [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
+    for bm, bn, w, st in [(16, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 3)]]
 MOE_FP8_BLOCK = (128, 128)
 
 
 def _expert_loop(x, w13, w2, plan):
-    """The unfused baseline: per touched expert, its rows gathered, cuBLAS gate/up, SiLU-and-mul, cuBLAS down,
-    scaled by the routing weights and added into the output."""
+    """The unfused baseline: per touched expert, its rows gathered, cuBLAS gate/up, SiLU-and-mul,
+    cuBLAS down, scaled by the routing weights and added into the output."""
     out = torch.zeros_like(x)
     for expert, rows, weights in plan:
         act = tlin.silu_and_mul(torch.nn.functional.linear(x.index_select(0, rows), w13[expert]))
@@ -215,16 +238,17 @@ def _expert_loop(x, w13, w2, plan):
 
 
 def _fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert of w [E, N, K] quantized block-wise: (e4m3 [E, N, K], scales [E, N / bn, K / bk])."""
-    from nanovllm.layers.quantization import quantize_fp8_block
+    """Each expert of w [E, N, K] quantized block-wise:
+    (e4m3 [E, N, K], scales [E, N / bn, K / bk])."""
+    from nanovllm.kernels.fp8_reference import quantize_fp8_block
     quantized = [quantize_fp8_block(w[e], block) for e in range(w.size(0))]
     return torch.stack([q for q, _ in quantized]), torch.stack([s for _, s in quantized])
 
 
 def moe_rows(sweep: bool, bw: float, routings: int = 8):
-    """The fused MoE kernel against the per-expert cuBLAS loop at Qwen3-30B-A3B's shapes (one layer), and the
-    fp8 kernel on the same experts quantized block-wise."""
-    from nanovllm.layers.quantization import dequantize_fp8_block
+    """The fused MoE kernel against the per-expert cuBLAS loop at Qwen3-30B-A3B's shapes (one
+    layer), and the fp8 kernel on the same experts quantized block-wise."""
+    from nanovllm.kernels.fp8_reference import dequantize_fp8_block
     rows = []
     e, top_k, h, i = (MOE_SHAPE[name] for name in ("experts", "top_k", "hidden", "inter"))
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DTYPE) / h ** 0.5
@@ -233,7 +257,8 @@ def moe_rows(sweep: bool, bw: float, routings: int = 8):
     (q13, s13), (q2, s2) = _fp8_experts(w13, MOE_FP8_BLOCK), _fp8_experts(w2, MOE_FP8_BLOCK)
     fp8 = dict(w13_scale=s13, w2_scale=s2, block_shape=MOE_FP8_BLOCK)
     fp8_expert_bytes = (q13[0].numel() + q2[0].numel()) + 4 * (s13[0].numel() + s2[0].numel())
-    dq13, dq2 = (dequantize_fp8_block(q, sc, MOE_FP8_BLOCK, DTYPE) for q, sc in ((q13, s13), (q2, s2)))
+    dq13, dq2 = (dequantize_fp8_block(q, sc, MOE_FP8_BLOCK, DTYPE)
+                 for q, sc in ((q13, s13), (q2, s2)))
     for m in (1, 16, 64, 256, 1024, 4096):
         x = torch.randn(m, h, device="cuda", dtype=DTYPE)
         logits = [torch.randn(m, e, device="cuda", dtype=DTYPE) for _ in range(routings)]
@@ -254,26 +279,32 @@ def moe_rows(sweep: bool, bw: float, routings: int = 8):
         ref = _expert_loop(x, w13, w2, plans[0]).float()
         err = float((fused[0]().float() - ref).norm() / ref.norm())
         row = dict(kind="moe", m=m, **MOE_SHAPE, experts_touched=touched, weight_mb=nbytes / 1e6,
-                   fused_us=t_fused * 1e6, fused_of_copy=nbytes / t_fused / bw, layer_us=t_layer * 1e6,
-                   loop_us=t_loop * 1e6, loop_of_copy=nbytes / t_loop / bw, speedup=t_loop / t_fused, rel_err=err,
-                   config=tmoe.moe_config(m, e, top_k))
+                   fused_us=t_fused * 1e6, fused_of_copy=nbytes / t_fused / bw,
+                   layer_us=t_layer * 1e6, loop_us=t_loop * 1e6, loop_of_copy=nbytes / t_loop / bw,
+                   speedup=t_loop / t_fused, rel_err=err, config=tmoe.moe_config(m, e, top_k))
         fp8_bytes = touched * fp8_expert_bytes
         fused_fp8 = [partial(tmoe.fused_moe, x, q13, q2, w, ids, **fp8) for w, ids in routed]
         t_fp8 = bench_graph_each(fused_fp8)
-        ref_fp8 = _expert_loop(x, dq13, dq2, plans[0]).float()  # cuBLAS on the experts dequantized to bf16
-        row.update(fp8_weight_mb=fp8_bytes / 1e6, fp8_us=t_fp8 * 1e6, fp8_of_copy=fp8_bytes / t_fp8 / bw,
-                   fp8_speedup=t_fused / t_fp8,
+        # cuBLAS on the experts dequantized to bf16
+        ref_fp8 = _expert_loop(x, dq13, dq2, plans[0]).float()
+        row.update(fp8_weight_mb=fp8_bytes / 1e6, fp8_us=t_fp8 * 1e6,
+                   fp8_of_copy=fp8_bytes / t_fp8 / bw, fp8_speedup=t_fused / t_fp8,
                    fp8_rel_err=float((fused_fp8[0]().float() - ref_fp8).norm() / ref_fp8.norm()))
         if sweep and m in (1, 64, 256, 4096):
-            best = fastest(t_fused, ((cfg, partial(bench_graph_each, [partial(tmoe.fused_moe, x, w13, w2, w, ids,
-                                                                              config=cfg) for w, ids in routed], 30))
-                                     for cfg in MOE_CONFIGS))
-            row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw, best_config=best[1])
-            best = fastest(t_fp8, ((cfg, partial(bench_graph_each, [partial(tmoe.fused_moe, x, q13, q2, w, ids,
-                                                                            config=cfg, **fp8)
-                                                                    for w, ids in routed], 30))
-                                   for cfg in MOE_FP8_CONFIGS))
-            row.update(fp8_best_us=best[0] * 1e6, fp8_best_of_copy=fp8_bytes / best[0] / bw, fp8_best_config=best[1])
+            best = fastest(t_fused, (
+                (cfg, partial(bench_graph_each,
+                              [partial(tmoe.fused_moe, x, w13, w2, w, ids, config=cfg)
+                               for w, ids in routed], 30))
+                for cfg in MOE_CONFIGS))
+            row.update(best_us=best[0] * 1e6, best_of_copy=nbytes / best[0] / bw,
+                       best_config=best[1])
+            best = fastest(t_fp8, (
+                (cfg, partial(bench_graph_each,
+                              [partial(tmoe.fused_moe, x, q13, q2, w, ids, config=cfg, **fp8)
+                               for w, ids in routed], 30))
+                for cfg in MOE_FP8_CONFIGS))
+            row.update(fp8_best_us=best[0] * 1e6, fp8_best_of_copy=fp8_bytes / best[0] / bw,
+                       fp8_best_config=best[1])
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -290,8 +321,8 @@ PREFILL_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
 
 def prefill_rows(flash, sweep: bool):
     rows = []
-    cases = [(1, 8192, 0), (4, 2048, 0), (16, 1024, 0), (16, 512, 0), (1, 4096, 4096), (4, 1024, 1024),
-             (16, 512, 512)]
+    cases = [(1, 8192, 0), (4, 2048, 0), (16, 1024, 0), (16, 512, 0), (1, 4096, 4096),
+             (4, 1024, 1024), (16, 512, 512)]
     for num_seqs, new, cached in cases:
         total_k = cached + new
         k_cache, v_cache, tables = paged_kv([total_k] * num_seqs)
@@ -309,16 +340,17 @@ def prefill_rows(flash, sweep: bool):
         t = bench(partial(ta.prefill_attention, *args))
         row.update(triton_ms=t * 1e3, triton_tflops=flops / t / 1e12)
         if sweep:
-            best = fastest(t, ((cfg, partial(bench, partial(ta.prefill_attention, *args, config=cfg), rep=30))
+            best = fastest(t, ((cfg, partial(bench, partial(ta.prefill_attention, *args,
+                                                            config=cfg), rep=30))
                                for cfg in PREFILL_CONFIGS))
             row.update(best_tflops=flops / best[0] / 1e12, best_config=best[1])
         if flash is not None:
             if cached:
-                fn = partial(flash.flash_attn_varlen_func, q, k_cache, v_cache, cu_q, cu_k, new, total_k,
-                             softmax_scale=SCALE, causal=True, block_table=tables)
+                fn = partial(flash.flash_attn_varlen_func, q, k_cache, v_cache, cu_q, cu_k, new,
+                             total_k, softmax_scale=SCALE, causal=True, block_table=tables)
             else:
-                fn = partial(flash.flash_attn_varlen_func, q, k, v, cu_q, cu_q, new, new, softmax_scale=SCALE,
-                             causal=True)
+                fn = partial(flash.flash_attn_varlen_func, q, k, v, cu_q, cu_q, new, new,
+                             softmax_scale=SCALE, causal=True)
             tf = bench(fn)
             row.update(flash_ms=tf * 1e3, flash_tflops=flops / tf / 1e12)
         rows.append(row)
@@ -352,18 +384,20 @@ def plot(rows: list[dict], path: str):
     b.set_ylabel("TFLOP/s")
     b.set_title("prefill attention (seqs x new tokens + cached)")
     b.legend(fontsize=8)
-    fig.suptitle(f"{torch.cuda.get_device_name()}, bf16, 16 q / 8 kv heads, head_dim 128, page 256, "
-                 f"{time.strftime('%Y-%m-%d')}")
+    fig.suptitle(f"{torch.cuda.get_device_name()}, bf16, 16 q / 8 kv heads, head_dim 128, "
+                 f"page 256, {time.strftime('%Y-%m-%d')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--no-flash", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
-    parser.add_argument("--only", choices=["attention", "decode", "linear", "moe"], help="one group of benchmarks")
+    parser.add_argument("--only", choices=["attention", "decode", "linear", "moe"],
+                        help="one group of benchmarks")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="fp8: the decode attention rows alone, over an e4m3 cache")
     parser.add_argument("--page", type=int, default=PAGE, help="the decode rows' page (block) size")
@@ -371,7 +405,8 @@ def main():
     fp8 = args.kv_cache_dtype == "fp8"
     os.makedirs(args.out, exist_ok=True)
     flash = None
-    if not args.no_flash and args.only not in ("linear", "moe") and not fp8:  # flash-attn 2 has no fp8 cache
+    # flash-attn 2 has no fp8 cache
+    if not args.no_flash and args.only not in ("linear", "moe") and not fp8:
         try:
             import flash_attn as flash
         except ImportError:
@@ -387,14 +422,14 @@ def main():
     elif args.only == "decode":
         rows = decode_rows(flash, args.sweep, DTYPE, args.page)
     else:
-        rows = [] if args.only in ("linear", "moe") else (decode_rows(flash, args.sweep, DTYPE, args.page)
-                                                           + prefill_rows(flash, args.sweep))
+        rows = [] if args.only in ("linear", "moe") else (
+            decode_rows(flash, args.sweep, DTYPE, args.page) + prefill_rows(flash, args.sweep))
         rows += [] if args.only in ("attention", "moe") else linear_rows(args.sweep, bw)
         rows += moe_rows(args.sweep, bw) if args.only in (None, "moe") else []
     for r in rows:
         r["copy_tbs"] = bw / 1e12
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     name = ("kernels_fp8" if fp8 else f"kernels{'_' + args.only if args.only else ''}") + (
         f"_page{args.page}" if args.page != PAGE else "")
     with open(os.path.join(args.out, name + ".json"), "w") as f:

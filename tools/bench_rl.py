@@ -1,19 +1,23 @@
 """What an RL loop pays the rollout engine, one JSON line per measurement:
 
-- ``update_weights``: seconds to push every weight from tensors already on the engine's device (rank 0's), in
-  transformers' names, as a trainer's ``named_parameters()`` gives them (best of ``--repeats``; bar 0.5 s);
-- ``sleep``: the fraction of the device memory the engine held (``torch.cuda.mem_get_info`` before the engine
-  and after it started, every rank's device) that ``sleep(level=1)`` gives back (bar 90%), and its seconds;
-- ``logprob_gap`` (with ``--logprob-gap``): while the engine sleeps, transformers recomputes the engine's sampled
-  tokens' logprobs (temperature 1) on the same weights, in the model's dtype and in float32: the largest and
-  mean absolute gaps (random weights: a near-uniform distribution, so small gaps say little about trained ones);
-- ``wake_up``: seconds of ``wake_up()`` (weights back from pinned host memory, KV cache zeroed, CUDA graphs
-  captured again) and of the first ``generate`` after it (bar 3 s for both);
-- ``rl_cycle``: ``sleep(level=2)``, ``wake_up(["weights"])``, ``update_weights``, ``wake_up(["kv_cache"])`` and a
-  generate, the seconds of each.
+- ``update_weights``: seconds to push every weight from tensors already on the engine's device
+  (rank 0's), in transformers' names, as a trainer's ``named_parameters()`` gives them (best of
+  ``--repeats``; bar 0.5 s);
+- ``sleep``: the fraction of the device memory the engine held (``torch.cuda.mem_get_info`` before
+  the engine and after it started, every rank's device) that ``sleep(level=1)`` gives back
+  (bar 90%), and its seconds;
+- ``logprob_gap`` (with ``--logprob-gap``): while the engine sleeps, transformers recomputes the
+  engine's sampled tokens' logprobs (temperature 1) on the same weights, in the model's dtype and in
+  float32: the largest and mean absolute gaps (random weights: a near-uniform distribution, so small
+  gaps say little about trained ones);
+- ``wake_up``: seconds of ``wake_up()`` (weights back from pinned host memory, KV cache zeroed, CUDA
+  graphs captured again) and of the first ``generate`` after it (bar 3 s for both);
+- ``rl_cycle``: ``sleep(level=2)``, ``wake_up(["weights"])``, ``update_weights``,
+  ``wake_up(["kv_cache"])`` and a generate, the seconds of each.
 
-CUDA by default, on a preset with random weights (``load_format="dummy"``); ``--device cpu --model nanovllm:demo``
-(or a checkpoint directory) runs the same steps on CPU as a smoke test (memory fractions are then not measured).
+CUDA by default, on a preset with random weights (``load_format="dummy"``);
+``--device cpu --model nanovllm:demo`` (or a checkpoint directory) runs the same steps on CPU as a
+smoke test (memory fractions are then not measured).
 
     python tools/bench_rl.py [--model qwen3-8b] [--tp 1] [--logprob-gap] [--out results.jsonl]
 """
@@ -60,10 +64,12 @@ def hf_config_of(model: str):
     from transformers import AutoConfig
 
     from nanovllm.demo import BUILTIN_MODELS, builtin_model_path
-    return AutoConfig.from_pretrained(builtin_model_path(model) if model in BUILTIN_MODELS else model)
+    return AutoConfig.from_pretrained(builtin_model_path(model) if model in BUILTIN_MODELS
+                                      else model)
 
 
-def source_weights(hf_config, device: str, dtype: torch.dtype, seed: int) -> list[tuple[str, torch.Tensor]]:
+def source_weights(hf_config, device: str, dtype: torch.dtype,
+                   seed: int) -> list[tuple[str, torch.Tensor]]:
     """A trainer's weights in transformers' names: N(0, 0.02), norms 1, on ``device``."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
@@ -81,7 +87,8 @@ def source_weights(hf_config, device: str, dtype: torch.dtype, seed: int) -> lis
 
 
 def recompute_logprobs(hf_config, weights, device: str, dtype: torch.dtype, outputs) -> dict:
-    """Transformers' logprobs of the sampled tokens on ``weights``, in ``dtype`` and float32: the gaps."""
+    """Transformers' logprobs of the sampled tokens on ``weights``, in ``dtype`` and float32: the
+    gaps."""
     from transformers import AutoModelForCausalLM
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
@@ -95,12 +102,16 @@ def recompute_logprobs(hf_config, weights, device: str, dtype: torch.dtype, outp
             for completion in output.outputs:
                 prompt, ids = list(output.prompt_token_ids), list(completion.token_ids)
                 with torch.no_grad():
-                    logits = model(torch.tensor([prompt + ids], device=device)).logits[0, len(prompt) - 1:-1]
-                ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids, device=device)[:, None])
-                got = torch.tensor([e[t].logprob for e, t in zip(completion.logprobs, ids)], device=device)
+                    logits = model(
+                        torch.tensor([prompt + ids], device=device)).logits[0, len(prompt) - 1:-1]
+                ref = torch.log_softmax(logits.float(), -1).gather(
+                    1, torch.tensor(ids, device=device)[:, None])
+                got = torch.tensor([e[t].logprob for e, t in zip(completion.logprobs, ids)],
+                                   device=device)
                 diffs.append((got - ref[:, 0]).abs())
         diffs = torch.cat(diffs)
-        gaps[label] = {"max": float(diffs.max()), "mean": float(diffs.mean()), "tokens": diffs.numel()}
+        gaps[label] = {"max": float(diffs.max()), "mean": float(diffs.mean()),
+                       "tokens": diffs.numel()}
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -108,15 +119,20 @@ def recompute_logprobs(hf_config, weights, device: str, dtype: torch.dtype, outp
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-8b", help=f"a preset ({', '.join(PRESETS)}), 'nanovllm:demo' or "
-                        "a checkpoint directory")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-8b",
+                        help=f"a preset ({', '.join(PRESETS)}), 'nanovllm:demo' or "
+                             "a checkpoint directory")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--repeats", type=int, default=3, help="update_weights pushes timed")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="the engine's (the CUDA graphs captured)")
-    parser.add_argument("--logprob-gap", action="store_true", help="measure the engine-vs-transformers gap")
-    parser.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: torch's default)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="the engine's (the CUDA graphs captured)")
+    parser.add_argument("--logprob-gap", action="store_true",
+                        help="measure the engine-vs-transformers gap")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch's CPU threads (0: torch's default)")
     parser.add_argument("--out", help="also append the JSON lines to this file")
     args = parser.parse_args()
     if args.threads:
@@ -131,12 +147,14 @@ def main():
     if device == "cuda":
         base["gpu"] = torch.cuda.get_device_name(0)
 
-    weights = source_weights(hf_config, device, dtype, seed=1)  # before the engine: it sizes its cache around them
+    # before the engine: it sizes its cache around them
+    weights = source_weights(hf_config, device, dtype, seed=1)
     before_engine = used_bytes(device, args.tp)
     start = time.perf_counter()
-    llm = LLM(args.model, device=device, tensor_parallel_size=args.tp, enable_sleep_mode=True, dtype=dtype,
-              load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy, max_num_seqs=args.max_num_seqs,
-              max_model_len=2048, **({} if device == "cuda" else {"cpu_kvcache_space": 0.25}))
+    llm = LLM(args.model, device=device, tensor_parallel_size=args.tp, enable_sleep_mode=True,
+              dtype=dtype, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
+              max_num_seqs=args.max_num_seqs, max_model_len=2048,
+              **({} if device == "cuda" else {"cpu_kvcache_space": 0.25}))
     emit(out, {**base, "metric": "startup", "seconds": round(time.perf_counter() - start, 3)})
     prompts = [[(7 * i + 3 * j) % 1000 + 10 for j in range(64)] for i in range(8)]
     params = SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True, logprobs=0, seed=0)
@@ -152,7 +170,8 @@ def main():
             times.append(time.perf_counter() - start)
         emit(out, {**base, "metric": "update_weights", "seconds": round(min(times), 4),
                    "all_seconds": [round(t, 4) for t in times], "tensors": len(weights),
-                   "gib": round(sum(t.nbytes for _, t in weights) / 2 ** 30, 3), "bar_seconds": 0.5})
+                   "gib": round(sum(t.nbytes for _, t in weights) / 2 ** 30, 3),
+                   "bar_seconds": 0.5})
 
         outputs = llm.generate(prompts, params, use_tqdm=False)
         held = used_bytes(device, args.tp) - before_engine
@@ -168,7 +187,8 @@ def main():
 
         if args.logprob_gap:  # the trainer's turn: it has the memory the engine gave back
             gaps = recompute_logprobs(hf_config, weights, device, dtype, outputs)
-            emit(out, {**base, "metric": "logprob_gap", "engine_dtype": str(dtype).removeprefix("torch."), **gaps})
+            emit(out, {**base, "metric": "logprob_gap",
+                       "engine_dtype": str(dtype).removeprefix("torch."), **gaps})
 
         start = time.perf_counter()
         llm.wake_up()
@@ -180,7 +200,8 @@ def main():
         emit(out, {**base, "metric": "wake_up", "wake_up_seconds": round(woken, 3),
                    "first_generate_seconds": round(first, 3), "seconds": round(woken + first, 3),
                    "same_outputs_as_before_sleep": same, "bar_seconds": 3.0,
-                   "rank0_phases": {k: round(v, 3) for k, v in llm.model_runner.sleep_state.timings.items()}})
+                   "rank0_phases": {k: round(v, 3)
+                                    for k, v in llm.model_runner.extensions["sleep"].timings.items()}})
 
         steps, start = {}, time.perf_counter()
         for name, step in (("sleep_level_2", lambda: llm.sleep(level=2)),
@@ -192,7 +213,8 @@ def main():
             step()
             sync(device)
             steps[name] = round(time.perf_counter() - t, 3)
-        emit(out, {**base, "metric": "rl_cycle", "seconds": round(time.perf_counter() - start, 3), **steps})
+        emit(out, {**base, "metric": "rl_cycle", "seconds": round(time.perf_counter() - start, 3),
+                   **steps})
     finally:
         llm.exit()
         if out is not None:

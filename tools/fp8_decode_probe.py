@@ -1,17 +1,22 @@
-"""Where an fp8 KV cache's decode time goes: the decode loop of nanovllm/kernels/triton_attention.py rewritten
-with one stage changed at a time, timed against the engine's kernel on the same cache (CUDA Graph replays).
+"""Where an fp8 KV cache's decode time goes: the decode loop of nanovllm/kernels/triton_attention.py
+rewritten with one stage changed at a time, timed against the engine's kernel on the same cache
+(CUDA Graph replays).
 
 Modes of the probe kernel (one program per sequence and KV head, no splits: batch >= 64):
-  full      as the engine's kernel was until its V fix: K, V tiles converted to fp16 (the conversion of V left
-            where Triton moves it: after V's 8-bit shuffle into the product's operand layout, through shared
-            memory a byte at a time), both products on the tensor cores; the "engine" column is the kernel now
+  full      as the engine's kernel was until its V fix: K, V tiles converted to fp16 (the conversion
+            of V left where Triton moves it: after V's 8-bit shuffle into the product's operand
+            layout, through shared memory a byte at a time), both products on the tensor cores; the
+            "engine" column is the kernel now
   no_pv     the same without the P @ V product (what the second product and V's conversion cost)
-  no_qk     the same without the Q @ K^T product (scores all 0: what the first product and K's conversion cost)
+  no_qk     the same without the Q @ K^T product (scores all 0: what the first product and K's
+            conversion cost)
   fp8_qk    the queries quantized to e4m3 (one scale a row) and Q @ K^T in fp8: no conversion of K
   k_as_a    Q @ K^T computed as K @ Q^T (K the product's first operand, which may stay in registers)
-  load      the tiles loaded and summed as bytes: the access pattern's bandwidth, no arithmetic to speak of
+  load      the tiles loaded and summed as bytes: the access pattern's bandwidth, no arithmetic to
+            speak of
 
-    python tools/fp8_decode_probe.py [--out DIR]     (CUDA; TRITON_INTERPRET=1 checks the modes on CPU)
+    python tools/fp8_decode_probe.py [--out DIR]
+    (CUDA; TRITON_INTERPRET=1 checks the modes on CPU)
 """
 from __future__ import annotations
 
@@ -37,8 +42,9 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _probe_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, qk_scale, stride_bt,
-                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr):
+                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MODE: tl.constexpr):
     seq, kv_head = tl.program_id(0), tl.program_id(1)
     ctx = tl.load(ctx_ptr + seq)
     offs_g = tl.arange(0, BLOCK_G)
@@ -60,11 +66,13 @@ def _probe_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, qk_sc
         offs_n = start + tl.arange(0, BLOCK_N)
         valid = offs_n < ctx
         page = tl.load(bt_ptr + seq * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-        kv_off = (page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        kv_off = ((page * PAGE + offs_n % PAGE)[:, None] * (NUM_KV_HEADS * HEAD_DIM)
+                  + kv_head * HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off + offs_d[None, :], mask=valid[:, None], other=0.0)
         if MODE == 4:
-            both = k.to(tl.uint8, bitcast=True).to(tl.int32) + v.to(tl.uint8, bitcast=True).to(tl.int32)
+            both = (k.to(tl.uint8, bitcast=True).to(tl.int32)
+                    + v.to(tl.uint8, bitcast=True).to(tl.int32))
             total += tl.sum(both, 0)
         else:
             if MODE == 2:
@@ -90,7 +98,8 @@ def _probe_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, qk_sc
     tl.store(o_ptr + rows, out.to(o_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None])
 
 
-def probe(mode: str, q, k_cache, v_cache, context_lens, tables, scale, block_n: int, num_warps: int, out):
+def probe(mode: str, q, k_cache, v_cache, context_lens, tables, scale, block_n: int,
+          num_warps: int, out):
     group = H // KVH
     _probe_kernel[(q.size(0), KVH)](
         q, k_cache, v_cache, tables, context_lens, out, scale * LOG2E, tables.stride(0),
@@ -108,7 +117,8 @@ def caches(batch: int, ctx: int, page: int, device: str):
 
 
 def check(device: str) -> list[dict]:
-    """Each arithmetic mode against the engine's kernel on a small cache (fp8_qk also quantizes the queries)."""
+    """Each arithmetic mode against the engine's kernel on a small cache (fp8_qk also quantizes the
+    queries)."""
     rows = []
     batch, ctx, page = 3, 100, 16
     k_cache, v_cache, tables = caches(batch, ctx, page, device)
@@ -123,7 +133,8 @@ def check(device: str) -> list[dict]:
             rows.append(dict(kind="check", mode=mode, error=f"{type(e).__name__}: {str(e)[:200]}"))
             continue
         err = float((out.float() - ref).norm() / ref.norm())
-        rows.append(dict(kind="check", mode=mode, rel_err_vs_engine=err, finite=bool(out.isfinite().all())))
+        rows.append(dict(kind="check", mode=mode, rel_err_vs_engine=err,
+                         finite=bool(out.isfinite().all())))
     return rows
 
 
@@ -136,19 +147,20 @@ def timings() -> list[dict]:
         lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         nbytes = 2 * batch * ctx * KVH * D
         out = torch.empty_like(q)
-        engine = bench_graph(partial(ta.decode_attention, q, k_cache, v_cache, lens, tables, D ** -0.5,
-                                     num_splits=1, out=out))
+        engine = bench_graph(partial(ta.decode_attention, q, k_cache, v_cache, lens, tables,
+                                     D ** -0.5, num_splits=1, out=out))
         k16, v16 = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
-        engine_bf16 = bench_graph(partial(ta.decode_attention, q, k16, v16, lens, tables, D ** -0.5, num_splits=1,
-                                          out=out))
+        engine_bf16 = bench_graph(partial(ta.decode_attention, q, k16, v16, lens, tables, D ** -0.5,
+                                          num_splits=1, out=out))
         del k16, v16
         row = dict(kind="time", batch=batch, ctx=ctx, page=page, gbytes=nbytes / 1e9,
-                   engine_us=engine * 1e6, engine_tbs=nbytes / engine / 1e12, engine_bf16_us=engine_bf16 * 1e6)
+                   engine_us=engine * 1e6, engine_tbs=nbytes / engine / 1e12,
+                   engine_bf16_us=engine_bf16 * 1e6)
         for mode in MODES:
             for block_n, warps in ((64, 4), (128, 4), (128, 8)):
                 try:
-                    t = bench_graph(partial(probe, mode, q, k_cache, v_cache, lens, tables, D ** -0.5, block_n,
-                                            warps, out))
+                    t = bench_graph(partial(probe, mode, q, k_cache, v_cache, lens, tables,
+                                            D ** -0.5, block_n, warps, out))
                 except Exception as e:
                     row[f"{mode}_{block_n}_{warps}"] = f"{type(e).__name__}"
                     continue

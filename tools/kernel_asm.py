@@ -1,14 +1,15 @@
-"""The attention, fp8 GEMM and fused MoE kernels compiled for an H200 (sm_90) on any machine, no GPU needed:
-counts of the PTX instructions that tell how tiles move (byte-wise shared-memory traffic, ldmatrix, fp8
-conversions, the tensor-core products), and each kernel's shared memory. Triton's wheel carries the compiler;
-the kernels must be real JIT functions, so TRITON_INTERPRET must be unset (the script refuses otherwise).
+"""The attention, fp8 GEMM and fused MoE kernels compiled for an H200 (sm_90) on any machine, no GPU
+needed: counts of the PTX instructions that tell how tiles move (byte-wise shared-memory traffic,
+ldmatrix, fp8 conversions, the tensor-core products), and each kernel's shared memory. Triton's
+wheel carries the compiler; the kernels must be real JIT functions, so TRITON_INTERPRET must be
+unset (the script refuses otherwise).
 
     python tools/kernel_asm.py [--json] [--ptx-dir DIR]
 
 What it showed: over an fp8 cache, Triton moved V's e4m3 -> fp16 conversion after V's shuffle into
-the P @ V operand layout, so the 8-bit tile crossed shared memory a byte at a time (128 ld.shared.b8 and
-st.shared.b8 per 128-key tile, no ldmatrix); multiplying the tile by v_scale first keeps the conversion before
-the shuffle (ldmatrix on fp16, as with a bf16 cache).
+the P @ V operand layout, so the 8-bit tile crossed shared memory a byte at a time (128 ld.shared.b8
+and st.shared.b8 per 128-key tile, no ldmatrix); multiplying the tile by v_scale first keeps the
+conversion before the shuffle (ldmatrix on fp16, as with a bf16 cache).
 """
 from __future__ import annotations
 
@@ -21,19 +22,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PATTERNS = {"ld.shared.b8": r"ld\.shared\.b8", "st.shared.b8": r"st\.shared\.b8", "ldmatrix": r"\bldmatrix",
-            "cvt.e4m3x2": r"e4m3x2", "mma.sync": r"\bmma\.sync", "wgmma": r"\bwgmma\.mma_async",
-            "cp.async": r"\bcp\.async\.(?:ca|cg)", "tma": r"cp\.async\.bulk\.tensor"}
+PATTERNS = {"ld.shared.b8": r"ld\.shared\.b8", "st.shared.b8": r"st\.shared\.b8",
+            "ldmatrix": r"\bldmatrix", "cvt.e4m3x2": r"e4m3x2", "mma.sync": r"\bmma\.sync",
+            "wgmma": r"\bwgmma\.mma_async", "cp.async": r"\bcp\.async\.(?:ca|cg)",
+            "tma": r"cp\.async\.bulk\.tensor"}
 
 
-def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, unaligned=("m", "stride_bt")):
-    """``fn`` compiled as a launch would compile it: pointers and integer arguments (but ``unaligned``, those a
-    launch may pass unaligned or that are not specialized) marked divisible by 16, as Triton marks them when they
-    are; without that mark the loads are not vectorized."""
+def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+             unaligned=("m", "stride_bt")):
+    """``fn`` compiled as a launch would compile it: pointers and integer arguments (but
+    ``unaligned``, those a launch may pass unaligned or that are not specialized) marked divisible
+    by 16, as Triton marks them when they are; without that mark the loads are not vectorized."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in signature.items()
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, kind in signature.items()
              if name not in unaligned and (kind.startswith("*") or kind in ("i32", "i64"))}
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
     options = dict(num_warps=num_warps, num_stages=num_stages)
@@ -42,7 +46,8 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
 
 
 def _registers(ptx: str) -> int | None:
-    """Registers a thread, from ptxas (the one in Triton's wheel) on the PTX; None when it cannot run."""
+    """Registers a thread, from ptxas (the one in Triton's wheel) on the PTX; None when it cannot
+    run."""
     import subprocess
     import tempfile
 
@@ -51,74 +56,85 @@ def _registers(ptx: str) -> int | None:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True)
+        run = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True)
     found = re.search(r"Used (\d+) registers", run.stderr)
     return int(found.group(1)) if found else None
 
 
 def decode(kv: str, block_n: int = 128, num_warps: int = 4):
-    """The decode kernel at Qwen3-0.6B's shapes (2 query heads a KV head, head_dim 128, pages of 256)."""
+    """The decode kernel at Qwen3-0.6B's shapes (2 query heads a KV head, head_dim 128,
+    pages of 256)."""
     from nanovllm.kernels import triton_attention as ta
     fp8 = kv == "fp8e4nv"
-    sig = {"q_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "bt_ptr": "*i32", "ctx_ptr": "*i32",
-           "o_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
-           "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
-    const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=block_n, NUM_SPLITS=1,
-                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "bt_ptr": "*i32",
+           "ctx_ptr": "*i32", "o_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "qk_scale": "fp32", "v_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32",
+           "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
+    const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=block_n,
+                 NUM_SPLITS=1, PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
     return _compile(ta._decode_kernel, sig, const, num_warps, 3)
 
 
 def prefill(kv: str):
-    """The paged prefill kernel (a cached prefix, chunks) at the same shapes, with its long-prompt tiles."""
+    """The paged prefill kernel (a cached prefix, chunks) at the same shapes, with its long-prompt
+    tiles."""
     from nanovllm.kernels import triton_attention as ta
     fp8 = kv == "fp8e4nv"
-    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}",
-           "o_ptr": "*bf16", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "bt_ptr": "*i32", "qk_scale": "fp32",
-           "v_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_kt": "i32", "stride_vt": "i32",
-           "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32"}
-    const = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, PAGED=True, BLOCK_M=128, BLOCK_N=128,
-                 PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": f"*{kv}",
+           "v_cache_ptr": f"*{kv}", "o_ptr": "*bf16", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32",
+           "bt_ptr": "*i32", "qk_scale": "fp32", "v_scale": "fp32", "stride_qt": "i32",
+           "stride_qh": "i32", "stride_kt": "i32", "stride_vt": "i32", "stride_ot": "i32",
+           "stride_oh": "i32", "stride_bt": "i32"}
+    const = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, PAGED=True, BLOCK_M=128,
+                 BLOCK_N=128, PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
     return _compile(ta._prefill_kernel, sig, const, 8, 3)
 
 
 def fp8_gemm(block: bool, block_m: int = 128, block_n: int = 128):
     """The fp8 GEMM (prefill, decode batches over 16 rows) with block-wise or per-channel scales."""
     from nanovllm.kernels import triton_fp8 as tf
-    sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
-           "res_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32", "k": "i32", "stride_a": "i32",
-           "stride_as": "i32", "stride_w": "i32", "stride_ws": "i32", "stride_r": "i32", "stride_y": "i32"}
+    sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+           "b_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "m": "i32", "n": "i32",
+           "k": "i32", "stride_a": "i32", "stride_as": "i32", "stride_w": "i32", "stride_ws": "i32",
+           "stride_r": "i32", "stride_y": "i32"}
     cfg = tf.gemm_config(block_m, 1 << 20)
     cfg.update(BLOCK_M=block_m, BLOCK_N=block_n)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    const = dict(SCALE_N=128 if block else 1, SCALE_K=128 if block else 4096, PER_CHANNEL=not block, BIAS=False,
-                 RESIDUAL=False, **cfg)
+    const = dict(SCALE_N=128 if block else 1, SCALE_K=128 if block else 4096, PER_CHANNEL=not block,
+                 BIAS=False, RESIDUAL=False, **cfg)
     return _compile(tf._fp8_gemm_kernel, sig, const, warps, stages, unaligned=("m", "stride_as"))
 
 
 def moe(fp8: bool, block_m: int):
-    """The fused MoE's gate/up GEMM (SiLU-and-mul) at Qwen3-30B-A3B's shapes, bf16 experts or block-wise fp8 ones
-    (128x128 blocks, x in bf16), with ``moe_config``'s tiles for BLOCK_M ``block_m`` (16: decode, 64: prefill)."""
+    """The fused MoE's gate/up GEMM (SiLU-and-mul) at Qwen3-30B-A3B's shapes, bf16 experts or
+    block-wise fp8 ones (128x128 blocks, x in bf16), with ``moe_config``'s tiles for BLOCK_M
+    ``block_m`` (16: decode, 64: prefill)."""
     from nanovllm.kernels import triton_moe as tm
-    sig = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32", "c_ptr": "*bf16",
-           "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
-           "num_post_padded_ptr": "*i32", "n": "i32", "k": "i32", "num_pairs": "i32", "stride_a": "i32",
-           "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_c": "i32"}
+    sig = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32",
+           "c_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
+           "expert_ids_ptr": "*i32", "num_post_padded_ptr": "*i32", "n": "i32", "k": "i32",
+           "num_pairs": "i32", "stride_a": "i32", "stride_we": "i32", "stride_wn": "i32",
+           "stride_se": "i32", "stride_sn": "i32", "stride_c": "i32"}
     cfg = tm.moe_config({16: 1, 64: 1 << 20}[block_m], 128, 8)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    const = dict(ROWS_PER_A=8, SILU_MUL=True, MUL_ROUTED_WEIGHT=False, FP8_W=fp8, SCALE_N=128 if fp8 else 1,
-                 SCALE_K=128 if fp8 else 1, PRECISION="tf32", **cfg)
+    const = dict(ROWS_PER_A=8, SILU_MUL=True, MUL_ROUTED_WEIGHT=False, FP8_W=fp8,
+                 SCALE_N=128 if fp8 else 1, SCALE_K=128 if fp8 else 1, PRECISION="tf32", **cfg)
     return _compile(tm._fused_moe_kernel, sig, const, warps, stages,
                     unaligned=("num_pairs", "stride_se", "stride_sn"))
 
 
-KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True), "fp8 GEMM per-channel": lambda: fp8_gemm(False),
+KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True),
+           "fp8 GEMM per-channel": lambda: fp8_gemm(False),
            "fp8 GEMM block-wise 64x64": lambda: fp8_gemm(True, 64, 64),
            "decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
-           "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64), "prefill paged bf16": lambda: prefill("bf16"),
+           "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64),
+           "prefill paged bf16": lambda: prefill("bf16"),
            "prefill paged fp8": lambda: prefill("fp8e4nv"),
-           "MoE gate/up bf16, 16 rows": lambda: moe(False, 16), "MoE gate/up fp8, 16 rows": lambda: moe(True, 16),
-           "MoE gate/up bf16, 64 rows": lambda: moe(False, 64), "MoE gate/up fp8, 64 rows": lambda: moe(True, 64)}
+           "MoE gate/up bf16, 16 rows": lambda: moe(False, 16),
+           "MoE gate/up fp8, 16 rows": lambda: moe(True, 16),
+           "MoE gate/up bf16, 64 rows": lambda: moe(False, 64),
+           "MoE gate/up fp8, 64 rows": lambda: moe(True, 64)}
 
 
 def main():

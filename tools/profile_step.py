@@ -1,14 +1,16 @@
-"""Where one decode step's time goes: CPU time of schedule, prepare_decode + step_tensors (batch arrays, their
-copy to the device), the forward's launch, sampling, postprocess; the GPU time of the forward; and on CUDA
-the step's kernels one by one (launches, microseconds, the idle time between them: ``kernel_table``), and
-one decoder layer's kernels in order (time, gap before each, bytes a model says it must move, achieved GB/s:
-``layer_table``; ``--markdown`` prints that table for docs/PERFORMANCE.md instead of the JSON line).
+"""Where one decode step's time goes: CPU time of schedule, prepare_decode + step_tensors (batch
+arrays, their copy to the device), the forward's launch, sampling, postprocess; the GPU time of the
+forward; and on CUDA the step's kernels one by one (launches, microseconds, the idle time between
+them: ``kernel_table``), and one decoder layer's kernels in order (time, gap before each, bytes a
+model says it must move, achieved GB/s: ``layer_table``; ``--markdown`` prints that table for
+docs/PERFORMANCE.md instead of the JSON line).
 
 Fills the engine with ``batch`` sequences of about ``context`` tokens, then times ``steps`` decode
 steps by wrapping the engine's methods from outside (nothing in the engine is instrumented).
 
-    python tools/profile_step.py [--model qwen3-0.6b|qwen3-8b] [--batch 1 16 64 256] [--context 1024] [--steps 50]
-                                 [--kv-cache-dtype auto|fp8] [--markdown]
+    python tools/profile_step.py [--model qwen3-0.6b|qwen3-8b] [--batch 1 16 64 256]
+                                 [--context 1024] [--steps 50] [--kv-cache-dtype auto|fp8]
+                                 [--markdown]
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class StepTimer:
             if not self.enabled:
                 return fn(*args, **kwargs)
             if gpu and self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
                 start.record()
             t = time.perf_counter()
             result = fn(*args, **kwargs)
@@ -75,7 +78,8 @@ class StepTimer:
         out = {name: round(1e3 * sum(v) / len(v), 3) for name, v in self.cpu.items()}
         if self.gpu:
             torch.cuda.synchronize()
-            out["forward_gpu_ms"] = round(sum(s.elapsed_time(e) for s, e in self.gpu) / len(self.gpu), 3)
+            out["forward_gpu_ms"] = round(sum(s.elapsed_time(e) for s, e in self.gpu)
+                                          / len(self.gpu), 3)
         return out
 
 
@@ -90,15 +94,18 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     timer.wrap(runner.sampler, "forward")
     timer.wrap(scheduler, "postprocess")
     timer.wrap(llm.core, "step")
-    timer.wrap(ModelRunnerOutput, "result")  # with async scheduling: waiting for the previous step's tokens
+    # with async scheduling: waiting for the previous step's tokens
+    timer.wrap(ModelRunnerOutput, "result")
     sp = SamplingParams(temperature=0.6, max_tokens=2 * steps + 4, ignore_eos=True)
     for i in range(batch):
         llm.add_request([(i * 7 + j) % 250 for j in range(context)], sp)
-    while any(seq.num_cached_tokens < seq.num_prompt_tokens for seq in scheduler.waiting) or scheduler.waiting:
+    while (any(seq.num_cached_tokens < seq.num_prompt_tokens for seq in scheduler.waiting)
+           or scheduler.waiting):
         llm.core.step()  # prefill everything first
     llm.core.step()
     llm.core.step()
-    model_context = context + 2 + steps + steps // 2  # the profiled pass's mean K/V length, for the byte model
+    # the profiled pass's mean K/V length, for the byte model
+    model_context = context + 2 + steps + steps // 2
     timer.enabled = True
     start = time.perf_counter()
     for _ in range(steps):
@@ -114,7 +121,8 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     result = dict(batch=batch, context=context, async_scheduling=llm.config.async_scheduling,
                   kv_cache_dtype=llm.config.kv_cache_dtype,
                   step_ms=round(1e3 * wall, 3), **timer.summary())
-    if busy is not None:  # the GPU's idle share of a decode step: waiting for the CPU between kernels and steps
+    # the GPU's idle share of a decode step: waiting for the CPU between kernels and steps
+    if busy is not None:
         result["gpu_busy_ms"] = round(busy[0], 3)
         result["gpu_idle_fraction"] = round(1 - busy[0] / busy[1], 3)
         result["kernel_table"] = busy[2]
@@ -122,14 +130,17 @@ def profile(llm: LLM, batch: int, context: int, steps: int) -> dict:
     result["sampler_ms"] = result.pop("forward", None)
     result["wait_ms"] = result.pop("result", None)
     step_ms = result.pop("step", None)
-    result["step_cpu_ms"] = None if step_ms is None else round(step_ms - (result["wait_ms"] or 0), 3)
+    result["step_cpu_ms"] = (None if step_ms is None
+                             else round(step_ms - (result["wait_ms"] or 0), 3))
     return result
 
 
-def gpu_busy_per_step(llm: LLM, steps: int, batch: int, context: int) -> tuple[float, float, dict, dict | None]:
-    """(ms of GPU kernel and copy time per decode step, ms of wall time per step, ``kernel_table`` of the
-    device's kernels, ``layer_table`` with the bytes of ``batch`` sequences of ``context`` tokens) over
-    ``steps`` more steps under torch.profiler (a separate pass: the profiler slows the CPU side a little)."""
+def gpu_busy_per_step(llm: LLM, steps: int, batch: int,
+                      context: int) -> tuple[float, float, dict, dict | None]:
+    """(ms of GPU kernel and copy time per decode step, ms of wall time per step, ``kernel_table``
+    of the device's kernels, ``layer_table`` with the bytes of ``batch`` sequences of ``context``
+    tokens) over ``steps`` more steps under torch.profiler (a separate pass: the profiler slows the
+    CPU side a little)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -151,10 +162,10 @@ def gpu_busy_per_step(llm: LLM, steps: int, batch: int, context: int) -> tuple[f
 
 
 def kernel_table(kernels: list[tuple[str, float, float]], steps: int, top: int = 25) -> dict:
-    """Per decode step, from the device's activity (name, start us, end us) over ``steps`` steps: the
-    launches and microseconds of each name (the ``top`` longest), how many launches in all, the time some
-    kernel was running (overlaps counted once), and the idle time between one kernel's end and the next
-    one's start (inside a step and between steps)."""
+    """Per decode step, from the device's activity (name, start us, end us) over ``steps`` steps:
+    the launches and microseconds of each name (the ``top`` longest), how many launches in all, the
+    time some kernel was running (overlaps counted once), and the idle time between one kernel's end
+    and the next one's start (inside a step and between steps)."""
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     busy = idle = 0.0
     end = None
@@ -168,21 +179,23 @@ def kernel_table(kernels: list[tuple[str, float, float]], steps: int, top: int =
             busy += stop - end
         end = stop if end is None else max(end, stop)
     rows = sorted(per_name.items(), key=lambda item: -item[1][1])[:top]
-    return dict(launches_per_step=round(len(kernels) / steps, 2), busy_us_per_step=round(busy / steps, 2),
-                idle_us_per_step=round(idle / steps, 2),
+    return dict(launches_per_step=round(len(kernels) / steps, 2),
+                busy_us_per_step=round(busy / steps, 2), idle_us_per_step=round(idle / steps, 2),
                 kernels=[dict(name=name[:90], launches_per_step=round(count / steps, 2),
-                              us_per_step=round(total / steps, 2)) for name, (count, total) in rows])
+                              us_per_step=round(total / steps, 2))
+                         for name, (count, total) in rows])
 
 
 GEMM_WORDS = ("gemm", "nvjet", "cutlass", "sm90", "xmma", "cublas", "splitk", "linear", "skinny")
 GEMM_ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-NORM_ROLES = ("input_layernorm", "qk_norm", "post_attention_layernorm", "norm", "input_layernorm")  # by GEMMs before
+# by GEMMs before
+NORM_ROLES = ("input_layernorm", "qk_norm", "post_attention_layernorm", "norm", "input_layernorm")
 
 
 def kernel_kind(name: str) -> str:
-    """What a kernel does, from its name alone ("gemm" and "norm" get their layer role from ``layer_roles``).
-    Attention names win over GEMM words: FlashAttention's ``flash_fwd_splitkv_kernel`` holds "splitk", its
-    Hopper kernels cutlass and sm90 templates."""
+    """What a kernel does, from its name alone ("gemm" and "norm" get their layer role from
+    ``layer_roles``). Attention names win over GEMM words: FlashAttention's
+    ``flash_fwd_splitkv_kernel`` holds "splitk", its Hopper kernels cutlass and sm90 templates."""
     n = name.lower()
     if "qk_norm_rope" in n:
         return "qk_norm_rope_store"
@@ -199,9 +212,10 @@ def kernel_kind(name: str) -> str:
 
 
 def layer_roles(names: list[str]) -> list[str]:
-    """The role of each kernel of one decoder layer, by name and order: the k-th GEMM-like kernel is the k-th
-    projection (a norm fused into a GEMM leaves the GEMM's role, and no norm kernel), a norm before the first
-    GEMM is the input norm, one after the qkv GEMM a q/k norm, one after the o GEMM the post-attention norm."""
+    """The role of each kernel of one decoder layer, by name and order: the k-th GEMM-like kernel is
+    the k-th projection (a norm fused into a GEMM leaves the GEMM's role, and no norm kernel), a
+    norm before the first GEMM is the input norm, one after the qkv GEMM a q/k norm, one after the o
+    GEMM the post-attention norm."""
     roles, gemms = [], 0
     for kind in map(kernel_kind, names):
         if kind == "gemm":
@@ -213,25 +227,29 @@ def layer_roles(names: list[str]) -> list[str]:
     return roles
 
 
-def find_layer_block(names: list[str], num_layers: int, max_period: int = 48) -> tuple[int, int] | None:
-    """(start, period) of the first run of ``num_layers`` identical blocks of kernel names in the first half of
-    the trace: each step runs one decoder layer's kernels once per layer, in a row."""
+def find_layer_block(names: list[str], num_layers: int,
+                     max_period: int = 48) -> tuple[int, int] | None:
+    """(start, period) of the first run of ``num_layers`` identical blocks of kernel names in the
+    first half of the trace: each step runs one decoder layer's kernels once per layer, in a row."""
     for start in range(len(names) // 2):
         for p in range(1, max_period + 1):
             end = start + p * num_layers
-            if end <= len(names) and names[start] == names[start + p] and names[start + p:end] == names[start:end - p]:
+            if (end <= len(names) and names[start] == names[start + p]
+                    and names[start + p:end] == names[start:end - p]):
                 return start, p
     return None
 
 
-def layer_table(kernels: list[tuple[str, float, float]], num_layers: int, model_bytes: dict[str, int]) -> dict | None:
-    """One decoder layer's kernels in order, from the device's activity (name, start us, end us) over many decode
-    steps: every occurrence of the repeating block (``find_layer_block``), rotated to start at the layer's input
-    norm (or first GEMM). Per position: role, microseconds per launch, idle microseconds before it (start minus
-    the previous kernel's end, at least 0), the bytes ``model_bytes`` gives its role (none for a role the model
-    lacks) and the GB/s those make in that time; per layer and over all layers of a step: launches, us, gap us,
-    with the layer's GB/s from every role's bytes (a role fused into another kernel counts there). None where no
-    block repeats (no CUDA kernels)."""
+def layer_table(kernels: list[tuple[str, float, float]], num_layers: int,
+                model_bytes: dict[str, int]) -> dict | None:
+    """One decoder layer's kernels in order, from the device's activity (name, start us, end us)
+    over many decode steps: every occurrence of the repeating block (``find_layer_block``), rotated
+    to start at the layer's input norm (or first GEMM). Per position: role, microseconds per launch,
+    idle microseconds before it (start minus the previous kernel's end, at least 0), the bytes
+    ``model_bytes`` gives its role (none for a role the model lacks) and the GB/s those make in that
+    time; per layer and over all layers of a step: launches, us, gap us, with the layer's GB/s from
+    every role's bytes (a role fused into another kernel counts there). None where no block repeats
+    (no CUDA kernels)."""
     kernels = sorted(kernels, key=lambda k: k[1])
     names = [k[0] for k in kernels]
     found = find_layer_block(names, num_layers)
@@ -256,9 +274,12 @@ def layer_table(kernels: list[tuple[str, float, float]], num_layers: int, model_
         us = sum(kernels[i + j][2] - kernels[i + j][1] for i in occurrences) / len(occurrences)
         nbytes = model_bytes.get(role)
         rows.append(dict(position=position, role=role, name=block[j][:70], us=us,
-                         gap_us=sum(gaps[i + j] for i in occurrences) / len(occurrences), bytes=nbytes,
-                         gb_per_s=None if nbytes is None or us <= 0 else round(nbytes / us / 1e3, 1)))
-    us, gap, nbytes = sum(r["us"] for r in rows), sum(r["gap_us"] for r in rows), sum(model_bytes.values())
+                         gap_us=sum(gaps[i + j] for i in occurrences) / len(occurrences),
+                         bytes=nbytes,
+                         gb_per_s=(None if nbytes is None or us <= 0
+                                   else round(nbytes / us / 1e3, 1))))
+    us, gap, nbytes = (sum(r["us"] for r in rows), sum(r["gap_us"] for r in rows),
+                       sum(model_bytes.values()))
     for row in rows:
         row["us"], row["gap_us"] = round(row["us"], 2), round(row["gap_us"], 2)
     return dict(period=p, start=start, occurrences=len(occurrences), kernels=rows,
@@ -268,15 +289,16 @@ def layer_table(kernels: list[tuple[str, float, float]], num_layers: int, model_
                                 gap_us=round(gap * num_layers, 2)))
 
 
-def decode_bytes(hf_config, batch: int, context: int, dtype_bytes: int = 2, kv_bytes: int | None = None
-                 ) -> dict[str, int]:
-    """Bytes per decode step that each kernel of one Llama/Qwen3 decoder layer must at least move (a model, not
-    a measurement: weights and activations read once, outputs written once, no re-reads, caches or norm weights)
-    for ``batch`` sequences (M) of ``context`` tokens of K/V, b bytes an element (kv_bytes in the KV cache,
-    b by default: the store writes them, attention reads them). H hidden, q = heads x head_dim,
-    kv = K/V heads x head_dim, I intermediate:
+def decode_bytes(hf_config, batch: int, context: int, dtype_bytes: int = 2,
+                 kv_bytes: int | None = None) -> dict[str, int]:
+    """Bytes per decode step that each kernel of one Llama/Qwen3 decoder layer must at least move (a
+    model, not a measurement: weights and activations read once, outputs written once, no re-reads,
+    caches or norm weights) for ``batch`` sequences (M) of ``context`` tokens of K/V, b bytes an
+    element (kv_bytes in the KV cache, b by default: the store writes them, attention reads them).
+    H hidden, q = heads x head_dim, kv = K/V heads x head_dim, I intermediate:
     norm with residual add: x and residual in, out and residual out, 4MHb;
-    qkv_proj: weights H(q+2kv)b, MHb in, M(q+2kv)b out; qk_norm_rope_store: M(q+2kv)b in, Mqb + 2Mkvb out;
+    qkv_proj: weights H(q+2kv)b, MHb in, M(q+2kv)b out;
+    qk_norm_rope_store: M(q+2kv)b in, Mqb + 2Mkvb out;
     attention: the context's K and V 2M context kv b, q in and out 2Mqb; o_proj: qHb + Mqb + MHb;
     gate_up_proj: 2HIb + MHb + 2MIb; silu_and_mul: 2MIb in, MIb out; down_proj: IHb + MIb + MHb."""
     c, m, b = hf_config, batch, dtype_bytes
@@ -305,32 +327,37 @@ def markdown(result: dict) -> str:
         return "" if n is None else f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} KB"
 
     layer, steps = table["layer"], table["all_layers"]
-    lines = [f"{head} (bytes at {result['model_context']} tokens of K/V): one decoder layer is {layer['launches']} "
-             f"kernels, {layer['us']} us and {layer['gap_us']} us of gaps; all layers {steps['us']} us and "
-             f"{steps['gap_us']} us of gaps a step.", "",
-             "| # | role | kernel | us | gap us | bytes | GB/s |", "|---:|---|---|---:|---:|---:|---:|"]
+    lines = [f"{head} (bytes at {result['model_context']} tokens of K/V): one decoder layer is "
+             f"{layer['launches']} kernels, {layer['us']} us and {layer['gap_us']} us of gaps; "
+             f"all layers {steps['us']} us and {steps['gap_us']} us of gaps a step.", "",
+             "| # | role | kernel | us | gap us | bytes | GB/s |",
+             "|---:|---|---|---:|---:|---:|---:|"]
     for r in table["kernels"] + [dict(position="", role="layer", name="", **layer)]:
         name = f"`{r['name']}`".replace("|", "\\|") if r["name"] else ""
-        lines.append(f"| {r['position']} | {r['role']} | {name} | {r['us']} | {r['gap_us']} | {size(r['bytes'])} "
-                     f"| {'' if r['gb_per_s'] is None else r['gb_per_s']} |")
+        lines.append(f"| {r['position']} | {r['role']} | {name} | {r['us']} | {r['gap_us']} "
+                     f"| {size(r['bytes'])} | {'' if r['gb_per_s'] is None else r['gb_per_s']} |")
     return "\n".join(lines) + "\n"
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3-0.6b", help=f"a checkpoint or a preset: {', '.join(PRESETS)}")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b",
+                        help=f"a checkpoint or a preset: {', '.join(PRESETS)}")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
-    parser.add_argument("--markdown", action="store_true", help="print the layer table in Markdown, not the JSON")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the layer table in Markdown, not the JSON")
     args = parser.parse_args()
     dummy = args.model in PRESETS
     llm = LLM(args.model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               enforce_eager=args.enforce_eager, max_model_len=args.context + 2 * args.steps + 16,
-              async_scheduling=False if args.no_async_scheduling else None, kv_cache_dtype=args.kv_cache_dtype)
+              async_scheduling=False if args.no_async_scheduling else None,
+              kv_cache_dtype=args.kv_cache_dtype)
     for batch in args.batch:
         result = profile(llm, batch, args.context, args.steps)
         print(markdown(result) if args.markdown else json.dumps(result), flush=True)

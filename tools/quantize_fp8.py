@@ -1,7 +1,8 @@
-"""Writes a block-wise fp8 copy of a bf16/fp32 checkpoint in the Qwen3-*-FP8 layout: every q/k/v/o/gate/up/down
-projection's ``weight`` becomes float8_e4m3fn with a float32 ``weight_scale_inv`` per block (the multiplier: each
-block's amax / 448); embeddings, lm_head and norms are kept; config.json gets the ``quantization_config`` that
-nanovllm and vLLM read; tokenizer and other files are copied.
+"""Writes a block-wise fp8 copy of a bf16/fp32 checkpoint in the Qwen3-*-FP8 layout: every
+q/k/v/o/gate/up/down projection's ``weight`` becomes float8_e4m3fn with a float32
+``weight_scale_inv`` per block (the multiplier: each block's amax / 448); embeddings, lm_head and
+norms are kept; config.json gets the ``quantization_config`` that nanovllm and vLLM read; tokenizer
+and other files are copied.
 
     python tools/quantize_fp8.py SRC DST [--block 128]      # SRC: a directory or nanovllm:demo
 """
@@ -20,14 +21,16 @@ sys.path.insert(0, ROOT)
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from nanovllm.layers.quantization import quantize_fp8_block  # noqa: E402
-from nanovllm.utils.loader import INDEX_FILE, checkpoint_files, resolve_model  # noqa: E402
+from nanovllm.kernels.fp8_reference import quantize_fp8_block  # noqa: E402
+from nanovllm.entrypoints.hub import resolve_model  # noqa: E402
+from nanovllm.utils.loader import INDEX_FILE, checkpoint_files  # noqa: E402
 
 PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")
 
 
 def quantize_file(src: str, dst: str, block: tuple[int, int]) -> dict[str, str]:
-    """Writes ``src``'s tensors to ``dst`` with the projections quantized; returns {tensor name: dst's name}."""
+    """Writes ``src``'s tensors to ``dst`` with the projections quantized; returns
+    {tensor name: dst's name}."""
     tensors = {}
     with safe_open(src, "pt", "cpu") as f:
         for name in f.keys():
@@ -41,23 +44,27 @@ def quantize_file(src: str, dst: str, block: tuple[int, int]) -> dict[str, str]:
 
 
 def quantize_checkpoint(src: str, dst: str, block: int = 128) -> str:
-    """``src`` (a directory or a built-in model) quantized into directory ``dst``; returns ``dst``."""
+    """``src`` (a directory or a built-in model) quantized into directory ``dst``; returns
+    ``dst``."""
     src = resolve_model(src)
     os.makedirs(dst, exist_ok=True)
     files = checkpoint_files(src)
     weight_map = {}
     for file in files:
-        weight_map.update(quantize_file(file, os.path.join(dst, os.path.basename(file)), (block, block)))
+        weight_map.update(quantize_file(file, os.path.join(dst, os.path.basename(file)),
+                                        (block, block)))
     for entry in os.listdir(src):
         path = os.path.join(src, entry)
-        if os.path.isfile(path) and not entry.endswith(".safetensors") and entry not in ("config.json", INDEX_FILE):
+        if (os.path.isfile(path) and not entry.endswith(".safetensors")
+                and entry not in ("config.json", INDEX_FILE)):
             shutil.copy(path, os.path.join(dst, entry))
     if os.path.exists(os.path.join(src, INDEX_FILE)):
         with open(os.path.join(dst, INDEX_FILE), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
                                      "weight_block_size": [block, block]}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -65,10 +72,12 @@ def quantize_checkpoint(src: str, dst: str, block: int = 128) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", help="a checkpoint directory or nanovllm:demo")
     parser.add_argument("dst", help="the directory to write")
-    parser.add_argument("--block", type=int, default=128, help="the square block's side (default 128)")
+    parser.add_argument("--block", type=int, default=128,
+                        help="the square block's side (default 128)")
     args = parser.parse_args()
     if args.block < 1:
         parser.error(f"--block must be >= 1, got {args.block}")

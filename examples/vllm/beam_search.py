@@ -7,7 +7,8 @@ from nanovllm.beam_search import BeamSearchParams
 
 def main():
     llm = LLM(model=sys.argv[1] if len(sys.argv) > 1 else "nanovllm:demo")
-    outputs = llm.beam_search([{"prompt": "def fibonacci(n):"}], BeamSearchParams(beam_width=3, max_tokens=12))
+    outputs = llm.beam_search([{"prompt": "def fibonacci(n):"}],
+                              BeamSearchParams(beam_width=3, max_tokens=12))
     for sequence in outputs[0].sequences:
         print(f"{sequence.cum_logprob:8.3f} {sequence.text!r}")
 

@@ -1,5 +1,5 @@
-# vLLM's examples/offline_inference/basic/chat.py (a conversation, a batch of them, a template's keywords),
-# with the import line and the model changed.
+# vLLM's examples/offline_inference/basic/chat.py (a conversation, a batch of them, a template's
+# keywords), with the import line and the model changed.
 import sys
 
 from nanovllm import LLM, SamplingParams
@@ -26,9 +26,11 @@ def main():
     ]
     outputs = llm.chat(conversation, sampling_params, use_tqdm=False)
     print_outputs(outputs)
-    outputs = llm.chat([conversation for _ in range(4)], sampling_params=sampling_params, use_tqdm=True)
+    outputs = llm.chat([conversation for _ in range(4)], sampling_params=sampling_params,
+                       use_tqdm=True)
     print_outputs(outputs)
-    outputs = llm.chat(conversation, sampling_params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    outputs = llm.chat(conversation, sampling_params, use_tqdm=False,
+                       chat_template_kwargs={"enable_thinking": False})
     print_outputs(outputs)
 
 

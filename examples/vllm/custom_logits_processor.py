@@ -1,4 +1,5 @@
-# vLLM's examples/offline_inference/logits_processor/custom.py, with the import lines and the model changed.
+# vLLM's examples/offline_inference/logits_processor/custom.py, with the import lines and the
+# model changed.
 """This example demonstrates instantiating vLLM with a custom logits processor
 class object.
 

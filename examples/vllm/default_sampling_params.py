@@ -1,5 +1,5 @@
-# The checkpoint's own sampling defaults (generation_config.json), as vLLM's examples start from them, with the
-# import line and the model changed.
+# The checkpoint's own sampling defaults (generation_config.json), as vLLM's examples start from
+# them, with the import line and the model changed.
 import sys
 
 from nanovllm import LLM
@@ -11,7 +11,8 @@ def main():
     sampling_params.max_tokens = 16
     for output in llm.generate(["def is_prime(n):"], sampling_params):
         print(repr(output.prompt), repr(output.outputs[0].text))
-    print(llm.generate(["def is_prime(n):"])[0].outputs[0].finish_reason)  # sampling_params None: the defaults
+    # sampling_params None: the defaults
+    print(llm.generate(["def is_prime(n):"])[0].outputs[0].finish_reason)
 
 
 if __name__ == "__main__":

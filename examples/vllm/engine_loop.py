@@ -1,6 +1,6 @@
-# vLLM's examples/offline_inference/llm_engine_example.py: the engine built from command-line flags, requests
-# added one by one, the engine stepped until none is unfinished; with the import lines changed and the model
-# (--model, default the shipped demo model).
+# vLLM's examples/offline_inference/llm_engine_example.py: the engine built from command-line flags,
+# requests added one by one, the engine stepped until none is unfinished; with the import lines
+# changed and the model (--model, default the shipped demo model).
 import argparse
 
 from nanovllm import EngineArgs, LLMEngine, RequestOutput, SamplingParams
@@ -9,9 +9,11 @@ from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 
 def create_test_prompts() -> list[tuple[str, SamplingParams]]:
     return [
-        ("A robot may not injure a human being", SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1)),
+        ("A robot may not injure a human being",
+         SamplingParams(temperature=0.0, logprobs=1, prompt_logprobs=1)),
         ("To be or not to be,", SamplingParams(temperature=0.8, top_k=5, presence_penalty=0.2)),
-        ("What is the meaning of life?", SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1)),
+        ("What is the meaning of life?",
+         SamplingParams(n=2, temperature=0.8, top_p=0.95, frequency_penalty=0.1)),
     ]
 
 

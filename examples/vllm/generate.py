@@ -1,6 +1,7 @@
 # vLLM's examples/offline_inference/basic/generate.py: the engine's keywords from command-line flags
-# (EngineArgs.add_cli_args on a FlexibleArgumentParser), passed whole to LLM(**args); with the import lines and
-# the model changed (the shipped demo model). Try: python generate.py --max-model-len 512 --max_tokens 16
+# (EngineArgs.add_cli_args on a FlexibleArgumentParser), passed whole to LLM(**args); with the
+# import lines and the model changed (the shipped demo model).
+# Try: python generate.py --max-model-len 512 --max_tokens 16
 from nanovllm import LLM, EngineArgs
 from nanovllm.utils.argparse_utils import FlexibleArgumentParser
 

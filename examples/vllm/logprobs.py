@@ -1,5 +1,5 @@
-# Sample and prompt logprobs as vLLM returns them (Logprob: logprob, rank, decoded_token), with the import line
-# and the model changed.
+# Sample and prompt logprobs as vLLM returns them (Logprob: logprob, rank, decoded_token), with the
+# import line and the model changed.
 import math
 import sys
 
@@ -14,10 +14,12 @@ def main():
     print(f"{completion.text!r}: cumulative logprob {completion.cumulative_logprob:.3f}")
     for token_id, top in zip(completion.token_ids, completion.logprobs):
         chosen = top[token_id]
-        print(f"  {chosen.decoded_token!r}: logprob {chosen.logprob:.3f} (p={math.exp(chosen.logprob):.2f}), "
-              f"rank {chosen.rank}; top: {[(lp.decoded_token, round(lp.logprob, 2)) for lp in top.values()][:5]}")
-    print("prompt logprobs:", [None if e is None else {t: round(lp.logprob, 2) for t, lp in e.items()}
-                               for e in output.prompt_logprobs][:3])
+        print(f"  {chosen.decoded_token!r}: logprob {chosen.logprob:.3f} "
+              f"(p={math.exp(chosen.logprob):.2f}), rank {chosen.rank}; "
+              f"top: {[(lp.decoded_token, round(lp.logprob, 2)) for lp in top.values()][:5]}")
+    print("prompt logprobs:",
+          [None if e is None else {t: round(lp.logprob, 2) for t, lp in e.items()}
+           for e in output.prompt_logprobs][:3])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-# n completions per prompt, reproducible by seed (vLLM's SamplingParams(n=..., seed=...)), with the import line
-# and the model changed.
+# n completions per prompt, reproducible by seed (vLLM's SamplingParams(n=..., seed=...)), with the
+# import line and the model changed.
 import sys
 
 from nanovllm import LLM, SamplingParams

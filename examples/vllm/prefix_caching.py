@@ -1,15 +1,16 @@
-# vLLM's examples/offline_inference/prefix_caching.py: the same prompts with and without prefix caching give
-# the same greedy text, with the import line and the model changed.
+# vLLM's examples/offline_inference/prefix_caching.py: the same prompts with and without prefix
+# caching give the same greedy text, with the import line and the model changed.
 import sys
 
 from nanovllm import LLM, SamplingParams
 
-prefix = ("You are an expert school principal, skilled in effectively managing faculty and staff. Draft 10-15 "
-          "questions for a potential first grade Head Teacher for my K-12, all-girls', independent school that "
-          "emphasizes community, joyful discovery, and life-long learning. The candidate is coming in for a "
-          "first-round panel interview for a 8th grade Math teaching role. They have 5 years of previous "
-          "teaching experience as an assistant teacher at a co-ed, public school with experience in middle "
-          "school math teaching. Based on these information, fulfill the following paragraph: ")
+prefix = ("You are an expert school principal, skilled in effectively managing faculty and staff. "
+          "Draft 10-15 questions for a potential first grade Head Teacher for my K-12, "
+          "all-girls', independent school that emphasizes community, joyful discovery, and "
+          "life-long learning. The candidate is coming in for a first-round panel interview for a "
+          "8th grade Math teaching role. They have 5 years of previous teaching experience as an "
+          "assistant teacher at a co-ed, public school with experience in middle school math "
+          "teaching. Based on these information, fulfill the following paragraph: ")
 prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is",
            "The future of AI is"]
 generating_prompts = [prefix + prompt for prompt in prompts]
@@ -24,7 +25,8 @@ def main():
     del regular_llm
 
     prefix_cached_llm = LLM(model=model, enable_prefix_caching=True, gpu_memory_utilization=0.4)
-    prefix_cached_llm.generate(generating_prompts[0], sampling_params)  # warm up: the shared prefix is cached
+    # warm up: the shared prefix is cached
+    prefix_cached_llm.generate(generating_prompts[0], sampling_params)
     outputs = prefix_cached_llm.generate(generating_prompts, sampling_params)
     cached_generated_texts = [output.outputs[0].text for output in outputs]
     for output in outputs:

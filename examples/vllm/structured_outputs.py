@@ -1,5 +1,6 @@
-# Structured outputs as vLLM's offline example shapes them (choice, regex, a JSON schema from a pydantic model,
-# an EBNF grammar), with the import line and the model changed; needs the extra: pip install -e ".[structured]".
+# Structured outputs as vLLM's offline example shapes them (choice, regex, a JSON schema from a
+# pydantic model, an EBNF grammar), with the import line and the model changed; needs the extra:
+# pip install -e ".[structured]".
 import json
 import sys
 from enum import Enum
@@ -27,7 +28,8 @@ def main():
     cases = {
         "choice": (StructuredOutputsParams(choice=["Positive", "Negative"]), "result = "),
         "regex": (StructuredOutputsParams(regex=r"[a-z]{3,10}@[a-z]{3,10}\.com"), "email = "),
-        "json": (StructuredOutputsParams(json=CarDescription.model_json_schema(), disable_any_whitespace=True),
+        "json": (StructuredOutputsParams(json=CarDescription.model_json_schema(),
+                                         disable_any_whitespace=True),
                  "car = "),
         "grammar": (StructuredOutputsParams(grammar='root ::= "SELECT " column " FROM " table\n'
                                                     'column ::= "name" | "id" | "price"\n'

@@ -1,5 +1,5 @@
-# The engine's tokenizer, token-id prompts (TokensPrompt), text prompts (TextPrompt), with the import line
-# and the model changed.
+# The engine's tokenizer, token-id prompts (TokensPrompt), text prompts (TextPrompt), with the
+# import line and the model changed.
 import sys
 
 from nanovllm import LLM, SamplingParams
@@ -10,7 +10,8 @@ def main():
     llm = LLM(model=sys.argv[1] if len(sys.argv) > 1 else "nanovllm:demo")
     tokenizer = llm.get_tokenizer()
     token_ids = tokenizer.encode("class Stack:")
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=token_ids), TextPrompt(prompt="class Stack:")],
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=token_ids),
+                            TextPrompt(prompt="class Stack:")],
                            SamplingParams(temperature=0, max_tokens=12))
     for output in outputs:
         print(output.prompt, output.prompt_token_ids[:8], repr(output.outputs[0].text))

@@ -1,5 +1,5 @@
-"""The shipped demo model (a tiny Qwen3 trained on the standard library's source, with its tokenizer and
-held-out files), and the resolution of ``"nanovllm:<name>"`` model names."""
+"""The shipped demo model (a tiny Qwen3 trained on the standard library's source, with its
+tokenizer and held-out files), and the resolution of ``"nanovllm:<name>"`` model names."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
-"""A forward's input as plain arrays (``StepInput``), built on rank 0 from the scheduled sequences and sent as
-it is to every rank. Position ``p``'s K/V slot is ``block_table[p // block_size] * block_size + p % block_size``."""
+"""A forward's input as plain arrays (``StepInput``), built on rank 0 from the scheduled sequences
+and sent as it is to every rank. Position ``p``'s K/V slot is
+``block_table[p // block_size] * block_size + p % block_size``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,14 +16,14 @@ class StepInput:
     input_ids: np.ndarray  # [N] int64; decode: -1 where the token is still on the device
     positions: np.ndarray  # [N] int64
     slot_mapping: np.ndarray  # [N] int32, -1 = do not store
-    block_tables: np.ndarray | None = None  # [B, W] int32, -1 padded; prefill: only when keys are cached
+    block_tables: np.ndarray | None = None  # [B, W] int32, -1 padded; prefill: when keys are cached
     cu_seqlens_q: np.ndarray | None = None  # [B + 1] int32, prefill
     cu_seqlens_k: np.ndarray | None = None  # [B + 1] int32, prefill
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     context_lens: np.ndarray | None = None  # [B] int32, decode
     logits_indices: np.ndarray | None = None  # [R] int64, prefill: the rows the LM head projects
-    prev_rows: np.ndarray | None = None  # [B] int64, decode: row of the previous step's samples, -1 = known
+    prev_rows: np.ndarray | None = None  # [B] int64, decode: row of the last samples; -1: known
 
     @property
     def num_seqs(self) -> int:
@@ -30,7 +31,8 @@ class StepInput:
 
 
 def slots(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
-    """[end - start] int32: the slots of positions [start, end); -1 (nothing stored) without a block table."""
+    """[end - start] int32: the slots of positions [start, end); -1 (store nothing) without a
+    block table."""
     if not block_table:
         return np.full(end - start, -1, dtype=np.int32)
     positions = np.arange(start, end)
@@ -47,8 +49,8 @@ def block_tables(seqs: list[Sequence]) -> np.ndarray:
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
-    """Each sequence's scheduled tokens; the LM head projects its last position, or all of them when its
-    chunk gives prompt logprobs."""
+    """Each sequence's scheduled tokens; the LM head projects its last position, or all of them
+    when its chunk gives prompt logprobs."""
     starts = [seq.num_cached_tokens for seq in seqs]
     counts = [seq.num_scheduled_tokens for seq in seqs]
     ends = [s + n for s, n in zip(starts, counts)]
@@ -59,7 +61,8 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
         is_prefill=True,
         input_ids=np.array([t for seq in seqs for t in seq.scheduled_token_ids], dtype=np.int64),
         positions=np.concatenate([np.arange(s, e) for _, s, e in spans]).astype(np.int64),
-        slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size) for seq, s, e in spans]),
+        slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size)
+                                     for seq, s, e in spans]),
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(counts), max_seqlen_k=max(ends))
     if cu_k[-1] > cu_q[-1]:  # some keys are cached
         step.block_tables = block_tables(seqs)
@@ -70,18 +73,19 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
 
 
 def prepare_decode(seqs: list[Sequence], block_size: int, inflight=None) -> StepInput:
-    """Each sequence's last token; one still on the device (async scheduling) comes from its row of the
-    in-flight batch's samples (``prev_rows``)."""
+    """Each sequence's last token; one still on the device (async scheduling) comes from its row
+    of the in-flight batch's samples (``prev_rows``)."""
     context_lens = np.array([seq.num_tokens for seq in seqs], dtype=np.int32)
     step = StepInput(
         is_prefill=False,
-        input_ids=np.array([-1 if seq.num_pending_tokens else seq.token_ids[-1] for seq in seqs], dtype=np.int64),
+        input_ids=np.array([-1 if seq.num_pending_tokens else seq.token_ids[-1] for seq in seqs],
+                           dtype=np.int64),
         positions=(context_lens - 1).astype(np.int64),
         slot_mapping=np.array([seq.block_table[-1] * block_size + (n - 1) % block_size
                                for seq, n in zip(seqs, context_lens.tolist())], dtype=np.int32),
         block_tables=block_tables(seqs), context_lens=context_lens)
     if any(seq.num_pending_tokens for seq in seqs):
         row_of = {inflight.seqs[row].seq_id: row for row in inflight.kept_rows}
-        step.prev_rows = np.array([row_of[seq.seq_id] if seq.num_pending_tokens else -1 for seq in seqs],
-                                  dtype=np.int64)
+        step.prev_rows = np.array([row_of[seq.seq_id] if seq.num_pending_tokens else -1
+                                   for seq in seqs], dtype=np.int64)
     return step

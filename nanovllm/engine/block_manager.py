@@ -1,6 +1,5 @@
-"""Paged KV-cache blocks: allocation, reference counts, and the prefix cache. A full block is
-registered once the forward writing its K/V is launched and its ids are known, so a hit (used by a
-later forward, which the device runs after) never reads K/V still to be written."""
+"""Paged KV-cache blocks, reference counts, the prefix cache. Invariant: a full block is hashed once
+its ids are known and the forward writing it is launched: a later hit never reads unwritten K/V."""
 from __future__ import annotations
 
 from collections import deque
@@ -13,10 +12,7 @@ from nanovllm.engine.sequence import Sequence
 
 class Block:
     def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.ref_count = 0
-        self.hash = -1
-        self.token_ids: list[int] = []
+        self.block_id, self.ref_count, self.hash, self.token_ids = block_id, 0, -1, []
 
 
 class BlockManager:
@@ -59,12 +55,10 @@ class BlockManager:
         return block.block_id
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks of ``seq``'s leading full blocks, never the last token's (the forward needs
-        one token for logits)."""
+        """Cached blocks of ``seq``'s leading full blocks, never the last token's (needs logits)."""
         hits, h = [], -1
         for i in range((seq.num_tokens - 1) // self.block_size):
-            token_ids = seq.block(i)
-            h = self.compute_hash(token_ids, h)
+            h = self.compute_hash(token_ids := seq.block(i), h)
             block_id = self.hash_to_block_id.get(h, -1)
             if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
                 break
@@ -72,31 +66,27 @@ class BlockManager:
         return hits
 
     def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
-        """Gives ``seq`` blocks for all its tokens, reusing cached prefix blocks, if enough are free (a
-        free cached block takes one of them); returns whether it did."""
+        """Blocks for all of ``seq``'s tokens (cached prefix ones reused) if enough are free."""
         assert not seq.block_table
         hits = self.cached_prefix(seq) if use_prefix_cache else []
-        if self.num_free_blocks < seq.num_blocks - sum(1 for block_id in hits if self.blocks[block_id].ref_count):
+        if self.num_free_blocks < seq.num_blocks - sum(self.blocks[i].ref_count > 0 for i in hits):
             return False
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:  # a freed block whose K/V is still intact
+            if self.blocks[block_id].ref_count == 0:  # a freed block whose K/V is still intact
                 self.free_block_ids.remove(block_id)
                 self.used_block_ids.add(block_id)
-            block.ref_count += 1
-            seq.block_table.append(block_id)
+            self.blocks[block_id].ref_count += 1
         seq.num_cached_tokens += len(hits) * self.block_size
         seq.num_hashed_blocks += len(hits)
         self.num_cache_hits += len(hits)
-        for _ in range(seq.num_blocks - len(hits)):
-            seq.block_table.append(self._allocate_block())
+        seq.block_table.extend(hits)
+        seq.block_table.extend(self._allocate_block() for _ in range(seq.num_blocks - len(hits)))
         return True
 
     def deallocate(self, seq: Sequence):
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            self.blocks[block_id].ref_count -= 1
+            if self.blocks[block_id].ref_count == 0:
                 self.used_block_ids.remove(block_id)
                 self.free_block_ids.append(block_id)
         seq.num_cached_tokens = seq.num_hashed_blocks = 0
@@ -111,7 +101,7 @@ class BlockManager:
         return True
 
     def hash_blocks(self, seq: Sequence):
-        """Registers the full blocks that are computed (or being computed) and have no pending token."""
+        """Registers the full blocks that are computed (or being computed) with no pending token."""
         first = seq.num_hashed_blocks
         last = min(seq.num_cached_tokens, len(seq.token_ids)) // self.block_size
         if last <= first:
@@ -119,8 +109,7 @@ class BlockManager:
         h = self.blocks[seq.block_table[first - 1]].hash if first > 0 else -1
         seq.num_hashed_blocks = last
         for i in range(first, last):
-            block = self.blocks[seq.block_table[i]]
-            token_ids = seq.block(i)
+            block, token_ids = self.blocks[seq.block_table[i]], seq.block(i)
             h = self.compute_hash(token_ids, h)
             block.hash, block.token_ids = h, token_ids
             self.hash_to_block_id[h] = block.block_id

@@ -1,6 +1,4 @@
-"""The engine core: the step loops (schedule -> forward -> logits hooks -> sample -> postprocess)
-under a lock, the requests, the step in flight (async scheduling reads it back after launching the
-next) and the resources."""
+"""The engine core: the step loop under a lock, the requests, the step in flight, the resources."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +7,7 @@ import threading
 from nanovllm.config import Config
 from nanovllm.engine import batch as step_inputs
 from nanovllm.engine.outputs import ModelRunnerOutput, OutputProcessor, Request
-from nanovllm.engine.sampling import LogitsHook, Penalties, SamplingInputs
+from nanovllm.engine.sampling import LogitsHook, Penalties
 from nanovllm.engine.scheduler import Scheduler, SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import EngineResources
@@ -18,10 +16,8 @@ logger = logging.getLogger("nanovllm")
 
 
 class EngineCore:
-    """The step loop over the scheduler, the runners and the logits hooks, under ``lock``. A step is
-    schedule -> launch (batch arrays, forward, hooks, sample) -> read back (tokens appended, stops).
-    ``normal_step`` reads each step back at once; ``overlap_step`` (async scheduling) launches step
-    N+1 before it reads step N back, so that the host's work overlaps the device's."""
+    """A step: schedule -> launch (arrays, forward, hooks, sample) -> read back (tokens, stops).
+    ``overlap_step`` (async scheduling) launches step N+1 before it reads step N back."""
 
     def __init__(self, config: Config, resources: EngineResources, shutdown,
                  hooks: list[LogitsHook]):
@@ -31,15 +27,14 @@ class EngineCore:
         self.outputs = OutputProcessor(config.eos_token_ids, config.max_model_len)
         self.hooks: list[LogitsHook] = [Penalties(), *hooks]
         self.requests: dict[int, Request] = {}  # the unfinished requests, by seq_id
-        # the step launched and not yet read back
-        self.inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+        self.inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # not read back yet
         self.lock = threading.Lock()
 
     def step(self) -> int:
         """One step; returns the prefill tokens launched, or minus the decodes."""
-        if self.resources.closed:
-            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
-        return self.overlap_step() if self.config.async_scheduling else self.normal_step()
+        if not self.resources.closed:
+            return self.overlap_step() if self.config.async_scheduling else self.normal_step()
+        raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
 
     def normal_step(self) -> int:
         batch = self._schedule()
@@ -66,74 +61,16 @@ class EngineCore:
 
     @staticmethod
     def _count(batch: SchedulerOutput) -> int:
-        if batch.is_prefill:
-            return sum(seq.num_scheduled_tokens for seq in batch.seqs)
-        return -len(batch.seqs)
+        return (sum(seq.num_scheduled_tokens for seq in batch.seqs) if batch.is_prefill
+                else -len(batch.seqs))
 
     def launch(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Builds ``batch``'s arrays, starts the forward on every rank, then the sampler; None when
-        every sequence of it failed its sampling inputs."""
-        batch, sampling = self._prepare_sample(batch)
-        if not batch.seqs:
-            return None
-        batch.step_input = self._step_input(batch)
-        logits = self.call_or_shut_down(self._forward, batch.step_input, sampling)
-        self.scheduler.launched(batch)
-        read_back = self.read_back if self.inflight else None
-        for hook in self.hooks:
-            self.call_or_shut_down(hook.prepare, batch, sampling, read_back)
-        return self.call_or_shut_down(self.resources.runner.sample, batch.step_input, logits,
-                                      sampling)
-
-    def read_back(self, after_accept=None) -> None:
-        """Appends the step in flight's tokens; the hooks follow them, then
-        ``after_accept(refused)`` runs, then the stopped sequences end."""
-        if self.inflight is None:
-            return
-        (batch, output), self.inflight = self.inflight, None
-        workers = self.resources.workers  # with NCCL ranks the read-back polls: a dead worker
-        alive = (lambda: not workers.dead()) if workers and self.config.device == "cuda" else None
-        token_ids, logprobs, prompt_logprobs = self.call_or_shut_down(output.result, alive)
-        advanced = self.scheduler.postprocess(batch, token_ids, logprobs, prompt_logprobs)
-        errors: dict[Sequence, Exception] = {}
-        for hook in self.hooks:
-            errors.update(hook.accept(advanced))
-        if after_accept is not None:
-            after_accept(errors.keys())
-        for seq, token_id in advanced:
-            self._check_stop(seq, token_id, errors.get(seq))
-
-    def _check_stop(self, seq: Sequence, token_id: int, error: Exception | None):
-        request = self.requests[seq.seq_id]
+        """Builds ``batch``'s arrays, starts the forward on every rank, then the sampler. A sequence
+        whose own sampling inputs fail is ended alone; None when all of them did."""
+        runner, errors = self.resources.runner, {}
         try:
-            if error is not None:
-                raise error
-            stop = self.outputs.check_stop(request, seq, token_id)
-        except Exception as e:  # its text failed to decode, or its grammar refused the token
-            self.end_with_error(seq, e)
-            return
-        if stop is not None:
-            self._end(seq, *stop)
-
-    def _step_input(self, batch: SchedulerOutput) -> step_inputs.StepInput:
-        block_size = self.config.kvcache_block_size
-        if batch.is_prefill:
-            return step_inputs.prepare_prefill(batch.seqs, block_size)
-        return step_inputs.prepare_decode(batch.seqs, block_size, self.inflight[0] if self.inflight else None)
-
-    def _forward(self, step: step_inputs.StepInput, sampling: SamplingInputs):
-        if self.resources.workers is not None:
-            self.resources.workers.call("run", step)
-        return self.resources.runner.forward(step, sampling)
-
-    def _prepare_sample(self, batch: SchedulerOutput):
-        """Rank 0's sampling inputs, before any rank starts: a sequence whose own parameters fail
-        is ended alone."""
-        runner = self.resources.runner
-        try:
-            return batch, runner.prepare_sample(batch)
+            sampling = runner.prepare_sample(batch)
         except Exception:
-            errors = {}
             for seq in batch.seqs:
                 try:
                     runner.prepare_sample(SchedulerOutput([seq], batch.is_prefill))
@@ -141,10 +78,49 @@ class EngineCore:
                     errors[seq] = e
             if not errors:
                 raise
-        for seq, error in errors.items():
-            self.end_with_error(seq, error)
-        batch = batch.without(errors)
-        return batch, runner.prepare_sample(batch) if batch.seqs else None
+        if errors:
+            for seq, error in errors.items():
+                self.end_with_error(seq, error)
+            batch = batch.without(errors)
+            sampling = runner.prepare_sample(batch) if batch.seqs else None
+        if not batch.seqs:
+            return None
+        seqs, block_size = batch.seqs, self.config.kvcache_block_size
+        prev = self.inflight[0] if self.inflight else None
+        batch.step_input = (step_inputs.prepare_prefill(seqs, block_size) if batch.is_prefill
+                            else step_inputs.prepare_decode(seqs, block_size, prev))
+        if self.resources.workers is not None:
+            self.call_or_shut_down(self.resources.workers.call, "run", batch.step_input)
+        logits = self.call_or_shut_down(runner.forward, batch.step_input, sampling)
+        self.scheduler.launched(batch)
+        read_back = self.read_back if self.inflight else None
+        for hook in self.hooks:
+            self.call_or_shut_down(hook.prepare, batch, sampling, read_back)
+        return self.call_or_shut_down(runner.sample, batch.step_input, logits, sampling)
+
+    def read_back(self, after_accept=None) -> None:
+        """Appends the step in flight's tokens; the hooks follow them, then
+        ``after_accept(refused)`` runs, then the stopped sequences end."""
+        if self.inflight is None:
+            return
+        (batch, output), self.inflight = self.inflight, None
+        workers = self.resources.workers  # with NCCL ranks, poll: a dead worker would never answer
+        alive = (lambda: not workers.dead()) if workers and self.config.device == "cuda" else None
+        advanced = self.scheduler.postprocess(batch, *self.call_or_shut_down(output.result, alive))
+        errors = {seq: e for hook in self.hooks for seq, e in hook.accept(advanced).items()}
+        if after_accept is not None:
+            after_accept(errors.keys())
+        for seq, token_id in advanced:
+            request = self.requests[seq.seq_id]
+            try:
+                if (error := errors.get(seq)) is not None:
+                    raise error
+                stop = self.outputs.check_stop(request, seq, token_id)
+            except Exception as e:  # its text failed to decode, or its grammar refused the token
+                self.end_with_error(seq, e)
+                continue
+            if stop is not None:
+                self._end(seq, *stop)
 
     def call_or_shut_down(self, fn, *args):
         """``fn(*args)``; a failure part-way (a dead worker, Ctrl-C) shuts the engine down."""
@@ -175,7 +151,7 @@ class EngineCore:
         self.outputs.stream_piece(request, seq, "", [])
 
     def abort(self, request: Request):
-        """Ends the request's unfinished completions ("abort") and forgets it; the caller holds the lock."""
+        """Ends its unfinished completions ("abort") and forgets it; the caller holds the lock."""
         for seq in request.seqs:
             if not seq.is_finished:
                 self._end(seq, "abort")
@@ -186,7 +162,7 @@ class EngineCore:
             self.requests.pop(seq.seq_id, None)
 
     def release(self, requests: list[Request]):
-        """At the end of a generate/stream call: forgets its requests, aborting the unfinished ones."""
+        """At the end of a generate/stream call: forgets its requests, aborting unfinished ones."""
         with self.lock:
             for request in requests:
                 if request.finished or self.resources.closed:
@@ -199,8 +175,7 @@ class EngineCore:
         return self.scheduler.is_finished() and self.inflight is None
 
     def interruptible_step(self) -> int:
-        """``step`` under the lock, unless another thread's step left nothing to do; Ctrl-C shuts
-        down first."""
+        """``step`` under the lock if any work is left; Ctrl-C shuts the engine down first."""
         with self.lock:
             if self.is_finished():
                 return 0
@@ -213,7 +188,7 @@ class EngineCore:
     def drain_if_idle(self):
         """Reads back the step async scheduling leaves in flight once nothing else is left."""
         with self.lock:
-            if self.inflight is not None and self.scheduler.is_finished() and not self.resources.closed:
+            if self.inflight and self.scheduler.is_finished() and not self.resources.closed:
                 self.step()
 
     def shutdown(self):

@@ -17,7 +17,8 @@ from nanovllm.utils.context import Context, set_context
 
 def bucket_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 below ``max_bs``, and ``max_bs``."""
-    return sorted({bs for bs in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if bs < max_bs} | {max_bs})
+    return sorted({bs for bs in [1, 2, 4, 8, *range(16, max_bs + 16, 16)] if bs < max_bs}
+                  | {max_bs})
 
 
 class DecodeGraphs:
@@ -26,7 +27,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int):
         self.batch_sizes = bucket_sizes(max_bs)
-        ints = dict(input_ids=torch.int64, positions=torch.int64, slot_mapping=torch.int32, context_lens=torch.int32)
+        ints = dict(input_ids=torch.int64, positions=torch.int64, slot_mapping=torch.int32,
+                    context_lens=torch.int32)
         b = self.buffers = {name: torch.zeros(max_bs, dtype=dtype) for name, dtype in ints.items()}
         b["block_tables"] = torch.zeros(max_bs, max_num_blocks, dtype=torch.int32)
         b["outputs"] = torch.zeros(max_bs, hidden_size)
@@ -34,10 +36,12 @@ class DecodeGraphs:
         self.pool = None
         for bs in reversed(self.batch_sizes):
             graph = torch.cuda.CUDAGraph()
-            with set_context(False, slot_mapping=b["slot_mapping"][:bs], context_lens=b["context_lens"][:bs],
+            with set_context(False, slot_mapping=b["slot_mapping"][:bs],
+                             context_lens=b["context_lens"][:bs],
                              block_tables=b["block_tables"][:bs]):
                 b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # warmup
-                # thread_local: another engine may run kernels in another thread while this one captures
+                # thread_local: another engine may run kernels in another thread
+                # while this one captures
                 with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
                     b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # capture
             if self.pool is None:
@@ -49,7 +53,8 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               context: Context) -> torch.Tensor:
         """The decoder's hidden states [bs, hidden] for this decode step."""
         bs = input_ids.size(0)
         graph = self.graphs[next(x for x in self.batch_sizes if x >= bs)]
@@ -67,8 +72,8 @@ class DecodeGraphs:
 
 def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float = 2e-4,
                    check_every_s: float = 0.05) -> None:
-    """Returns once ``event`` has completed. With ``alive`` it polls, raising once ``alive()`` is False: a
-    forward whose collectives wait for a dead NCCL rank never ends."""
+    """Returns once ``event`` has completed. With ``alive`` it polls, raising once ``alive()`` is
+    False: a forward whose collectives wait for a dead NCCL rank never ends."""
     if alive is None:
         return event.synchronize()
     next_check = time.monotonic() + check_every_s
@@ -81,8 +86,8 @@ def wait_for_event(event, alive: Callable[[], bool] | None = None, poll_s: float
 
 
 def warmup_model(runner):
-    """A prefill at the largest batch, so that the KV sizing sees the peak activations; its slots of -1
-    store nothing into a throwaway one-block cache."""
+    """A prefill at the largest batch, so that the KV sizing sees the peak activations; its slots
+    of -1 store nothing into a throwaway one-block cache."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     max_tokens = runner.config.max_num_batched_tokens
@@ -91,7 +96,8 @@ def warmup_model(runner):
     seqs = [Sequence([0] * seq_len, block_size=runner.block_size) for _ in range(num_seqs)]
     for seq in seqs:
         seq.num_scheduled_tokens = seq_len
-    dummy = torch.zeros(1, runner.block_size, runner.num_kv_heads, runner.head_dim, dtype=runner.kv_dtype)
+    dummy = torch.zeros(1, runner.block_size, runner.num_kv_heads, runner.head_dim,
+                        dtype=runner.kv_dtype)
     for layer in runner.attention_layers:
         layer.k_cache = layer.v_cache = dummy
     sampling = runner.prepare_sample(SchedulerOutput(seqs, True)) if runner.rank == 0 else None

@@ -17,11 +17,14 @@ class IncrementalDetokenizer:
     def _unread(self) -> str:
         """The text of the tokens from read_offset on (decoded after those from prefix_offset)."""
         start, decode = self.prefix_offset, self.tokenizer.decode
-        before = decode(self.tokens[start:self.read_offset], skip_special_tokens=self.skip_special_tokens)
-        return decode(self.tokens[start:], skip_special_tokens=self.skip_special_tokens)[len(before):]
+        before = decode(self.tokens[start:self.read_offset],
+                        skip_special_tokens=self.skip_special_tokens)
+        return decode(self.tokens[start:],
+                      skip_special_tokens=self.skip_special_tokens)[len(before):]
 
     def add(self, token_id: int) -> str:
-        """Appends one completion token; returns the text it completes ("" while a character is open)."""
+        """Appends one completion token; returns the text it completes ("" while a character
+        is open)."""
         self.tokens.append(token_id)
         delta = self._unread()
         if not delta or delta.endswith("\ufffd"):
@@ -53,5 +56,6 @@ class IncrementalDetokenizer:
 
 
 def stop_holdback(stops: tuple[str, ...], finished: bool) -> int:
-    """How many trailing characters a stream holds back: those that could still begin a stop string."""
+    """How many trailing characters a stream holds back: those that could still begin a stop
+    string."""
     return 0 if finished or not stops else max(map(len, stops)) - 1

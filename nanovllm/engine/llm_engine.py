@@ -1,7 +1,5 @@
-"""nano-vllm's ``LLMEngine``: checks every prompt and sampling parameter, then admits them to
-``core.EngineCore``, whose lock lets callers in several threads take turns. Features install here:
-those of the engine's ``features`` on every rank at start-up, those a request asks for (its
-``SamplingParams`` fields) at its admission. vLLM's API over it: ``nanovllm.entrypoints``."""
+"""nano-vllm's ``LLMEngine``: checks prompts and sampling parameters, admits them to the
+``EngineCore`` and installs features (the engine's at start-up, a request's at its admission)."""
 from __future__ import annotations
 
 import itertools
@@ -28,11 +26,13 @@ from nanovllm.utils.loader import eos_token_ids, load_tokenizer
 
 
 def prompt_list(prompts) -> list:
-    """``prompts`` as a list: one prompt (a string, a token-id list or a dict) becomes a list of one."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    """``prompts`` as a list: one prompt (a string, a token-id list or a dict) is a list of one."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and isinstance(prompts[0], int)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a list of strings, token-id lists or dicts, got {type(prompts).__name__}")
+        raise TypeError("prompts must be a list of strings, token-id lists or dicts, "
+                        f"got {type(prompts).__name__}")
     return list(prompts)
 
 
@@ -40,11 +40,13 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         config = Config(model, **kwargs)
         set_seed(config.seed)  # Python's, NumPy's and torch's generators, as vLLM seeds them
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-        config = config.derive(eos_token_ids=eos_token_ids(config.model, config.hf_config, self.tokenizer))
+        self.tokenizer = (None if config.skip_tokenizer_init
+                          else load_tokenizer(config.tokenizer or config.model))
+        eos_ids = eos_token_ids(config.model, config.hf_config, self.tokenizer)
+        config = config.derive(eos_token_ids=eos_ids)
         self._resources = resources = EngineResources()
         self._finalizer = weakref.finalize(self, resources.close)
-        forget_in_forked_child(self, lambda engine: engine._finalizer.detach())  # the parent's to free
+        forget_in_forked_child(self, lambda engine: engine._finalizer.detach())  # the parent frees
         try:
             if config.tensor_parallel_size > 1:
                 resources.workers = WorkerGroup(config)
@@ -53,17 +55,17 @@ class LLMEngine:
         except BaseException as e:
             resources.shut_down_and_raise(e, self._finalizer)
         runner = resources.runner
-        config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks, max_model_len=runner.max_model_len)
-        self.config = config
-        self.core = EngineCore(config, resources, self._finalizer, [])
+        self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks,
+                                    max_model_len=runner.max_model_len)
+        self.core = EngineCore(self.config, resources, self._finalizer, [])
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}
         self.features: dict[str, Feature] = {}  # installed, by name
-        for (name, _), feature in zip(config.features, runner.features):
-            self._install(name, feature)
+        for (name, _), feature in zip(self.config.features, runner.features):
+            self.install(name, feature)
 
-    def _install(self, name: str, feature: Feature | None = None) -> Feature:
+    def install(self, name: str, feature: Feature | None = None) -> Feature:
         """Feature ``name`` on rank 0 (made now unless given); once."""
         if name not in self.features:
             feature = feature or REGISTRY.get("feature", name)(self.config, {})
@@ -75,14 +77,13 @@ class LLMEngine:
                             doc="Rank 0's runner (None once shut down).")
     workers = property(lambda self: self._resources.workers)
     scheduler = property(lambda self: self.core.scheduler)
-    requests = property(lambda self: self.core.requests, doc="{seq_id: its Request}, for the admitted requests.")
+    requests = property(lambda self: self.core.requests, doc="The admitted requests, by seq_id.")
 
     def is_finished(self) -> bool:
         return self.core.is_finished()
 
     def exit(self):
-        """Frees the engine's processes and memory, as garbage collection and interpreter exit also do; safe to
-        call twice, and after a failure."""
+        """Frees the engine's processes and memory; safe to call twice, and after a failure."""
         if getattr(self, "core", None) is not None:
             self.core.shutdown()  # lets go of a device wait for a bitmask, then runs the finalizer
         else:
@@ -100,26 +101,30 @@ class LLMEngine:
                     stream: deque | None = None) -> Request:
         """nano-vllm's: admits one prompt, returning its ``Request``; ``step()`` reports it."""
         ids, text = self._parse_prompt(index, prompt)
-        request = self._add(ids, text, self._admitted(sampling_params), index, stream, incremental=True)
+        params = self._admitted(sampling_params)
+        request = self._add(ids, text, params, index, stream, incremental=True)
         self._step_requests[request.request_id] = request
         return request
 
     def _add(self, prompt_ids: list[int], text: str | None, params: SamplingParams, index: int,
-             stream: deque | None, request_id: str | None = None, incremental: bool = False) -> Request:
-        """Admits a checked prompt with ``_admitted`` params. ``incremental``: the outputs' text comes from
-        incremental detokenizers (``step()`` reports it again and again)."""
-        completions = [params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % MAX_SEED)
-                       for i in range(params.n)]
+             stream: deque | None, request_id: str | None = None,
+             incremental: bool = False) -> Request:
+        """Admits a checked prompt with ``_admitted`` params. ``incremental``: the outputs' text is
+        incremental detokenizers' (``step()`` reports it again and again)."""
+        completions = [params if params.seed is None or i == 0 else
+                       replace(params, seed=(params.seed + i) % MAX_SEED) for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
         if params.prompt_logprobs is not None:  # one completion computes them for the request
             seqs[0].prompt_logprobs = [None] * len(prompt_ids)
         incremental = incremental and self.tokenizer is not None
         wanted = params.detokenize and (stream is not None or params.stop_strings or incremental)
-        detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                        if wanted else None for _ in seqs]
+        detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                               params.skip_special_tokens) if wanted else None
+                        for _ in seqs]
         while request_id is None or self._step_requests.get(request_id) is not None:
             request_id = str(next(self._request_ids))  # not one that a caller of add_request holds
-        request = Request(index, prompt_ids, seqs, request_id, text, detokenizers, stream, incremental)
+        request = Request(index, prompt_ids, seqs, request_id, text, detokenizers, stream,
+                          incremental)
         self.core.add(request, params)
         return request
 
@@ -131,35 +136,40 @@ class LLMEngine:
         sp = sampling_params.clone()
         sp.verify()
         vocab_size, most = self.config.hf_config.vocab_size, self.config.max_logprobs
-        limit = vocab_size if most == -1 else min(most, vocab_size)  # a top k beyond the vocabulary would fail
-        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):  # vLLM's wording, then ours
-            if (getattr(sp, name) or 0) > limit:
-                raise ValueError(f"Requested {kind} logprobs of {getattr(sp, name)}, which is greater than max "
-                                 f"allowed: {limit} ({name}; max_logprobs={most}, vocabulary size {vocab_size})")
+        limit = vocab_size if most == -1 else min(most, vocab_size)  # a larger top k would fail
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            if (getattr(sp, name) or 0) > limit:  # vLLM's wording, then ours
+                raise ValueError(f"Requested {kind} logprobs of {getattr(sp, name)}, which is "
+                                 f"greater than max allowed: {limit} ({name}; "
+                                 f"max_logprobs={most}, vocabulary size {vocab_size})")
         if bad := [t for t in sp.stop_token_ids if t >= vocab_size]:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab_size})")
         if sp.stop_strings:
             require_tokenizer(self.tokenizer, "stop strings")
         for name in features_of_params(sp):
-            self._install(name)
+            self.install(name)
         for feature in self.features.values():
             feature.check_request(sp, self)
         return sp
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in order;
         ``sampling_params``: one for all, one per prompt, or None for the model's defaults."""
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
     def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
+                    disable=not use_tqdm)
         try:
             pending, speed = requests, {"prefill": 0.0, "decode": 0.0}
             while pending:
                 t = perf_counter()
                 num_tokens = self.core.interruptible_step()
-                speed["prefill" if num_tokens > 0 else "decode"] = abs(num_tokens) / (perf_counter() - t)
+                rate = abs(num_tokens) / (perf_counter() - t)
+                speed["prefill" if num_tokens > 0 else "decode"] = rate
                 pbar.set_postfix({k: f"{v:.0f}tok/s" for k, v in speed.items()}, refresh=False)
                 pending, before = [r for r in pending if not r.finished], len(pending)
                 pbar.update(before - len(pending))
@@ -170,16 +180,18 @@ class LLMEngine:
 
     def _add_requests(self, prompts, sampling_params, stream: deque | None = None,
                       texts: list[str] | None = None) -> list[Request]:
-        """Checks every prompt and sampling parameter before admitting any. ``texts``: the text of token-id
-        prompts (chat's rendered conversations)."""
+        """Checks every prompt and sampling parameter before admitting any. ``texts``: the text of
+        token-id prompts (chat's rendered conversations)."""
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
-        if not isinstance(sampling_params, (list, tuple)) or \
-                not all(isinstance(sp, SamplingParams) for sp in sampling_params):
-            raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                            "one per prompt")
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} "
+                             "sampling params")
         if stream is not None:
             require_tokenizer(self.tokenizer, "streaming")
         admitted = [self._admitted(sp) for sp in sampling_params]
@@ -200,23 +212,25 @@ def require_tokenizer(tokenizer, what: str):
 
 
 def encode(tokenizer, what: str, text: str, add_special_tokens: bool = True) -> list[int]:
-    """``text``'s token ids; text that UTF-8 cannot encode (a lone surrogate) is refused naming ``what``."""
+    """``text``'s token ids; text UTF-8 cannot encode (a lone surrogate) is refused as ``what``."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode text: {e.reason} {text[e.start]!r} at index {e.start}") from None
+        raise ValueError(f"{what} is not valid Unicode text: {e.reason} {text[e.start]!r} "
+                         f"at index {e.start}") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | None]:
-    """Prompt ``i``'s token ids, checked against the engine's ``config``, and its text (None for token ids)."""
+    """Prompt ``i``'s token ids, checked against the engine's ``config``, and its text or None."""
     if isinstance(prompt, dict):
         if unknown := sorted(set(prompt) - {"prompt", "prompt_token_ids"}):
             raise ValueError(f"prompt {i} has unsupported keys {unknown}")
         if "prompt_token_ids" in prompt:
             prompt = prompt["prompt_token_ids"]
             if not isinstance(prompt, (list, tuple)):  # a string here is not to be tokenized
-                raise TypeError(f"prompt {i}'s prompt_token_ids must be a list of ints, got {prompt!r:.80}")
+                raise TypeError(f"prompt {i}'s prompt_token_ids must be a list of ints, "
+                                f"got {prompt!r:.80}")
         elif "prompt" in prompt:
             prompt = prompt["prompt"]
             if not isinstance(prompt, str):
@@ -228,7 +242,8 @@ def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | No
         require_tokenizer(tokenizer, "string prompts (pass token ids instead)")
         prompt = encode(tokenizer, f"prompt {i}", prompt)
     elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
-        raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, got {prompt!r:.80}")
+        raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, "
+                        f"got {prompt!r:.80}")
     # vLLM's wording (which scripts match), then our values
     if not prompt:
         raise ValueError(f"prompt {i}: the decoder prompt cannot be empty")
@@ -238,7 +253,9 @@ def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | No
                          f"(ids {bad[:5]} outside [0, {vocab_size}))")
     if len(prompt) >= config.max_model_len:
         capacity = config.num_kvcache_blocks * config.kvcache_block_size
-        cache = f" (the whole KV cache holds {capacity} tokens)" if capacity == config.max_model_len else ""
-        raise ValueError(f"prompt {i} (length {len(prompt)}) plus at least 1 output token is longer than the maximum "
-                         f"context length: max_model_len={config.max_model_len}{cache}")
+        cache = (f" (the whole KV cache holds {capacity} tokens)"
+                 if capacity == config.max_model_len else "")
+        raise ValueError(f"prompt {i} (length {len(prompt)}) plus at least 1 output token is "
+                         "longer than the maximum context length: "
+                         f"max_model_len={config.max_model_len}{cache}")
     return list(prompt), text

@@ -14,19 +14,22 @@ from nanovllm.logprobs import FlatLogprobs, Logprob
 
 @dataclass
 class PromptLogprobsBatch:
-    """A prefill's prompt logprobs: the LM head projects every scheduled position of a sequence that computes
-    them and the last position of the others, in batch order."""
+    """A prefill's prompt logprobs: the LM head projects every scheduled position of a sequence that
+    computes them and the last position of the others, in batch order."""
 
-    sample_rows: torch.Tensor  # [num_seqs] the logits row of each sequence's last scheduled position
+    # [num_seqs] the logits row of each sequence's last scheduled position
+    sample_rows: torch.Tensor
     rows: torch.Tensor  # [R] the logits rows whose next token is a prompt token
     target_ids: torch.Tensor  # [R] those prompt tokens
     targets: list[int]  # the same, on the host
-    spans: list[tuple[int, int, int] | None]  # per sequence: (first prompt position, count, k), or None
+    # per sequence: (first prompt position, count, k), or None
+    spans: list[tuple[int, int, int] | None]
     num_top: int  # the largest k
 
 
 def prepare_prompt_logprobs(preparer, seqs: list[Sequence]) -> PromptLogprobsBatch | None:
-    """Which logits rows give which prompt logprobs (position p's are token p + 1's), or None if none do."""
+    """Which logits rows give which prompt logprobs (position p's are token p + 1's), or None if
+    none do."""
     counts = [seq.num_prompt_logprob_rows for seq in seqs]
     if not any(counts):
         return None
@@ -43,25 +46,29 @@ def prepare_prompt_logprobs(preparer, seqs: list[Sequence]) -> PromptLogprobsBat
             spans.append(None)
             row += 1
         sample_rows.append(row - 1)
-    return PromptLogprobsBatch(preparer.to_device(sample_rows, torch.int64), preparer.to_device(rows, torch.int64),
+    return PromptLogprobsBatch(preparer.to_device(sample_rows, torch.int64),
+                               preparer.to_device(rows, torch.int64),
                                preparer.to_device(targets, torch.int64), targets, spans,
                                max(span[2] for span in spans if span is not None))
 
 
 def prompt_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, num_top: int,
                     slice_rows: int = 1024) -> tuple[torch.Tensor, ...]:
-    """``logprobs_of`` the next prompt tokens ``targets`` [R] at logits ``rows`` [R], ``slice_rows`` rows at a time
-    to bound the float32 copy."""
+    """``logprobs_of`` the next prompt tokens ``targets`` [R] at logits ``rows`` [R], ``slice_rows``
+    rows at a time to bound the float32 copy."""
     parts = [logprobs_of(torch.log_softmax(logits[rows[start:start + slice_rows]].float(), dim=-1),
-                         targets[start:start + slice_rows], num_top) for start in range(0, rows.numel(), slice_rows)]
+                         targets[start:start + slice_rows], num_top)
+             for start in range(0, rows.numel(), slice_rows)]
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
 def _logprob_entry(top_ids: list[int], top_values: list[float], k: int, token: int, logprob: float,
                    rank: int) -> dict[int, Logprob]:
-    """vLLM's logprobs entry: the chosen (or actual) token first (its top-k rank if a tie), then the top k."""
+    """vLLM's logprobs entry: the chosen (or actual) token first (its top-k rank if a tie), then the
+    top k."""
     top = list(zip(top_ids[:k], top_values[:k]))
-    entry = {token: Logprob(logprob, next((r for r, (t, _) in enumerate(top, 1) if t == token), rank))}
+    entry = {token: Logprob(logprob,
+                            next((r for r, (t, _) in enumerate(top, 1) if t == token), rank))}
     for r, (t, v) in enumerate(top, 1):
         entry.setdefault(t, Logprob(v, r))
     return entry
@@ -89,14 +96,16 @@ def prompt_logprob_entries(prompt: PromptLogprobsBatch, tensors) -> list:
 
 
 def entries_out(entries: list, tokenizer, sp):
-    """A copy of logprob ``entries`` (the sequence's list grows), with each ``decoded_token`` ("" for an id past
-    the tokenizer's vocabulary) unless ``detokenize=False``, flat with ``flat_logprobs``."""
+    """A copy of logprob ``entries`` (the sequence's list grows), with each ``decoded_token``
+    ("" for an id past the tokenizer's vocabulary) unless ``detokenize=False``, flat with
+    ``flat_logprobs``."""
     entries = list(entries)
     if tokenizer is not None and sp.detokenize:
         for token, lp in (item for entry in entries for item in (entry or {}).items()):
             if lp.decoded_token is None:
                 piece = tokenizer.convert_ids_to_tokens(token)
-                lp.decoded_token = "" if piece is None else tokenizer.convert_tokens_to_string([piece])
+                lp.decoded_token = ("" if piece is None
+                                    else tokenizer.convert_tokens_to_string([piece]))
     return FlatLogprobs.of(entries) if sp.flat_logprobs else entries
 
 

@@ -1,4 +1,4 @@
-"""One rank's model on its device: loading, the warmup that sizes the KV cache, the cache itself, a step's
+"""One rank's model on its device: loading, the warmup that sizes the KV cache, the cache, a step's
 forward (decode through CUDA graphs) and, on rank 0, sampling."""
 from __future__ import annotations
 
@@ -21,18 +21,17 @@ from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.layers.attention import Attention, bind_backend
 from nanovllm.layers.sampler import Sampler
+from nanovllm.models.presets import load_dummy_weights
 from nanovllm.plugins import REGISTRY
 from nanovllm.utils.context import get_context, set_context
 from nanovllm.utils.distributed import tensor_parallel
-from nanovllm.utils.loader import load_dummy_weights, load_model
+from nanovllm.utils.loader import load_model
 
 if TYPE_CHECKING:
     from nanovllm.engine.worker_group import TPGroup
 
 logger = logging.getLogger("nanovllm")
-
-# torch's default dtype is process-wide: engines built in different threads take turns
-_BUILD_LOCK = threading.Lock()
+_BUILD_LOCK = threading.Lock()  # torch's default dtype is process-wide: builds take turns
 
 
 class ModelRunner:
@@ -41,13 +40,10 @@ class ModelRunner:
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
         self.is_cuda = config.device == "cuda"
-        self.prev_sampled: torch.Tensor | None = None  # the last step's sampled tokens (async scheduling)
+        self.prev_sampled: torch.Tensor | None = None  # the last step's samples (async scheduling)
         self.graphs: DecodeGraphs | None = None
-        # what features add: contexts the model is built in, functions of the built model, objects
-        # whose methods a rank can be called for ("name.method")
-        self.build_contexts: list = []
-        self.after_build: list = []
-        self.extensions: dict[str, object] = {}
+        # what features add: build contexts, functions of the built model, extensions ("x.method")
+        self.build_contexts, self.after_build, self.extensions = [], [], {}
         self.worker: object = self  # what a call by name reaches (vLLM's worker; a feature's view)
         self.features = [REGISTRY.get("feature", name)(config, options)
                          for name, options in config.features]
@@ -58,15 +54,14 @@ class ModelRunner:
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
         self.kv_dtype = config.kv_cache_torch_dtype
         self.head_dim = config.model_class.head_dim(hf_config)
-        self.num_kv_heads = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) \
-            // config.tensor_parallel_size
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        self.num_kv_heads = kv_heads // config.tensor_parallel_size
         with self.building():
             self._load_and_prepare(hf_config)
 
     @contextlib.contextmanager
     def building(self):
-        """This rank's device and the model's dtype as torch's defaults, what building the model and capturing its
-        graphs allocate with; one engine at a time, as the default dtype is process-wide."""
+        """This rank's device and the model's dtype as torch's defaults, one engine at a time."""
         with _BUILD_LOCK:
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.config.torch_dtype)
@@ -77,42 +72,41 @@ class ModelRunner:
                 torch.set_default_dtype(default_dtype)
 
     def resolve(self, method):
-        """What a call runs: ``method`` of the worker (the runner unless a feature set a view) or of
-        an extension ("extension.method"), or a function given the runner."""
+        """A call's target: ``method`` of the worker or an extension ("x.method"), or a function."""
         if callable(method):
             return functools.partial(method, self)
         owner, _, name = method.rpartition(".")
         return getattr(self.extensions[owner] if owner else self.worker, name)
 
     def _load_and_prepare(self, hf_config):
+        config = self.config
         with contextlib.ExitStack() as stack:
-            stack.enter_context(tensor_parallel(self.rank, self.config.tensor_parallel_size,
-                                                self.group))
+            stack.enter_context(tensor_parallel(self.rank, config.tensor_parallel_size, self.group))
             for context in self.build_contexts:
                 stack.enter_context(context())
-            self.model = self.config.model_class(hf_config, max_model_len=self.config.max_model_len)
+            self.model = config.model_class(hf_config, max_model_len=config.max_model_len)
         for function in self.after_build:
             function(self.model)
-        if self.config.load_format == "dummy":
-            load_dummy_weights(self.model, self.config.seed + self.rank)
+        if config.load_format == "dummy":
+            load_dummy_weights(self.model, config.seed + self.rank)
         else:
-            load_model(self.model, self.config.model)
-        self.sampler = Sampler(self.config.seed)
-        self.sampling = SamplingPreparer(self.device, hf_config.vocab_size, self.config.eos_token_ids)
-        self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
-        self.attention_backend = bind_backend(self.config.attention_backend,
-                                              self.config.torch_dtype, self.head_dim)
+            load_model(self.model, config.model)
+        self.sampler = Sampler(config.seed)
+        self.sampling = SamplingPreparer(self.device, hf_config.vocab_size, config.eos_token_ids)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.attention_backend = bind_backend(config.attention_backend, config.torch_dtype,
+                                              self.head_dim)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.attention_backend
-        scaled = sum(layer.k_scale != 1.0 or layer.v_scale != 1.0 for layer in self.attention_layers)
+        scaled = sum(m.k_scale != 1.0 or m.v_scale != 1.0 for m in self.attention_layers)
         if scaled and self.kv_dtype != torch.float8_e4m3fn and self.rank == 0:
-            logger.info("the KV-cache scales of %d layers are unused: kv_cache_dtype=%r is not fp8", scaled,
-                        self.config.kv_cache_dtype)
+            logger.info("the KV-cache scales of %d layers are unused: kv_cache_dtype=%r is not fp8",
+                        scaled, config.kv_cache_dtype)
         if self.is_cuda:
             warmup_model(self)
         self.allocate_kv_cache()
-        if self.is_cuda and not self.config.enforce_eager:
+        if self.is_cuda and not config.enforce_eager:
             self.capture_cudagraph()
 
     def capture_cudagraph(self):
@@ -121,56 +115,53 @@ class ModelRunner:
                                    self.config.hf_config.hidden_size)
 
     def exit(self):
-        """Frees this runner's graphs, KV cache and weights now (it is unusable after), so that another engine
-        of this process sizes its cache from a free device."""
+        """Frees graphs, KV cache and weights now (unusable after), for another engine's sizing."""
         if self.is_cuda:  # a step may still be in flight (async scheduling)
             torch.cuda.synchronize()
         self.graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = self.model = None
-        self.attention_layers = []
+        self.kv_cache, self.model, self.attention_layers = None, None, []
         self.extensions.clear()  # lets go of what they hold (a host copy of the weights)
-        gc.collect()  # each parameter and its layer refer to each other (the bound weight_loader): a cycle
+        gc.collect()  # each parameter and its layer form a cycle (the bound weight_loader)
         if self.is_cuda:
             torch.cuda.empty_cache()
 
     def _block_bytes(self) -> int:
-        return 2 * self.config.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads * self.head_dim \
-            * self.kv_dtype.itemsize
+        return (2 * self.config.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads
+                * self.head_dim * self.kv_dtype.itemsize)
 
-    def _num_kvcache_blocks(self) -> int:
-        config = self.config
+    def allocate_kv_cache(self):
+        config, block_bytes = self.config, self._block_bytes()
         if config.num_kvcache_blocks > 0:
-            return config.num_kvcache_blocks
-        block_bytes = self._block_bytes()
-        if self.is_cuda:  # what is left under the utilization cap after the warmup's peak
+            num_blocks = config.num_kvcache_blocks
+        elif self.is_cuda:  # what is left under the utilization cap after the warmup's peak
             free, total = torch.cuda.mem_get_info()
             stats = torch.cuda.memory_stats()
             peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-            return int(total * config.gpu_memory_utilization - (total - free) - peak + current) // block_bytes
-        # CPU: cpu_kvcache_space GiB, but no more than max_num_seqs full-length sequences
-        budget = int(config.cpu_kvcache_space * 2 ** 30) // block_bytes
-        blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
-        return min(budget, config.max_num_seqs * blocks_per_seq)
-
-    def allocate_kv_cache(self):
-        num_blocks = self._num_kvcache_blocks()
+            budget = total * config.gpu_memory_utilization - (total - free) - peak + current
+            num_blocks = int(budget) // block_bytes
+        else:  # cpu_kvcache_space GiB, but no more than max_num_seqs full-length sequences
+            budget = int(config.cpu_kvcache_space * 2 ** 30) // block_bytes
+            blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+            num_blocks = min(budget, config.max_num_seqs * blocks_per_seq)
         if self.group is not None:  # every rank must hold the same number of blocks
             t = torch.tensor([num_blocks], device=self.device)
             num_blocks = int(self.group.all_reduce(t, dist.ReduceOp.MIN).item())
         if num_blocks <= 0:
             remedy = "gpu_memory_utilization" if self.is_cuda else "cpu_kvcache_space"
-            raise ValueError(f"no memory left for the KV cache ({self._block_bytes()} bytes per block, got "
+            raise ValueError(f"no memory left for the KV cache ({block_bytes} bytes per block, got "
                              f"{num_blocks} blocks): raise {remedy} or set num_kvcache_blocks")
         self.num_kvcache_blocks = num_blocks
-        self.max_model_len = min(self.config.max_model_len, num_blocks * self.block_size)
-        if self.max_model_len < self.config.max_model_len and self.rank == 0:
-            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of %d tokens",
-                           self.config.max_model_len, self.max_model_len, num_blocks, self.block_size)
+        self.max_model_len = min(config.max_model_len, num_blocks * self.block_size)
+        if self.max_model_len < config.max_model_len and self.rank == 0:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache holds %d blocks of "
+                           "%d tokens", config.max_model_len, self.max_model_len, num_blocks,
+                           self.block_size)
         try:  # zeros: masked-out positions must not hold NaN bit patterns
             self.kv_cache = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size,
-                                        self.num_kv_heads, self.head_dim, dtype=self.kv_dtype, device=self.device)
+                                        self.num_kv_heads, self.head_dim, dtype=self.kv_dtype,
+                                        device=self.device)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ValueError(f"cannot allocate a KV cache of {num_blocks} blocks on {self.device}: "
                              "lower num_kvcache_blocks") from e
@@ -181,9 +172,9 @@ class ModelRunner:
         return None if values is None else self.sampling.to_device(values)
 
     def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(input ids, positions, the attention context's fields). A decode input still on the device
-        (``prev_rows`` >= 0) comes from the last step's sampled tokens."""
-        arrays = ("slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_indices", "context_lens")
+        """(input ids, positions, attention context); ``prev_rows`` >= 0: tokens still on device."""
+        arrays = ("slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_indices",
+                  "context_lens")
         context = {name: self._to_device(getattr(step, name)) for name in arrays}
         context.update(max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k)
         input_ids = self._to_device(step.input_ids)
@@ -202,28 +193,28 @@ class ModelRunner:
         return self.model.compute_logits(self.graphs.replay(input_ids, positions, get_context()))
 
     def run(self, step: StepInput, sampling: SamplingInputs | None = None):
-        """One forward and, on rank 0, its sampling: rank 0 gets a ``ModelRunnerOutput``, the others None."""
+        """One forward and its sampling: rank 0 gets a ``ModelRunnerOutput``, the others None."""
         return self.sample(step, self.forward(step, sampling), sampling)
 
     @torch.inference_mode()
     def forward(self, step: StepInput, sampling: SamplingInputs | None = None) -> tuple | None:
-        """Launches the forward; rank 0 gets (the logits to sample, the prompt logprobs or None). Apart from
-        ``sample`` so that rank 0 can build a grammar bitmask while the device runs."""
+        """Launches the forward; rank 0 gets (the logits to sample, the prompt logprobs or None).
+        Apart from ``sample`` so that rank 0 can build a grammar bitmask while the device runs."""
         input_ids, positions, context = self.step_tensors(step)
         with set_context(step.is_prefill, **context):
             logits = self.run_model(input_ids, positions, step.is_prefill)
         if self.rank != 0:
             return None
         prompt, prompt_lps = sampling.prompt, None
-        if prompt is not None:  # every position of some sequences' logits: theirs, then the last ones
+        if prompt is not None:  # some sequences' logits at every position: theirs, then the last
             prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
             logits = logits[prompt.sample_rows]
         return logits, prompt_lps
 
     @torch.inference_mode()
-    def sample(self, step: StepInput, forward: tuple | None, sampling: SamplingInputs | None = None):
-        """Rank 0 samples ``forward``'s logits; with async scheduling every rank keeps the sampled tokens
-        (TP: broadcast from rank 0)."""
+    def sample(self, step: StepInput, forward: tuple | None,
+               sampling: SamplingInputs | None = None):
+        """Rank 0 samples; with async scheduling every rank keeps the tokens (TP: rank 0's)."""
         token_ids = logprobs = prompt_lps = None
         if self.rank == 0:
             logits, prompt_lps = forward
@@ -234,7 +225,6 @@ class ModelRunner:
                     token_ids = torch.empty(step.num_seqs, dtype=torch.int64, device=self.device)
                 self.group.broadcast(token_ids, 0)
             self.prev_sampled = token_ids
-        if self.rank != 0:
-            return None
-        return ModelRunnerOutput(token_ids, logprobs, sampling.num_logprobs, sampling.prompt, prompt_lps,
-                                 sampling.host_work)
+        if self.rank == 0:
+            return ModelRunnerOutput(token_ids, logprobs, sampling.num_logprobs, sampling.prompt,
+                                     prompt_lps, sampling.host_work)

@@ -1,6 +1,5 @@
-"""Outputs: a ``Request`` (a prompt and its ``n`` completions), the stop conditions
-(``OutputProcessor``), a forward's sampled tokens on their way to the host, vLLM's logprob entries,
-and the ``RequestOutput`` objects that ``generate`` returns."""
+"""Outputs: a ``Request`` (a prompt and its ``n`` completions), the stop conditions, a forward's
+sampled tokens on their way to the host, and the ``RequestOutput`` objects ``generate`` returns."""
 from __future__ import annotations
 
 from collections import deque
@@ -23,19 +22,19 @@ from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 @dataclass
 class Request:
-    """One prompt and its ``n`` completions."""
+    """One prompt and its ``n`` completions (``seqs``, ``detokenizers``, ``reported``: one each)."""
 
     index: int
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     request_id: str = ""
-    prompt: str | None = None        # when it was given as text
-    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)  # per completion
-    stream: deque | None = None      # the pieces its stream() call has not yielded yet
-    incremental_text: bool = False   # its outputs' text is its detokenizers' (step() reports it often)
-    num_reported: int = 0            # completion tokens step() has reported
-    reported: list = field(default_factory=list)  # per completion, the (tokens, characters) reported (DELTA)
-    error: str | None = None         # why a completion ended with finish_reason "error"
+    prompt: str | None = None  # when it was given as text
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    stream: deque | None = None  # the pieces its stream() call has not yielded yet
+    incremental_text: bool = False  # its outputs' text is its detokenizers' (step() reports often)
+    num_reported: int = 0  # completion tokens step() has reported
+    reported: list = field(default_factory=list)  # per completion: (tokens, characters) for DELTA
+    error: str | None = None  # why a completion ended with finish_reason "error"
 
     def __post_init__(self):
         self.detokenizers = self.detokenizers or [None] * len(self.seqs)
@@ -48,17 +47,16 @@ class Request:
 
 class OutputProcessor:
     def __init__(self, eos_token_ids, max_model_len: int):
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids, self.max_model_len = frozenset(eos_token_ids), max_model_len
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None  # the model's own
-        self.max_model_len = max_model_len
 
-    def check_stop(self, request: Request, seq: Sequence, token_id: int) -> tuple[str, int | str | None] | None:
-        """(finish reason, stop reason) if ``token_id``, just appended, ends ``seq``, else None, in vLLM's order:
-        length, a stop token once ``min_tokens`` are out, a stop string (the text is cut there). Queues the text
-        a stream may show (all but what could still begin a stop string)."""
+    def check_stop(self, request: Request, seq: Sequence, token_id: int
+                   ) -> tuple[str, int | str | None] | None:
+        """(finish reason, stop reason) if ``token_id``, just appended, ends ``seq``, in vLLM's
+        order: length, a stop token once ``min_tokens`` are out, a stop string (cutting the text).
+        Queues the text a stream may show (all but what could still begin a stop string)."""
         sp, detok = seq.sampling_params, request.detokenizers[request.seqs.index(seq)]
-        num_out = len(seq.token_ids) - seq.num_prompt_tokens
-        stops = sp.stop_strings
+        num_out, stops = len(seq.token_ids) - seq.num_prompt_tokens, sp.stop_strings
         reason = stop_reason = hit = None
         if num_out >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
@@ -70,7 +68,8 @@ class OutputProcessor:
         # a stop token's text is output only with include_stop_str_in_output (vLLM's)
         counts = detok is not None and (reason != "stop" or sp.include_stop_str_in_output)
         delta = detok.add(token_id) if counts else ""
-        if stops and reason != "stop" and num_out > sp.min_tokens and (hit := detok.find_stop(stops, delta)):
+        if (stops and reason != "stop" and num_out > sp.min_tokens
+                and (hit := detok.find_stop(stops, delta))):
             at, stop = hit
             detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
             reason, stop_reason = "stop", stop
@@ -83,85 +82,84 @@ class OutputProcessor:
         return (reason, stop_reason) if reason else None
 
     @staticmethod
-    def stream_piece(request: Request, seq: Sequence, text: str, token_ids: list[int], reason: str | None = None):
+    def stream_piece(request: Request, seq: Sequence, text: str, token_ids: list[int],
+                     reason: str | None = None):
         if request.stream is not None:
-            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq), "text": text,
-                                   "token_ids": token_ids, "finished": reason is not None or seq.is_finished,
+            request.stream.append({"index": request.index, "output_index": request.seqs.index(seq),
+                                   "text": text, "token_ids": token_ids,
+                                   "finished": reason is not None or seq.is_finished,
                                    "finish_reason": reason or seq.finish_reason})
 
 
 class ModelRunnerOutput:
-    """One forward's sampled tokens (and logprobs), copied to pinned memory at once; ``result`` waits for them,
-    so the host can launch the next forward first. ``host_work``: host work the device waits for."""
+    """One forward's sampled tokens (and logprobs), copied to pinned memory at once; ``result``
+    waits for them, so the host can launch the next forward first."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
                  prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None, host_work=()):
-        self.num_logprobs, self.prompt, self.event, self.host_work = num_logprobs, prompt, None, list(host_work)
+        self.num_logprobs, self.prompt, self.host_work = num_logprobs, prompt, list(host_work)
         tensors = [token_ids, *(logprobs or ()), *(prompt_logprobs or ())]
         if token_ids.is_cuda:
-            tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t, non_blocking=True)
-                       for t in tensors]
-            self.event = torch.cuda.current_stream().record_event()
+            tensors = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                       .copy_(t, non_blocking=True) for t in tensors]
+        self.event = torch.cuda.current_stream().record_event() if token_ids.is_cuda else None
         n = 4 if logprobs else 0
-        self.token_ids, self.logprobs, self.prompt_logprobs = tensors[0], tensors[1:1 + n] or None, tensors[1 + n:]
+        self.token_ids, self.logprobs = tensors[0], tensors[1:1 + n] or None
+        self.prompt_logprobs = tensors[1 + n:]
 
-    def result(self, alive: Callable[[], bool] | None = None
-               ) -> tuple[list[int], list[dict[int, float] | None], list[tuple[int, list[dict]] | None]]:
-        """(token ids; per sequence, a logprobs entry or None; per sequence, (first prompt position, entries) or
-        None)."""
-        for work in self.host_work:  # first: the device may be waiting for it
+    def result(self, alive: Callable[[], bool] | None = None) -> tuple[
+            list[int], list[dict[int, float] | None], list[tuple[int, list[dict]] | None]]:
+        """Token ids, then per sequence a logprobs entry and (first prompt position, entries)."""
+        for work in self.host_work:  # host work first: the device may be waiting for it
             work.wait()
         if self.event is not None:
             wait_for_event(self.event, alive)
         for work in self.host_work:
             work.check()
         token_ids = self.token_ids.tolist()
-        logprobs, prompt_logprobs = [None] * len(token_ids), [None] * len(token_ids)
-        if self.logprobs is not None:
-            logprobs = logprob_entries(self.logprobs, self.num_logprobs, token_ids)
-        if self.prompt is not None:
-            prompt_logprobs = prompt_logprob_entries(self.prompt, self.prompt_logprobs)
+        logprobs = ([None] * len(token_ids) if self.logprobs is None
+                    else logprob_entries(self.logprobs, self.num_logprobs, token_ids))
+        prompt_logprobs = ([None] * len(token_ids) if self.prompt is None
+                           else prompt_logprob_entries(self.prompt, self.prompt_logprobs))
         return token_ids, logprobs, prompt_logprobs
 
 
 def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
                       incremental: bool = False) -> CompletionOutput:
-    """Completion ``index`` of its request. Its text leaves out a stop token's (vLLM's) and ends at a stop
-    string; with ``incremental`` it is the detokenizer's so far."""
-    sp = seq.sampling_params
+    """Completion ``index`` of its request. Its text leaves out a stop token's (vLLM's) and ends at
+    a stop string; with ``incremental`` it is the detokenizer's so far."""
+    sp, stopped = seq.sampling_params, seq.finish_reason == "stop"
     if tokenizer is None or not sp.detokenize:
         text = ""
-    elif detokenizer is not None and (incremental or seq.finish_reason == "stop" and sp.stop_strings):
+    elif detokenizer is not None and (incremental or stopped and sp.stop_strings):
         text = detokenizer.text  # cut at the stop string
     else:
-        by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        ids = seq.completion_token_ids
-        if by_token and not sp.include_stop_str_in_output:
-            ids = ids[:-1]
+        cut = stopped and not isinstance(seq.stop_reason, str) and not sp.include_stop_str_in_output
+        ids = seq.completion_token_ids[:-1] if cut else seq.completion_token_ids
         text = tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
     logprobs = cumulative = None
     if sp.logprobs is not None:
-        cumulative = float(sum(entry[token] for entry, token
-                               in zip(seq.logprobs, seq.completion_token_ids)))
+        cumulative = float(sum(e[t] for e, t in zip(seq.logprobs, seq.completion_token_ids)))
         logprobs = entries_out(seq.logprobs, tokenizer, sp)
-    return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs, seq.finish_reason,
-                            seq.stop_reason)
+    return CompletionOutput(index, text, seq.completion_token_ids, cumulative, logprobs,
+                            seq.finish_reason, seq.stop_reason)
 
 
 def request_output(request, tokenizer) -> RequestOutput:
-    """vLLM's ``RequestOutput`` of a request (its n completions so far; ``finished`` once all have ended)."""
-    first = request.seqs[0]
+    """vLLM's ``RequestOutput`` of a request: its completions so far, ``finished`` once all end."""
+    seqs, first = request.seqs, request.seqs[0]
     arrival = first.arrival_time
-    first_token = min((s.first_token_time for s in request.seqs if s.first_token_time is not None), default=None)
-    finished = all(s.finish_time is not None for s in request.seqs)
-    finish_time = max(s.finish_time for s in request.seqs) if finished else None
+    first_token = min((s.first_token_time for s in seqs if s.first_token_time is not None),
+                      default=None)
+    finished = all(s.finish_time is not None for s in seqs)
+    finish_time = max(s.finish_time for s in seqs) if finished else None
     metrics = RequestMetrics(arrival, first_token, finish_time,
                              None if first_token is None else first_token - arrival,
                              None if finish_time is None else finish_time - arrival)
-    prompt_logprobs = None
-    if first.prompt_logprobs is not None:
-        prompt_logprobs = entries_out(first.prompt_logprobs, tokenizer, first.sampling_params)
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
-                         [completion_output(seq, i, tokenizer, request.detokenizers[i], request.incremental_text)
-                          for i, seq in enumerate(request.seqs)], finished,
+    prompt_logprobs = (None if first.prompt_logprobs is None
+                       else entries_out(first.prompt_logprobs, tokenizer, first.sampling_params))
+    completions = [completion_output(seq, i, tokenizer, request.detokenizers[i],
+                                     request.incremental_text) for i, seq in enumerate(seqs)]
+    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                         prompt_logprobs, completions, finished,
                          first.num_prefix_cached_tokens or 0, metrics, request.error)

@@ -20,15 +20,12 @@ class SamplingInputs:
     batch: SamplingBatch
     prompt: PromptLogprobsBatch | None  # engine.logprobs
     num_logprobs: list[int | None]  # per sequence: its logprobs k, or None
-    # host work the launched step waits for (``wait()`` before the read-back waits on the device,
-    # ``check()`` after)
-    host_work: list = field(default_factory=list)
+    host_work: list = field(default_factory=list)  # wait() before the read-back, check() after
 
 
 class LogitsHook:
-    """Shapes a step's logits; the engine core calls these in every step (rank 0). Example: a hook
-    banning token 0 adds ``lambda logits: logits.index_fill_(1, zero, -inf)`` to
-    ``sampling.batch.masks`` in ``prepare``."""
+    """Shapes a step's logits on rank 0, in every step; e.g. to ban token 0, ``prepare`` adds
+    ``lambda logits: logits.index_fill_(1, zero, -inf)`` to ``sampling.batch.masks``."""
 
     def add(self, seqs: list[Sequence], params) -> None:
         """A request's completions are admitted (``params``: its checked ``SamplingParams``)."""
@@ -39,11 +36,11 @@ class LogitsHook:
 
     def prepare(self, batch: SchedulerOutput, sampling: SamplingInputs,
                 read_back: Callable[..., None] | None) -> None:
-        """Adds to ``sampling`` once the forward is launched; ``read_back(after_accept=None)`` reads the step in
-        flight back (None when there is none)."""
+        """Adds to ``sampling`` once the forward is launched; ``read_back(after_accept=None)``
+        reads the step in flight back (None when there is none)."""
 
     def accept(self, advanced: list[tuple[Sequence, int]]) -> dict[Sequence, Exception]:
-        """Follows the tokens just appended; returns the sequences that must end, with their error."""
+        """Follows the tokens just appended; returns the sequences to end, with their error."""
         return {}
 
     def forget(self, seq: Sequence) -> None:
@@ -69,22 +66,22 @@ class SamplingPreparer:
 
     def to_device(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Host values on the device, through pinned memory, without waiting."""
-        t = torch.as_tensor(values, dtype=dtype, device="cpu")  # on the host even under a device context
-        return (t.pin_memory() if self.device.type == "cuda" else t).to(self.device, non_blocking=True)
+        t = torch.as_tensor(values, dtype=dtype, device="cpu")  # on the host under a device context
+        t = t.pin_memory() if self.device.type == "cuda" else t
+        return t.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def prepare(self, batch: SchedulerOutput) -> SamplingInputs:
-        seqs = batch.seqs
-        wanted = batch.is_prefill and any(seq.num_prompt_logprob_rows for seq in seqs)
-        prompt = prepare_prompt_logprobs(self, seqs) if wanted else None
-        return SamplingInputs(self.prepare_sample(seqs, batch.kept_rows), prompt,
-                              [seq.sampling_params.logprobs for seq in seqs])
+        wanted = batch.is_prefill and any(seq.num_prompt_logprob_rows for seq in batch.seqs)
+        prompt = prepare_prompt_logprobs(self, batch.seqs) if wanted else None
+        return SamplingInputs(self.prepare_sample(batch.seqs, batch.kept_rows), prompt,
+                              [seq.sampling_params.logprobs for seq in batch.seqs])
 
     def prepare_sample(self, seqs: list[Sequence], kept_rows: list[int]) -> SamplingBatch:
         params = [seq.sampling_params for seq in seqs]
         # a temperature below SAMPLING_EPS is greedy (1 / T would overflow the logits)
-        batch = SamplingBatch(self.to_device([0.0 if sp.is_greedy else sp.temperature for sp in params],
-                                             torch.float32))
+        temperatures = [0.0 if sp.is_greedy else sp.temperature for sp in params]
+        batch = SamplingBatch(self.to_device(temperatures, torch.float32))
         if all(sp.is_plain for sp in params):
             return batch
 
@@ -92,17 +89,17 @@ class SamplingPreparer:
             return self.to_device([getattr(sp, name) for sp in params], torch.float32)
 
         if any(sp.needs_top_k_top_p for sp in params):
-            batch.top_k = self.to_device([sp.top_k if sp.top_k > 0 else self.vocab_size for sp in params],
-                                         torch.int64)
-            batch.top_p = floats("top_p")
+            top_k = [sp.top_k if sp.top_k > 0 else self.vocab_size for sp in params]
+            batch.top_k, batch.top_p = self.to_device(top_k, torch.int64), floats("top_p")
         if any(sp.min_p > 0 for sp in params):
             batch.min_p = floats("min_p")
         if any(sp.needs_penalties for sp in params):
-            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = (
-                floats(name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
+            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = map(
+                floats, ("presence_penalty", "frequency_penalty", "repetition_penalty"))
             batch.output_ids = self._padded([seq.completion_token_ids for seq in seqs])
-            batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens] if sp.repetition_penalty != 1
-                                             else [] for seq, sp in zip(seqs, params)])
+            batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens]
+                                             if sp.repetition_penalty != 1 else []
+                                             for seq, sp in zip(seqs, params)])
         kept = set(kept_rows)  # only kept rows use min_tokens and seeds
         banned = [self.eos_token_ids | set(sp.stop_token_ids)
                   if row in kept and seq.num_completion_tokens < sp.min_tokens else set()
@@ -110,18 +107,15 @@ class SamplingPreparer:
         if any(banned):
             ids = sorted(set().union(*banned))
             batch.banned_ids = self.to_device(ids, torch.int64)
-            batch.banned_rows = self.to_device([[i in row for i in ids] for row in banned], torch.bool)
+            batch.banned_rows = self.to_device([[i in r for i in ids] for r in banned], torch.bool)
         if any(sp.seed is not None for sp in params):
-            batch.generators = [self._generator(seq) if row in kept else None for row, seq in enumerate(seqs)]
-        logprobs = [sp.logprobs for sp in params if sp.logprobs is not None]
-        batch.num_logprobs = max(logprobs) if logprobs else -1
+            for row, (seq, sp) in enumerate(zip(seqs, params)):
+                if row in kept and sp.seed is not None and seq.seq_id not in self.generators:
+                    self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(sp.seed)
+            batch.generators = [self.generators.get(seq.seq_id) if row in kept else None
+                                for row, seq in enumerate(seqs)]
+        batch.num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         return batch
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        seed = seq.sampling_params.seed
-        if seed is not None and seq.seq_id not in self.generators:
-            self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(seed)
-        return self.generators.get(seq.seq_id)
 
     def forget(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)

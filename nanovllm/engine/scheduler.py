@@ -1,6 +1,6 @@
-"""Scheduling policy: prefill first (only a batch's first sequence may be chunked), else decode every
-running sequence, preempting the newest when blocks run out. A step is ``schedule``, ``launched`` and
-``postprocess``; with async scheduling the next step is scheduled and launched between the last two."""
+"""Scheduling policy: prefill first (only a batch's first sequence may be chunked), else decode all
+running sequences, preempting the newest when blocks run out. A step is ``schedule``, ``launched``
+and ``postprocess``; async scheduling schedules and launches the next step between the last two."""
 from __future__ import annotations
 
 import time
@@ -15,9 +15,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class SchedulerOutput:
-    """One forward's sequences in batch order. ``kept_rows``: the rows whose sampled token is the sequence's
-    next (all but a prefill chunk short of its prompt's end)."""
-
+    """One forward's sequences in batch order; ``kept_rows``: every row but a mid-prompt chunk's."""
     seqs: list[Sequence]
     is_prefill: bool
     kept_rows: list[int] = field(init=False)
@@ -38,8 +36,7 @@ class Scheduler:
         self.enable_prefix_caching = config.enable_prefix_caching
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.waiting, self.running = deque[Sequence](), deque[Sequence]()
         self.held: dict[int, list[Sequence]] = {}  # seq_id -> its siblings (see add)
         self.num_preemptions = 0
 
@@ -47,29 +44,20 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def add(self, seq: Sequence, siblings: list[Sequence] = ()):
-        """Queues ``seq``; its ``siblings`` (the request's other completions) wait until its prompt is cached."""
+        """Queues ``seq``; its ``siblings`` (other completions) wait until its prompt is cached."""
         self.waiting.append(seq)
         if siblings:
             self.held[seq.seq_id] = list(siblings)
 
     def schedule(self) -> SchedulerOutput:
-        """A prefill if a waiting sequence fits, else a decode; empty only when every running sequence awaits
-        a forward in flight."""
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            return SchedulerOutput(scheduled, True)
-        return SchedulerOutput(self._schedule_decode(), False)
-
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        budget = self.max_num_batched_tokens
+        """A prefill if one fits, else a decode: empty only if all running ones end in flight."""
+        scheduled, budget = [], self.max_num_batched_tokens
         # max_num_seqs caps the running sequences, so that one decode step covers them all
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
                 break  # preempted with a token in flight: its ids are not all known yet
-            if not seq.block_table:
-                # prompt logprobs need every prompt position computed (as vLLM)
+            if not seq.block_table:  # (prompt logprobs need every position computed, as vLLM)
                 use_cache = self.enable_prefix_caching and seq.prompt_logprobs is None
                 if not self.block_manager.allocate(seq, use_cache):
                     break
@@ -85,11 +73,9 @@ class Scheduler:
                 break  # chunked: stays first in line
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
-        return scheduled
-
-    def _schedule_decode(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
-        visited: list[Sequence] = []
+        if scheduled:
+            return SchedulerOutput(scheduled, True)
+        visited: list[Sequence] = []  # the running ones taken, in order
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
             if self._ends_in_flight(seq):
@@ -98,7 +84,7 @@ class Scheduler:
             while not self.block_manager.allocate_slot(seq):
                 if self.running:
                     self.preempt(self.running.pop())
-                elif ending := next((s for s in reversed(visited) if self._ends_in_flight(s)), None):
+                elif ending := next(filter(self._ends_in_flight, reversed(visited)), None):
                     visited.remove(ending)  # nothing to recompute
                     self.preempt(ending)
                 else:
@@ -109,24 +95,22 @@ class Scheduler:
                 scheduled.append(seq)
                 visited.append(seq)
         self.running.extendleft(reversed(visited))
-        return scheduled
+        return SchedulerOutput(scheduled, False)
 
     def _ends_in_flight(self, seq: Sequence) -> bool:
         """Its pending token is certain to be its last (max_tokens or the length limit)."""
-        return seq.num_pending_tokens > 0 and (seq.num_completion_tokens >= seq.sampling_params.max_tokens
-                                               or seq.num_tokens >= self.max_model_len)
+        return seq.num_pending_tokens > 0 and (
+            seq.num_completion_tokens >= seq.sampling_params.max_tokens
+            or seq.num_tokens >= self.max_model_len)
 
     def preempt(self, seq: Sequence):
-        """Frees ``seq``'s blocks; it is recomputed later."""
         self.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        seq.num_scheduled_tokens = 0
+        seq.status, seq.num_scheduled_tokens = SequenceStatus.WAITING, 0
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
     def launched(self, batch: SchedulerOutput):
-        """Books the forward just issued: its scheduled tokens count as cached (later forwards run after it),
-        each kept row's token as pending."""
+        """Books the issued forward: its scheduled tokens count as cached, kept rows' as pending."""
         for seq in batch.seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
@@ -135,9 +119,9 @@ class Scheduler:
             batch.seqs[row].num_pending_tokens += 1
 
     def postprocess(self, batch: SchedulerOutput, token_ids: list[int], logprobs: list[dict | None],
-                    prompt_logprobs: list[tuple[int, list[dict]] | None] | None = None) -> list[tuple[Sequence, int]]:
-        """Appends the sampled tokens and prompt logprobs ((first position, entries) per sequence); returns
-        (sequence, token) for each sequence that gained one (a finished one ignores it)."""
+                    prompt_logprobs: list[tuple[int, list[dict]] | None] | None = None
+                    ) -> list[tuple[Sequence, int]]:
+        """Appends sampled tokens, prompt logprobs; (sequence, token) for each that gained one."""
         for seq, computed in zip(batch.seqs, prompt_logprobs or ()):
             if computed is not None:
                 first, entries = computed
@@ -147,19 +131,18 @@ class Scheduler:
             seq = batch.seqs[row]
             if seq.is_finished:
                 continue
-            token_id = token_ids[row]
-            seq.resolve(token_id)
+            seq.resolve(token_ids[row])
             if logprobs[row] is not None:
                 seq.logprobs.append(logprobs[row])
-            advanced.append((seq, token_id))
-            self.block_manager.hash_blocks(seq)  # a block whose last id was pending, before finish frees it
+            advanced.append((seq, token_ids[row]))
+            self.block_manager.hash_blocks(seq)  # before finish frees a block ending in it
         for seq in batch.seqs if batch.is_prefill else ():
             if seq.num_cached_tokens >= seq.num_prompt_tokens:
                 self.waiting.extend(self.held.pop(seq.seq_id, ()))
         return advanced
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
-        """Ends ``seq`` at its last known token (dropping one in flight); the completions it held start now."""
+        """Ends ``seq`` at its last known token (dropping one in flight); starts those it held."""
         if seq.is_finished:
             return
         seq.num_pending_tokens = 0

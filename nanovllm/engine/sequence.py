@@ -16,14 +16,15 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """``num_pending_tokens`` tokens were sampled by launched forwards but not read back yet (at most two);
-    they count in ``num_tokens``, not in ``token_ids``. Tokens ``[0, num_cached_tokens)`` have their K/V in
-    the cache (or being written); the next forward computes ``num_scheduled_tokens`` more."""
+    """``num_pending_tokens`` tokens were sampled by launched forwards but not read back yet (at
+    most two); they count in ``num_tokens``, not in ``token_ids``. Tokens ``[0, num_cached_tokens)``
+    have their K/V in the cache (or being written); the next forward computes
+    ``num_scheduled_tokens`` more."""
 
     counter = count()
 
-    # 64: Config's default kvcache_block_size (the Triton and torch backends')
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 64):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
+                 block_size: int = 64):  # 64: the Triton and torch backends' default
         self.seq_id = next(Sequence.counter)
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
@@ -79,11 +80,13 @@ class Sequence:
 
     @property
     def scheduled_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_cached_tokens:self.num_cached_tokens + self.num_scheduled_tokens]
+        start = self.num_cached_tokens
+        return self.token_ids[start:start + self.num_scheduled_tokens]
 
     @property
     def num_prompt_logprob_rows(self) -> int:
-        """How many of the next forward's positions give a prompt logprob (their next token is a prompt token)."""
+        """How many of the next forward's positions give a prompt logprob (their next token is a
+        prompt token)."""
         if self.prompt_logprobs is None:
             return 0
         start = self.num_cached_tokens

@@ -1,5 +1,6 @@
-"""Tensor parallelism's processes: rank 0's ``WorkerGroup`` spawns, calls, watches and ends a worker per rank > 0,
-which runs ``worker_main``. A wait on a peer ends when the peer dies (EOF, a broken pipe, ``WorkerDiedError``)."""
+"""Tensor parallelism's processes: rank 0's ``WorkerGroup`` spawns, calls, watches and ends a worker
+per rank > 0, which runs ``worker_main``. A wait on a peer ends when the peer dies (EOF, a broken
+pipe, ``WorkerDiedError``)."""
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,8 @@ from nanovllm.utils.distributed import forget_in_forked_child
 SEGMENT_PREFIX = "nanovllm-"
 SEGMENT_SIZE = 2 ** 20  # the first segment; a larger call moves to a larger one
 JOIN_TIMEOUT_S = 5.0  # a worker told to exit gets this long before it is killed
-MAIN_GUARD_HINT = ("workers start by 'spawn', which imports the main script again: create the LLM under "
-                   "`if __name__ == \"__main__\":`")
+MAIN_GUARD_HINT = ("workers start by 'spawn', which imports the main script again: create the LLM "
+                   "under `if __name__ == \"__main__\":`")
 
 
 # how long a collective waits for a peer alive but stuck (a dead one is noticed within seconds)
@@ -46,10 +47,11 @@ def free_port() -> int:
 
 
 class TPGroup:
-    """Gloo or NCCL collectives over a TCP store; rank 0 waits for every rank, calling ``waiting()`` between
-    checks (it raises when a worker died)."""
+    """Gloo or NCCL collectives over a TCP store; rank 0 waits for every rank, calling ``waiting()``
+    between checks (it raises when a worker died)."""
 
-    def __init__(self, rank: int, size: int, port: int, device: str, waiting: Callable[[], None] | None = None):
+    def __init__(self, rank: int, size: int, port: int, device: str,
+                 waiting: Callable[[], None] | None = None):
         self.rank, self.size = rank, size
         self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=COLLECTIVE_TIMEOUT,
                                    wait_for_workers=False)
@@ -80,7 +82,8 @@ class TPGroup:
         return parts[0] if self.rank == dst else None
 
     def abort(self):
-        """Ends the operations in flight without waiting (NCCL's would wait forever for a dead rank)."""
+        """Ends the operations in flight without waiting (NCCL's would wait forever for a dead
+        rank)."""
         for name in ("abort", "_abort", "shutdown"):  # the first that this torch has and that works
             with contextlib.suppress(Exception):
                 getattr(self.backend, name)()
@@ -95,8 +98,8 @@ DEATH_GRACE_S = 3.0  # a collective fails a moment before the dead peer's exit s
 
 
 def create_segment(name: str, size: int) -> SharedMemory:
-    """A segment whose memory is reserved now: on a full /dev/shm, a plain ``SharedMemory(create=True)``
-    would succeed and its first write kill the process (SIGBUS)."""
+    """A segment whose memory is reserved now: on a full /dev/shm, a plain
+    ``SharedMemory(create=True)`` would succeed and its first write kill the process (SIGBUS)."""
     if not os.path.isdir("/dev/shm"):
         return SharedMemory(name=name, create=True, size=size)
     fd = os.open(path := f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -104,25 +107,31 @@ def create_segment(name: str, size: int) -> SharedMemory:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         os.unlink(path)
-        raise RuntimeError(f"cannot reserve {size} bytes of shared memory in /dev/shm ({e.strerror})") from None
+        raise RuntimeError(f"cannot reserve {size} bytes of shared memory in /dev/shm "
+                           f"({e.strerror})") from None
     finally:
         os.close(fd)
     return SharedMemory(name=name)
 
 
 class CallChannel:
-    """Pickled calls in shared memory, each announced on a doorbell pipe per worker. Header: the payload's length,
-    then each worker's count of calls read; rank 0 writes once every worker has read the call before."""
+    """Pickled calls in shared memory, each announced on a doorbell pipe per worker. Header: the
+    payload's length, then each worker's count of calls read; rank 0 writes once every worker has
+    read the call before."""
 
     def __init__(self, name: str, world_size: int, rank: int):
         self.name, self.rank, self.header = name, rank, 8 * (world_size + 1)
-        self.slots = [slice(8 * r, 8 * r + 8) for r in range(world_size)]  # 0: the length; r: rank r's count
-        self.shm = create_segment(name, max(SEGMENT_SIZE, self.header + 1)) if rank == 0 else SharedMemory(name=name)
+        # 0: the length; r: rank r's count
+        self.slots = [slice(8 * r, 8 * r + 8) for r in range(world_size)]
+        self.shm = (create_segment(name, max(SEGMENT_SIZE, self.header + 1)) if rank == 0
+                    else SharedMemory(name=name))
         self.num_calls = self.moves = 0
 
     def write(self, payload: bytes, death_error) -> bytes:
-        """Writes the next call; returns the doorbells' message (the new segment's name, if it moved)."""
-        while any(int.from_bytes(self.shm.buf[slot], "little") != self.num_calls for slot in self.slots[1:]):
+        """Writes the next call; returns the doorbells' message (the new segment's name, if it
+        moved)."""
+        while any(int.from_bytes(self.shm.buf[slot], "little") != self.num_calls
+                  for slot in self.slots[1:]):
             if error := death_error():
                 raise error
             time.sleep(1e-4)
@@ -130,7 +139,8 @@ class CallChannel:
         if self.header + len(payload) > self.shm.size:  # every worker has read this one: move
             self.close()
             self.moves += 1
-            self.shm = create_segment(f"{self.name}-{self.moves}", 1 << (self.header + len(payload) - 1).bit_length())
+            self.shm = create_segment(f"{self.name}-{self.moves}",
+                                      1 << (self.header + len(payload) - 1).bit_length())
             moved = self.shm.name.encode()
         self.shm.buf[self.slots[0]] = len(payload).to_bytes(8, "little")
         self.shm.buf[self.header:self.header + len(payload)] = payload
@@ -166,7 +176,8 @@ class WorkerGroup:
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-        self.channel = CallChannel(f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}", self.world_size, 0)
+        self.channel = CallChannel(f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}",
+                                   self.world_size, 0)
         self.port = free_port()
         self.group: TPGroup | None = None
         self.closed = False
@@ -174,39 +185,45 @@ class WorkerGroup:
         # the parent-death signal fires when the spawning *thread* ends
         pdeathsig = threading.current_thread() is threading.main_thread()
         self.processes, self.doorbells = [], []
-        # rank 0 alone samples: the features it alone runs stay there (their options need not pickle)
+        # rank 0 alone samples: the features it alone runs stay there
+        # (their options need not pickle)
         worker_config = config.derive(features=tuple(
             (name, options) for name, options in config.features
-            if not REGISTRY.meta["feature", name].get("first_rank_only")))
+            if not REGISTRY.meta("feature", name).get("first_rank_only")))
         try:
             for rank in range(1, self.world_size):
                 reader, writer = ctx.Pipe()  # duplex: collective_rpc's replies come back on it
                 self.doorbells.append(writer)
                 process = ctx.Process(target=worker_main, name=f"nanovllm-rank{rank}", daemon=True,
-                                      args=(worker_config, rank, reader, self.channel.name, self.port, pdeathsig))
+                                      args=(worker_config, rank, reader, self.channel.name,
+                                            self.port, pdeathsig))
                 process.start()
                 reader.close()  # so that ringing a dead worker fails at once
                 self.processes.append(process)
         except BaseException as e:
             self.close(graceful=False)
             if isinstance(e, RuntimeError) and "bootstrapping phase" in str(e):  # no __main__ guard
-                raise RuntimeError(f"cannot start workers from a spawned process: {MAIN_GUARD_HINT}") from e
+                raise RuntimeError("cannot start workers from a spawned process: "
+                                   f"{MAIN_GUARD_HINT}") from e
             raise
         threading.Thread(target=self._watch, name="nanovllm-worker-watch", daemon=True).start()
         forget_in_forked_child(self, WorkerGroup.forget)
 
     def connect(self) -> TPGroup:
-        self.group = TPGroup(0, self.world_size, self.port, self.config.device, waiting=self._check_starting)
+        self.group = TPGroup(0, self.world_size, self.port, self.config.device,
+                             waiting=self._check_starting)
         return self.group
 
     def _check_starting(self):
         if dead := self.dead():
             rank, code = dead[0]
-            raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited (exit code {code}) before connecting "
-                                  f"(its error is above); if it failed while importing: {MAIN_GUARD_HINT}")
+            raise WorkerDiedError(f"tensor-parallel worker rank {rank} exited (exit code {code}) "
+                                  "before connecting (its error is above); if it failed while "
+                                  f"importing: {MAIN_GUARD_HINT}")
 
     def _watch(self):
-        """Aborts an NCCL group once a worker dies: its collectives would wait forever (gloo's raise)."""
+        """Aborts an NCCL group once a worker dies: its collectives would wait forever (gloo's
+        raise)."""
         multiprocessing.connection.wait([p.sentinel for p in self.processes])
         if not self.closed and self.group is not None and self.config.device == "cuda":
             self.group.abort()
@@ -216,7 +233,8 @@ class WorkerGroup:
         one's result with ``replies``)."""
         if self.channel is None:
             raise RuntimeError("this engine's workers belong to the process that forked this one")
-        moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL), self.death_error)
+        moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL),
+                                   self.death_error)
         for doorbell in self.doorbells:
             try:
                 doorbell.send_bytes(moved)
@@ -243,8 +261,8 @@ class WorkerGroup:
         return [(rank, p.exitcode) for rank, p in enumerate(self.processes, 1) if not p.is_alive()]
 
     def death_error(self, wait_s: float = 0.0) -> WorkerDiedError | None:
-        """The error naming a dead worker, or None, after waiting up to ``wait_s`` for one: a dying peer's
-        sockets close a moment before its exit status can be read."""
+        """The error naming a dead worker, or None, after waiting up to ``wait_s`` for one: a dying
+        peer's sockets close a moment before its exit status can be read."""
         deadline = time.monotonic() + wait_s
         while not (dead := self.dead()) and (left := deadline - time.monotonic()) > 0:
             if not multiprocessing.connection.wait([p.sentinel for p in self.processes], left):
@@ -256,8 +274,8 @@ class WorkerGroup:
         return WorkerDiedError(f"tensor-parallel worker rank {rank} died (exit code {code})")
 
     def close(self, graceful: bool):
-        """Ends the workers: ``graceful`` (after a clean run) asks them to exit first; else they are killed at
-        once, as waiting on a worker of unknown state could take forever."""
+        """Ends the workers: ``graceful`` (after a clean run) asks them to exit first; else they are
+        killed at once, as waiting on a worker of unknown state could take forever."""
         if self.closed:
             return
         self.closed = True
@@ -279,8 +297,10 @@ class WorkerGroup:
         self.channel.close()
 
     def forget(self):
-        """In a forked child: the workers are the parent's, not to be called, ended or unlinked from here."""
-        multiprocessing.process._children.difference_update(self.processes)  # else its exit handler ends them
+        """In a forked child: the workers are the parent's, not to be called, ended or unlinked
+        from here."""
+        # else its exit handler ends them
+        multiprocessing.process._children.difference_update(self.processes)
         self.closed, self.processes, self.doorbells, self.channel = True, [], [], None
 
 
@@ -319,8 +339,8 @@ def call_every_rank(core, method, args: tuple = (), kwargs: dict | None = None,
 
 
 def _exit_with_parent(pdeathsig: bool):
-    """Ends this worker with rank 0's process, even when stuck in C code: Linux's parent-death SIGKILL, and a
-    thread on the parent's sentinel."""
+    """Ends this worker with rank 0's process, even when stuck in C code: Linux's parent-death
+    SIGKILL, and a thread on the parent's sentinel."""
     if pdeathsig and sys.platform == "linux":
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -336,8 +356,8 @@ def _exit_with_parent(pdeathsig: bool):
 
 
 def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pdeathsig: bool):
-    """A worker: builds its ModelRunner and runs rank 0's calls until "exit"; leaves by ``os._exit``, as an
-    interpreter teardown could wait on a broken group."""
+    """A worker: builds its ModelRunner and runs rank 0's calls until "exit"; leaves by
+    ``os._exit``, as an interpreter teardown could wait on a broken group."""
     _exit_with_parent(pdeathsig)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
     code = 1
@@ -364,12 +384,13 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
 
 @dataclass(eq=False)
 class EngineResources:
-    """The workers, their shared memory and the model runner, apart from the engine so that their finalizer does
-    not keep it alive."""
+    """The workers, their shared memory and the model runner, apart from the engine so that their
+    finalizer does not keep it alive."""
 
     workers: WorkerGroup | None = None
     runner: ModelRunner | None = None
-    healthy: bool = True  # False once a step failed part-way: the ranks may disagree on where they are
+    # False once a step failed part-way: the ranks may disagree on where they are
+    healthy: bool = True
     closed: bool = False
 
     def close(self):
@@ -385,12 +406,14 @@ class EngineResources:
                 self.workers.close(graceful=self.healthy)
 
     def shut_down_and_raise(self, e: BaseException, shutdown):
-        """Calls ``shutdown()`` and raises ``e``, or the ``WorkerDiedError`` of a worker that died (or soon dies)."""
+        """Calls ``shutdown()`` and raises ``e``, or the ``WorkerDiedError`` of a worker that died
+        (or soon dies)."""
         if not self.healthy:  # an inner call shut down already
             raise e
         self.healthy = False
         error = e
-        if self.workers is not None and not isinstance(e, (WorkerDiedError, KeyboardInterrupt, ValueError, TypeError)):
+        if self.workers is not None and not isinstance(e, (WorkerDiedError, KeyboardInterrupt,
+                                                           ValueError, TypeError)):
             error = self.workers.death_error(DEATH_GRACE_S) or e
         shutdown()
         if error is e:

@@ -19,8 +19,10 @@ logger = logging.getLogger("nanovllm")
 # vLLM engine keywords that change nothing here at any value: name -> why (logged)
 IGNORED_KEYWORDS = {
     **dict.fromkeys(("trust_remote_code", "code_revision"), "the models are nanovllm's own code"),
-    **dict.fromkeys(("max_seq_len_to_capture", "max_context_len_to_capture"), "decode graphs cover max_model_len"),
-    **dict.fromkeys(("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path"), "text-only models"),
+    **dict.fromkeys(("max_seq_len_to_capture", "max_context_len_to_capture"),
+                    "decode graphs cover max_model_len"),
+    **dict.fromkeys(("limit_mm_per_prompt", "mm_processor_kwargs", "allowed_local_media_path"),
+                    "text-only models"),
     "swap_space": "preempted sequences are recomputed",
     "disable_custom_all_reduce": "torch.distributed's all-reduce only",
     "compilation_config": "no torch.compile",
@@ -31,14 +33,16 @@ IGNORED_KEYWORDS = {
     "served_model_name": "no server",
     "use_tqdm_on_load": "no progress bar while loading",
 }
-# vLLM engine keywords accepted only at the values that change nothing here: name -> (those values, why)
+# vLLM engine keywords accepted only at the values that change nothing here:
+# name -> (those values, why)
 UNSUPPORTED_KEYWORDS = {
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
     "kv_cache_memory_bytes": ((None,), "sized by num_kvcache_blocks or gpu_memory_utilization"),
     "pipeline_parallel_size": ((1,), "tensor parallelism only"),
     "enable_expert_parallel": ((False,), "experts are sharded along their intermediate size"),
     "data_parallel_size": ((1,), "one replica per engine (nanovllm.distributed.ray runs several)"),
-    "distributed_executor_backend": ((None, "mp", "uni"), "tensor-parallel ranks are local processes"),
+    "distributed_executor_backend": ((None, "mp", "uni"),
+                                     "tensor-parallel ranks are local processes"),
     "speculative_config": ((None,), "no speculative decoding"),
     "enable_lora": ((False, None), "no LoRA adapters"),
     "max_lora_rank": ((), "no LoRA adapters"),
@@ -57,12 +61,16 @@ UNSUPPORTED_KEYWORDS = {
     "rope_theta": ((None,), "config.json is used as it is"),
     "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs use xgrammar"),
     "structured_outputs_config": ((None, {}, {"backend": "auto"}, {"backend": "xgrammar"}),
-                                  "structured outputs use xgrammar; disable_any_whitespace is set per request"),
-    "disable_sliding_window": ((False,), "sliding windows are kept; max_model_len <= the window avoids them"),
+                                  "structured outputs use xgrammar; disable_any_whitespace is set "
+                                  "per request"),
+    "disable_sliding_window": ((False,),
+                               "sliding windows are kept; max_model_len <= the window avoids them"),
 }
-KEYWORD_ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+KEYWORD_ALIASES = {"block_size": "kvcache_block_size",
+                   "num_gpu_blocks_override": "num_kvcache_blocks"}
 # generation_config.json's field -> SamplingParams'
-_GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+_GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p",
+                                              "repetition_penalty")}
 _GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
 
 
@@ -75,8 +83,9 @@ FRONTEND_KEYWORDS = {"revision": None, "tokenizer_revision": None, "download_dir
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
-    """vLLM's ``hf_overrides``: a dict merged into the model's config, or a function returning the config. A rope
-    dict or ``rope_theta`` alone is merged into transformers 5's ``rope_parameters``, keeping the other."""
+    """vLLM's ``hf_overrides``: a dict merged into the model's config, or a function returning the
+    config. A rope dict or ``rope_theta`` alone is merged into transformers 5's ``rope_parameters``,
+    keeping the other."""
     if overrides is None:
         return hf_config
     if callable(overrides):
@@ -86,8 +95,10 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConf
     if not isinstance(overrides, dict):
         raise TypeError(f"hf_overrides must be a dict or a callable, got {overrides!r:.80}")
     overrides, rope = dict(overrides), getattr(hf_config, "rope_parameters", None)
-    if isinstance(rope, dict) and overrides.keys() & {"rope_scaling", "rope_parameters", "rope_theta"}:
-        new = dict(overrides.pop("rope_parameters", None) or overrides.pop("rope_scaling", None) or rope)
+    if (isinstance(rope, dict)
+            and overrides.keys() & {"rope_scaling", "rope_parameters", "rope_theta"}):
+        new = dict(overrides.pop("rope_parameters", None) or overrides.pop("rope_scaling", None)
+                   or rope)
         new.setdefault("rope_theta", overrides.pop("rope_theta", rope.get("rope_theta")))
         overrides["rope_parameters"] = new
     hf_config.update(overrides)
@@ -104,17 +115,19 @@ _PROFILER_KEYS = ("profiler", "torch_profiler_dir", *_PROFILER_FLAGS)
 
 
 def profiler_options(config: dict | None) -> dict | None:
-    """vLLM's ``ProfilerConfig`` for the torch profiler, checked, its directory made absolute; None: no profiling."""
+    """vLLM's ``ProfilerConfig`` for the torch profiler, checked, its directory made absolute;
+    None: no profiling."""
     if config is None:
         return None
     if not isinstance(config, dict):
         raise TypeError(f"profiler_config must be a dict, got {config!r:.80}")
     if unknown := sorted(config.keys() - set(_PROFILER_KEYS)):
-        raise ValueError(f"profiler_config keys {unknown} are not supported by nanovllm; supported: "
-                         f"{', '.join(_PROFILER_KEYS)}")
+        raise ValueError(f"profiler_config keys {unknown} are not supported by nanovllm; "
+                         f"supported: {', '.join(_PROFILER_KEYS)}")
     profiler, directory = config.get("profiler"), config.get("torch_profiler_dir")
     if profiler not in (None, "torch"):
-        raise ValueError(f"profiler_config profiler={profiler!r} is not supported by nanovllm: 'torch' only")
+        raise ValueError(f"profiler_config profiler={profiler!r} is not supported by nanovllm: "
+                         "'torch' only")
     if directory and profiler != "torch":
         raise ValueError("torch_profiler_dir is only applicable when profiler is set to 'torch'")
     if profiler == "torch" and not directory:
@@ -127,11 +140,12 @@ def profiler_options(config: dict | None) -> dict | None:
 
 
 def refuse_unsupported(priority=None, *, num_prompts: int | None = None, **keywords) -> None:
-    """A ValueError for the first of vLLM's per-call keywords (``lora_request``, ...) that is not None, or for a
-    ``priority`` other than 0 (or a list of ``num_prompts`` zeros)."""
+    """A ValueError for the first of vLLM's per-call keywords (``lora_request``, ...) that is not
+    None, or for a ``priority`` other than 0 (or a list of ``num_prompts`` zeros)."""
     many = isinstance(priority, (list, tuple))
     if many and num_prompts is not None and len(priority) != num_prompts:
-        raise ValueError(f"The lengths of prompts ({num_prompts}) and priority ({len(priority)}) must be the same")
+        raise ValueError(f"The lengths of prompts ({num_prompts}) and priority ({len(priority)}) "
+                         "must be the same")
     if priority is not None and any(priority if many else [priority]):
         raise ValueError(f"priority={priority!r} is not supported: first come, first served only")
     for name, value in keywords.items():
@@ -142,8 +156,9 @@ def refuse_unsupported(priority=None, *, num_prompts: int | None = None, **keywo
 
 
 class EngineArgs:
-    """vLLM's ``EngineArgs(model=..., **keywords)`` for ``LLMEngine.from_engine_args``; ``add_cli_args`` and
-    ``from_cli_args`` make the keywords command-line flags (``--max-model-len``, ...)."""
+    """vLLM's ``EngineArgs(model=..., **keywords)`` for ``LLMEngine.from_engine_args``;
+    ``add_cli_args`` and ``from_cli_args`` make the keywords command-line flags
+    (``--max-model-len``, ...)."""
 
     def __init__(self, model: str = "nanovllm:demo", **kwargs):
         self.model, self.kwargs = model, kwargs
@@ -151,16 +166,19 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """``--model`` and a flag per Config field, dashed; unset flags keep the defaults."""
-        parser.add_argument("--model", default="nanovllm:demo", help="checkpoint directory, Hub id or preset")
+        parser.add_argument("--model", default="nanovllm:demo",
+                            help="checkpoint directory, Hub id or preset")
         for name, type_ in _cli_fields().items():
-            parse = dict(action=argparse.BooleanOptionalAction) if type_ is bool else dict(type=type_)
+            parse = (dict(action=argparse.BooleanOptionalAction) if type_ is bool
+                     else dict(type=type_))
             parser.add_argument("--" + name.replace("_", "-"), default=None, **parse)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = _cli_fields()
-        return cls(args.model, **{k: v for k, v in vars(args).items() if k in names and v is not None})
+        return cls(args.model, **{k: v for k, v in vars(args).items()
+                                  if k in names and v is not None})
 
 
 def _cli_fields() -> dict[str, type]:

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from nanovllm.entrypoints.llm import LLMEngine
 
 # generation_config.json's field -> SamplingParams'
-_GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+_GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p",
+                                              "repetition_penalty")}
 _GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
 
 
@@ -64,8 +65,8 @@ class VllmEngineMixin:
         return self._add_request_by_id(*args, **kwargs)
 
     def abort_request(self, request: Request | str | Iterable[str]):
-        """Ends a ``Request``'s or request ids' unfinished completions (finish_reason "abort"); ``step()`` does not
-        report them."""
+        """Ends a ``Request``'s or request ids' unfinished completions (finish_reason "abort");
+        ``step()`` does not report them."""
         targets = [request] if isinstance(request, (str, Request)) else list(request)
         with self.core.lock:
             for target in targets:
@@ -76,8 +77,9 @@ class VllmEngineMixin:
                     self.core.abort(target)
 
     def step(self) -> list[RequestOutput]:
-        """One forward, if anything is left to run; a ``RequestOutput`` (by its ``output_kind``) for each
-        ``add_request`` request with news since its last report, whoever ran the steps (a finished one once)."""
+        """One forward, if anything is left to run; a ``RequestOutput`` (by its ``output_kind``) for
+        each ``add_request`` request with news since its last report, whoever ran the steps (a
+        finished one once)."""
         with self.core.lock:
             if not self.core.is_finished():
                 self.core.step()
@@ -93,10 +95,12 @@ class VllmEngineMixin:
                     del self._step_requests[request_id]
         return outputs
 
-    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[dict]:
-        """Yields dicts of new text: ``index`` (the prompt's), ``output_index``, ``text`` (held back while it may
-        end inside a UTF-8 character or begin a stop string), ``token_ids``, and ``finished`` / ``finish_reason``
-        on a completion's last piece. Leaving the loop early aborts the unfinished requests."""
+    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+               ) -> Iterator[dict]:
+        """Yields dicts of new text: ``index`` (the prompt's), ``output_index``, ``text`` (held back
+        while it may end inside a UTF-8 character or begin a stop string), ``token_ids``, and
+        ``finished`` / ``finish_reason`` on a completion's last piece. Leaving the loop early aborts
+        the unfinished requests."""
         queue: deque = deque()
         requests = self._add_requests(prompts, sampling_params, stream=queue)
         try:
@@ -110,7 +114,8 @@ class VllmEngineMixin:
             self.core.release(requests)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a request is unfinished, or an ``add_request`` one not yet reported finished by ``step()``."""
+        """Whether a request is unfinished, or an ``add_request`` one not yet reported finished by
+        ``step()``."""
         return not self.core.is_finished() or bool(self._step_requests)
 
     def get_num_unfinished_requests(self) -> int:
@@ -124,14 +129,16 @@ class VllmEngineMixin:
     @property
     def model_config(self) -> ModelConfig:
         c = self.config
-        return ModelConfig(c.model, c.tokenizer or c.model, c.torch_dtype, c.max_model_len, c.hf_config)
+        return ModelConfig(c.model, c.tokenizer or c.model, c.torch_dtype, c.max_model_len,
+                           c.hf_config)
 
     def get_model_config(self) -> ModelConfig:
         return self.model_config
 
     def get_tokenizer(self):
         if self.tokenizer is None:
-            raise ValueError("get_tokenizer(): the engine has no tokenizer (skip_tokenizer_init=True)")
+            raise ValueError("get_tokenizer(): the engine has no tokenizer "
+                             "(skip_tokenizer_init=True)")
         return self.tokenizer
 
     def default_sampling_params(self) -> SamplingParams:
@@ -142,16 +149,19 @@ class VllmEngineMixin:
         ``generation_config`` keyword's generation_config.json sets; what vLLM's forms use without
         params."""
         choice, fields = self.frontend["generation_config"], {}
-        path = os.path.join(self.config.model if choice == "auto" else choice, "generation_config.json")
+        path = os.path.join(self.config.model if choice == "auto" else choice,
+                            "generation_config.json")
         if choice != "vllm" and os.path.isfile(path):
             with open(path) as f:
                 fields = json.load(f)
         return SamplingParams(**{"max_tokens": 16, **{
-            ours: fields[theirs] for theirs, ours in _GENERATION_FIELDS.items() if fields.get(theirs) is not None}})
+            ours: fields[theirs] for theirs, ours in _GENERATION_FIELDS.items()
+            if fields.get(theirs) is not None}})
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forgets every cached prefix block; refused (False) while requests hold blocks, unless
-        ``reset_running_requests``: they are preempted first, to be recomputed from their known tokens."""
+        ``reset_running_requests``: they are preempted first, to be recomputed from their known
+        tokens."""
         check_bool("reset_running_requests", reset_running_requests)
         with self.core.lock:
             scheduler = self.core.scheduler
@@ -215,7 +225,8 @@ class VllmEngineMixin:
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         if self.frontend["profiler_config"] is None:
-            raise RuntimeError("start_profile() needs profiler_config={'profiler': 'torch', 'torch_profiler_dir': ...}")
+            raise RuntimeError("start_profile() needs profiler_config={'profiler': 'torch', "
+                               "'torch_profiler_dir': ...}")
         self.collective_rpc(_start_profile, args=(self.frontend["profiler_config"], profile_prefix))
 
     def stop_profile(self) -> None:
@@ -230,13 +241,15 @@ class VllmEngineMixin:
         with self.core.lock:
             return self.features["metrics"].stats.snapshot(self.core.scheduler, self.config.model)
 
-    def _add_request_by_id(self, request_id: str, prompt, params: SamplingParams | None = None, arrival_time=None,
-                           lora_request=None, tokenization_kwargs=None, trace_headers=None, priority: int = 0) -> None:
+    def _add_request_by_id(self, request_id: str, prompt, params: SamplingParams | None = None,
+                           arrival_time=None, lora_request=None, tokenization_kwargs=None,
+                           trace_headers=None, priority: int = 0) -> None:
         """vLLM's ``add_request``; the id is reserved first, so two threads cannot both take it."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {request_id!r}")
-        refuse_unsupported(priority, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                           trace_headers=trace_headers, arrival_time=arrival_time)  # arrival: the engine's clock
+        refuse_unsupported(priority, lora_request=lora_request,
+                           tokenization_kwargs=tokenization_kwargs, trace_headers=trace_headers,
+                           arrival_time=arrival_time)  # arrival: the engine's clock
         if self._step_requests.setdefault(request_id, None) is not None:
             raise ValueError(f"request_id {request_id!r} is already running")
         try:
@@ -249,13 +262,14 @@ class VllmEngineMixin:
             raise
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True, *,
-             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list | None = None,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
              chat_template_content_format: str = "auto", lora_request=None,
              mm_processor_kwargs=None) -> list[RequestOutput]:
-        """``generate`` on a conversation (a list of {"role", "content"} messages) or a list of them, rendered by
-        the tokenizer's chat template or ``chat_template``."""
+        """``generate`` on a conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered by the tokenizer's chat template or ``chat_template``."""
         refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string', "
@@ -275,24 +289,32 @@ class VllmEngineMixin:
         where = "messages[{1}]" if single else "messages[{0}][{1}]"
         conversations = [[text_message(where.format(c, i), m) for i, m in enumerate(conversation)]
                          for c, conversation in enumerate(conversations)]
-        options = dict(chat_template=chat_template, tools=tools, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, **options) for c in conversations]
+        options = dict(chat_template=chat_template, tools=tools,
+                       add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message,
+                       **(chat_template_kwargs or {}))
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, **options)
+                 for c in conversations]
         # the template writes the special tokens (BOS and the like) itself
-        prompts = [{"prompt_token_ids": encode(self.tokenizer, f"conversation {c}", text, add_special_tokens=False)}
+        prompts = [{"prompt_token_ids": encode(self.tokenizer, f"conversation {c}", text,
+                                               add_special_tokens=False)}
                    for c, text in enumerate(texts)]
         return self._generate(self._add_requests(prompts, sampling_params, texts=texts), use_tqdm)
 
 
 def _start_profile(runner, options: dict, prefix: str | None) -> None:
-    """This rank's torch profiler, writing ``[prefix_]rank<r>.<time>.pt.trace.json[.gz]`` when stopped."""
+    """This rank's torch profiler, writing ``[prefix_]rank<r>.<time>.pt.trace.json[.gz]`` when
+    stopped."""
     import torch.profiler as tp
     if getattr(runner, "torch_profiler", None) is not None:
         raise RuntimeError("start_profile(): the profiler is running already")
     name = f"{prefix}_rank{runner.rank}" if prefix else f"rank{runner.rank}"
-    flags = {ours: options.get(theirs, default) for theirs, (ours, default) in _PROFILER_FLAGS.items()}
-    handler = tp.tensorboard_trace_handler(options["torch_profiler_dir"], name, use_gzip=flags.pop("use_gzip"))
-    activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if runner.config.device == "cuda" else [])
+    flags = {ours: options.get(theirs, default)
+             for theirs, (ours, default) in _PROFILER_FLAGS.items()}
+    handler = tp.tensorboard_trace_handler(options["torch_profiler_dir"], name,
+                                           use_gzip=flags.pop("use_gzip"))
+    activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA]
+                                              if runner.config.device == "cuda" else [])
     runner.torch_profiler = tp.profile(activities=activities, on_trace_ready=handler, **flags)
     runner.torch_profiler.start()
 
@@ -305,22 +327,26 @@ def _stop_profile(runner) -> None:
 
 
 def text_message(where: str, message: dict) -> dict:
-    """``message`` with its content as one string (vLLM's "string" format: text parts joined by newlines, None as
-    ""); a role that is not a string, or content other than text, is refused naming ``where``."""
+    """``message`` with its content as one string (vLLM's "string" format: text parts joined by
+    newlines, None as ""); a role that is not a string, or content other than text, is refused
+    naming ``where``."""
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise ValueError(f"{where}['role'] must be a string, got {role!r:.60}")
     if content is None or isinstance(content, str):
         return {**message, "content": content or ""}
     if not isinstance(content, list):
-        raise ValueError(f"{where}['content'] must be a string or a list of parts, got {content!r:.60}")
+        raise ValueError(f"{where}['content'] must be a string or a list of parts, "
+                         f"got {content!r:.60}")
     texts = []
     for j, part in enumerate(content):
-        text = part if isinstance(part, str) else part.get("text") if isinstance(part, dict) else None
-        if not isinstance(text, str) or isinstance(part, dict) and part.get("type", "text") != "text":
+        text = (part if isinstance(part, str)
+                else part.get("text") if isinstance(part, dict) else None)
+        if (not isinstance(text, str)
+                or isinstance(part, dict) and part.get("type", "text") != "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"{where}['content'][{j}] has type {kind!r}: only text parts are supported "
-                             f"(nanovllm is text-only), got {part!r:.60}")
+            raise ValueError(f"{where}['content'][{j}] has type {kind!r}: only text parts are "
+                             f"supported (nanovllm is text-only), got {part!r:.60}")
         texts.append(text)
     return {**message, "content": "\n".join(texts)}
 
@@ -331,11 +357,13 @@ def _on_worker(method, runner, *args, **kwargs):
 
 
 def step_output(request, tokenizer) -> RequestOutput | None:
-    """What ``LLMEngine.step`` reports of a request by its ``output_kind``: None while nothing is new (FINAL_ONLY:
-    until it finishes); DELTA: what is new since the last report (the prompt logprobs in the first)."""
+    """What ``LLMEngine.step`` reports of a request by its ``output_kind``: None while nothing is
+    new (FINAL_ONLY: until it finishes); DELTA: what is new since the last report (the prompt
+    logprobs in the first)."""
     kind = request.seqs[0].sampling_params.output_kind
     count = sum(seq.num_completion_tokens for seq in request.seqs)
-    if not request.finished and (count == request.num_reported or kind is RequestOutputKind.FINAL_ONLY):
+    if not request.finished and (count == request.num_reported
+                                 or kind is RequestOutputKind.FINAL_ONLY):
         return None
     output = request_output(request, tokenizer)
     if kind is RequestOutputKind.DELTA:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
-from huggingface_hub import constants, snapshot_download
+import huggingface_hub
+from huggingface_hub import constants
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from nanovllm.demo import PREFIX, builtin_model_path
@@ -18,9 +19,10 @@ TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # huggingface_hub's, for HF_HUB_OFFLIN
 logger = logging.getLogger("nanovllm")
 
 
-def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
-                  token: bool | str | None = None) -> str:
-    """The local directory a model or tokenizer name stands for; a directory, a preset or a non-Hub name as is."""
+def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None = None,
+                  cache_dir: str | None = None, token: bool | str | None = None) -> str:
+    """The local directory a model or tokenizer name stands for; a directory, a preset or a
+    non-Hub name as is."""
     if name.startswith(PREFIX):
         return builtin_model_path(name)
     if os.path.isdir(name) or name in PRESETS:
@@ -32,13 +34,14 @@ def resolve_model(name: str, needs: tuple[str, ...] = (), revision: str | None =
     return hub_snapshot(name, needs, revision, cache_dir, token)
 
 
-def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None = None, cache_dir: str | None = None,
-                 token: bool | str | None = None) -> str:
-    """``repo_id``'s snapshot with a file for each glob of ``needs``: the cache's, else a download unless
-    HF_HUB_OFFLINE is set, else a ValueError saying how to get it."""
-    kwargs = dict(revision=revision, cache_dir=cache_dir, token=token, allow_patterns=[*HUB_FILES, *needs])
+def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None = None,
+                 cache_dir: str | None = None, token: bool | str | None = None) -> str:
+    """``repo_id``'s snapshot with a file for each glob of ``needs``: the cache's, else a download
+    unless HF_HUB_OFFLINE is set, else a ValueError saying how to get it."""
+    kwargs = dict(revision=revision, cache_dir=cache_dir, token=token,
+                  allow_patterns=[*HUB_FILES, *needs])
     try:
-        path = snapshot_download(repo_id, local_files_only=True, **kwargs)
+        path = huggingface_hub.snapshot_download(repo_id, local_files_only=True, **kwargs)
     except OSError:  # not cached, or a snapshot known to be incomplete
         problem = "is not in the local cache"
     else:
@@ -50,9 +53,11 @@ def hub_snapshot(repo_id: str, needs: tuple[str, ...] = (), revision: str | None
     else:
         logger.info("downloading %s from the Hugging Face Hub", repo_id)
         try:
-            return snapshot_download(repo_id, **kwargs)
+            return huggingface_hub.snapshot_download(repo_id, **kwargs)
         except OSError as e:
-            problem = f"could not be downloaded ({type(e).__name__}: {str(e).strip().partition(chr(10))[0]})"
+            problem = (f"could not be downloaded ({type(e).__name__}: "
+                       f"{str(e).strip().partition(chr(10))[0]})")
     at, option = (f" at revision {revision!r}", f" --revision {revision}") if revision else ("", "")
-    raise ValueError(f"{repo_id!r} is not a local directory, and the Hugging Face Hub model{at} {problem}: "
-                     f"run `hf download {repo_id}{option}` or pass a local checkpoint's path") from None
+    raise ValueError(f"{repo_id!r} is not a local directory, and the Hugging Face Hub model{at} "
+                     f"{problem}: run `hf download {repo_id}{option}` or pass a local "
+                     "checkpoint's path") from None

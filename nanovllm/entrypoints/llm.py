@@ -53,9 +53,8 @@ class LLM(LLMEngine):
     """An offline engine; ``model`` is a checkpoint directory, a Hub id, ``"nanovllm:demo"`` or a
     preset such as ``"qwen3-0.6b"`` (with ``load_format="dummy"``), the keywords vLLM's."""
 
-    def beam_search(self, prompts, params, use_tqdm: bool = False, *,
-                    lora_request=None, concurrency_limit: int | None = None
-                    ) -> list:
+    def beam_search(self, prompts, params, use_tqdm: bool = False, *, lora_request=None,
+                    concurrency_limit: int | None = None) -> list:
         """For each prompt, its ``params.beam_width`` best sequences, best first (vLLM's
         ``BeamSearchOutput``s; ``features.beam_search``)."""
         refuse_unsupported(lora_request=lora_request)
@@ -67,9 +66,8 @@ def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
     """(``Config``'s keywords, the frontend's) from vLLM's ``LLM(model, **kwargs)``; a TypeError
     names every unknown keyword."""
     kwargs = _renamed(kwargs)
-    frontend = {**FRONTEND_KEYWORDS, **{k: kwargs.pop(k) for k in FRONTEND_KEYWORDS.keys() & kwargs}}
-    if frontend["generation_config"] is None:
-        frontend["generation_config"] = "auto"
+    given = {k: kwargs.pop(k) for k in FRONTEND_KEYWORDS.keys() & kwargs}
+    frontend = {**FRONTEND_KEYWORDS, **{k: v for k, v in given.items() if v is not None}}
     _check_frontend(frontend)
     model, hf_config = _model_and_config(model, kwargs, frontend)
     kwargs["hf_config"], kwargs["features"] = hf_config, _features(hf_config, frontend)
@@ -120,6 +118,24 @@ def _check_frontend(frontend: dict) -> None:
 
 def _model_and_config(model, kwargs: dict, frontend: dict) -> tuple[str, PretrainedConfig]:
     """The model's directory (or preset name) and its config, overridden."""
+    model, dummy = _resolve_paths(model, kwargs, frontend), kwargs.get("load_format") == "dummy"
+    if model in PRESETS and not os.path.isdir(model):
+        if not dummy or not kwargs.get("skip_tokenizer_init"):
+            raise ValueError(f"model {model!r} is an architecture preset (no weights, no "
+                             "tokenizer): pass load_format='dummy' and skip_tokenizer_init=True")
+        hf_config = preset_config(model)
+    elif not os.path.isdir(model):
+        raise ValueError(f"model directory {model!r} does not exist (built-in models: "
+                         f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
+    else:
+        hf_config = load_hf_config(model)
+    overrides = frontend["hf_overrides"]
+    return model, hf_config if overrides is None else apply_hf_overrides(hf_config, overrides)
+
+
+def _resolve_paths(model, kwargs: dict, frontend: dict) -> str:
+    """``model`` (and the ``tokenizer`` keyword) as local directories: a built-in model, a preset,
+    a Hub id's snapshot."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path, a Hugging Face Hub id or 'nanovllm:demo', "
                         f"got {model!r}")
@@ -134,18 +150,7 @@ def _model_and_config(model, kwargs: dict, frontend: dict) -> tuple[str, Pretrai
         revision = frontend["tokenizer_revision"] or frontend["revision"]
         kwargs["tokenizer"] = hub.resolve_model(os.fspath(kwargs["tokenizer"]), (), revision,
                                                 **hub_options)
-    if model in PRESETS and not os.path.isdir(model):
-        if not dummy or not kwargs.get("skip_tokenizer_init"):
-            raise ValueError(f"model {model!r} is an architecture preset (no weights, no "
-                             "tokenizer): pass load_format='dummy' and skip_tokenizer_init=True")
-        return model, apply_hf_overrides(preset_config(model), frontend["hf_overrides"])
-    if not os.path.isdir(model):
-        raise ValueError(f"model directory {model!r} does not exist (built-in models: "
-                         f"{sorted(BUILTIN_MODELS)}; presets: {sorted(PRESETS)})")
-    if frontend["hf_overrides"] is None:
-        return model, None  # the core reads config.json
-    return model, apply_hf_overrides(load_hf_config(model),
-                                     frontend["hf_overrides"])
+    return model
 
 
 def _features(hf_config, frontend: dict) -> tuple[tuple[str, dict], ...]:
@@ -164,3 +169,8 @@ def _features(hf_config, frontend: dict) -> tuple[tuple[str, dict], ...]:
     if frontend["disable_log_stats"] is False:
         features.append(("metrics", {}))
     return tuple(features)
+
+
+def create_engine_config(model: str, **kwargs) -> Config:
+    """The core's ``Config`` that ``LLM(model, **kwargs)`` builds (vLLM's keywords mapped)."""
+    return Config(**engine_kwargs(model, kwargs)[0])

@@ -1,5 +1,6 @@
-"""Beam search, a feature: vLLM's ``LLM.beam_search`` on ``generate``: each step is one call over every live beam (``max_tokens=1``,
-``logprobs=2 * beam_width``) whose logprob entries are the candidates; the prefix cache shares the prefixes."""
+"""Beam search, a feature: vLLM's ``LLM.beam_search`` on ``generate``: each step is one call over
+every live beam (``max_tokens=1``, ``logprobs=2 * beam_width``) whose logprob entries are the
+candidates; the prefix cache shares the prefixes."""
 from __future__ import annotations
 
 import math
@@ -13,7 +14,8 @@ from nanovllm.sampling_params import SamplingParams, check_bool, check_int, chec
 
 @dataclass
 class BeamSearchParams:
-    """vLLM's beam search parameters; each step's token sampled at ``temperature`` joins the candidates."""
+    """vLLM's beam search parameters; each step's token sampled at ``temperature`` joins the
+    candidates."""
 
     beam_width: int
     max_tokens: int
@@ -35,7 +37,8 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam: ``tokens`` are prompt + completion; ``finish_reason`` is "stop" (EOS) or "length"."""
+    """One beam: ``tokens`` are prompt + completion; ``finish_reason`` is "stop" (EOS) or
+    "length"."""
 
     tokens: list[int]
     logprobs: list[dict[int, float]]
@@ -60,20 +63,23 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
     return cumulative_logprob / (seq_len ** length_penalty)
 
 
-_MAX_LOG_LENGTH_FACTOR = math.log(1e280)  # of len ** |length_penalty|: room left for the cumulative logprob
+# of len ** |length_penalty|: room left for the cumulative logprob
+_MAX_LOG_LENGTH_FACTOR = math.log(1e280)
 
 
 def _check_length_penalty(length_penalty: float, max_model_len: int) -> None:
-    """Refuses a ``length_penalty`` for which the score overflows (or divides by zero) up to ``max_model_len``."""
+    """Refuses a ``length_penalty`` for which the score overflows (or divides by zero) up to
+    ``max_model_len``."""
     if abs(length_penalty) * math.log(max_model_len) > _MAX_LOG_LENGTH_FACTOR:
-        raise ValueError(f"length_penalty={length_penalty} makes the beam score overflow at lengths up to "
-                         f"max_model_len={max_model_len}: |length_penalty| must be <= "
-                         f"{_MAX_LOG_LENGTH_FACTOR / math.log(max_model_len):.4g}")
+        raise ValueError(f"length_penalty={length_penalty} makes the beam score overflow at "
+                         f"lengths up to max_model_len={max_model_len}: |length_penalty| must "
+                         f"be <= {_MAX_LOG_LENGTH_FACTOR / math.log(max_model_len):.4g}")
 
 
 def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
                 concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
-    """Each prompt's result in prompt order, searching ``concurrency_limit`` prompts at a time (default all)."""
+    """Each prompt's result in prompt order, searching ``concurrency_limit`` prompts at a time
+    (default all)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     params.verify()  # fields may have been assigned since construction
@@ -82,25 +88,31 @@ def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm: bool = False,
     _check_length_penalty(params.length_penalty, llm.config.max_model_len)
     vocab_size = llm.config.hf_config.vocab_size
     if 2 * params.beam_width > vocab_size:
-        raise ValueError(f"beam_width must be <= half the vocabulary size {vocab_size}, got {params.beam_width}")
+        raise ValueError(f"beam_width must be <= half the vocabulary size {vocab_size}, "
+                         f"got {params.beam_width}")
     prompt_ids = [llm._parse_prompt(i, p)[0] for i, p in enumerate(prompt_list(prompts))]
     eos_token_id = llm.config.eos_token_ids[0] if llm.config.eos_token_ids else None
 
     def score(beam: BeamSearchSequence) -> float:
-        return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, params.length_penalty)
+        return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id,
+                                     params.length_penalty)
 
-    step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width)
+    step_params = SamplingParams(temperature=params.temperature, max_tokens=1,
+                                 logprobs=2 * params.beam_width)
     chunk = concurrency_limit or max(1, len(prompt_ids))
     outputs = []
     for start in range(0, len(prompt_ids), chunk):
-        searches = [_Search([BeamSearchSequence(list(ids), [])]) for ids in prompt_ids[start:start + chunk]]
-        for _ in tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm):
+        searches = [_Search([BeamSearchSequence(list(ids), [])])
+                    for ids in prompt_ids[start:start + chunk]]
+        for _ in tqdm(range(params.max_tokens), desc="Beam search", unit="token",
+                      disable=not use_tqdm):
             if not _step(llm, searches, step_params, params, eos_token_id, score):
                 break
         for search in searches:
             for beam in search.live:
                 beam.finish_reason = "length"
-            best = sorted(search.finished + search.live, key=score, reverse=True)[:params.beam_width]
+            best = sorted(search.finished + search.live, key=score,
+                          reverse=True)[:params.beam_width]
             for beam in best:
                 beam.text = _text(llm.tokenizer, beam, params.include_stop_str_in_output)
             outputs.append(BeamSearchOutput(sequences=best))
@@ -125,13 +137,15 @@ def _step(llm, searches: list[_Search], step_params: SamplingParams, params: Bea
     beams = [beam for search in searches for beam in search.live]
     if not beams:
         return False
-    results = iter(llm.generate([{"prompt_token_ids": beam.tokens} for beam in beams], step_params, use_tqdm=False))
+    results = iter(llm.generate([{"prompt_token_ids": beam.tokens} for beam in beams], step_params,
+                                use_tqdm=False))
     for search in searches:
         candidates = []
         for beam in search.live:
             completion = next(results).outputs[0]
             if completion.finish_reason == "error" or not completion.logprobs:
-                raise RuntimeError(f"a beam search step produced no token (finish_reason {completion.finish_reason!r})")
+                raise RuntimeError("a beam search step produced no token "
+                                   f"(finish_reason {completion.finish_reason!r})")
             entry = dict(completion.logprobs[0])
             for token_id, logprob in entry.items():
                 new = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [entry],

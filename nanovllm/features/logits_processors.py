@@ -23,15 +23,18 @@ class VllmLogitsProcessors(LogitsHook):
         self.classes = [*vllm_lp.BUILTIN_LOGITS_PROCESSORS, *custom]
         self.processors = [cls(config, device, device.type == "cuda") for cls in self.classes]
         self.custom, self.vocab_size = bool(custom), config.hf_config.vocab_size
-        self.rows: list[int] = []  # the seq_id at each batch index, as the processors last saw the batch
-        self.outputs: dict[int, list[int]] = {}  # seq_id -> the live output list the processors were given
+        # the seq_id at each batch index, as the processors last saw the batch
+        self.rows: list[int] = []
+        # seq_id -> the live output list the processors were given
+        self.outputs: dict[int, list[int]] = {}
         self.users: set[int] = set()  # the live seq_ids with allowed_token_ids or bad_words
 
     def verify(self, params, tokenizer) -> None:
-        """At admission: allowed_token_ids in the vocabulary, bad_words tokenized, every ``validate_params``."""
+        """At admission: allowed_token_ids in the vocabulary, bad_words tokenized, every
+        ``validate_params``."""
         if bad := [t for t in params.allowed_token_ids or () if t >= self.vocab_size]:
-            raise ValueError(f"allowed_token_ids contains out-of-vocab token ids {bad[:5]} (vocabulary size "
-                             f"{self.vocab_size})")
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token ids {bad[:5]} "
+                             f"(vocabulary size {self.vocab_size})")
         if params.bad_words:
             require_tokenizer(tokenizer, "bad_words")
             params._bad_words_token_ids = vllm_lp.bad_words_token_ids(params.bad_words, tokenizer)
@@ -43,8 +46,8 @@ class VllmLogitsProcessors(LogitsHook):
             self.users.update(seq.seq_id for seq in seqs)
 
     def _used(self, batch: SchedulerOutput, *names: str) -> bool:
-        return self.custom or bool(self.users) and any(getattr(seq.sampling_params, name) for seq in batch.seqs
-                                                       for name in names)
+        return self.custom or bool(self.users) and any(getattr(seq.sampling_params, name)
+                                                       for seq in batch.seqs for name in names)
 
     def needs_known_tokens(self, batch: SchedulerOutput) -> bool:
         return self._used(batch, "bad_words")
@@ -62,9 +65,11 @@ class VllmLogitsProcessors(LogitsHook):
         return logits
 
     def _update(self, seqs: list[Sequence]) -> None:
-        """Added requests take the lowest free indices (removed ones' first), then swaps put each at its row."""
+        """Added requests take the lowest free indices (removed ones' first), then swaps put each at
+        its row."""
         new = {seq.seq_id for seq in seqs}
-        slots = [seq_id if seq_id in new else None for seq_id in self.rows] + [None] * len(seqs)  # index -> seq_id
+        # index -> seq_id
+        slots = [seq_id if seq_id in new else None for seq_id in self.rows] + [None] * len(seqs)
         index = {seq_id: i for i, seq_id in enumerate(slots) if seq_id is not None}
         free, added, moved = (i for i, seq_id in enumerate(slots) if seq_id is None), [], []
         for seq in seqs:
@@ -72,7 +77,8 @@ class VllmLogitsProcessors(LogitsHook):
                 i = index[seq.seq_id] = next(free)
                 slots[i] = seq.seq_id
                 outputs = self.outputs.setdefault(seq.seq_id, seq.completion_token_ids)
-                added.append((i, seq.sampling_params, seq.token_ids[:seq.num_prompt_tokens], outputs))
+                added.append((i, seq.sampling_params, seq.token_ids[:seq.num_prompt_tokens],
+                              outputs))
         removed = [i for i, seq_id in enumerate(self.rows) if slots[i] is None]
         for row, seq in enumerate(seqs):
             if (i := index[seq.seq_id]) != row:
@@ -82,7 +88,8 @@ class VllmLogitsProcessors(LogitsHook):
                 if other is not None:
                     index[other] = i
         self.rows = [seq.seq_id for seq in seqs]
-        update = vllm_lp.BatchUpdate(len(seqs), removed, added, moved) if removed or added or moved else None
+        update = (vllm_lp.BatchUpdate(len(seqs), removed, added, moved)
+                  if removed or added or moved else None)
         for processor in self.processors:
             processor.update_state(update)
 
@@ -110,7 +117,8 @@ class LogitsProcessors(Feature):
         ids, words = params.allowed_token_ids, params.bad_words
         if ids is not None and not (isinstance(ids, (list, tuple))
                                     and all(type(t) is int and t >= 0 for t in ids)):
-            raise ValueError(f"allowed_token_ids must be a list of non-negative ints, got {ids!r:.80}")
+            raise ValueError("allowed_token_ids must be a list of non-negative ints, "
+                             f"got {ids!r:.80}")
         if ids is not None and not ids:
             raise ValueError(f"allowed_token_ids is not None and empty! (None allows every "
                              f"token), got {ids!r}")

@@ -39,13 +39,14 @@ class Histogram(Metric):
 
 
 class EngineStats(LogitsHook):
-    """``get_metrics()``'s counters, on a logits hook's add and forget (the logits are left alone). A sequence is vLLM's
-    request (``n`` completions count ``n``), added up when it ends; a live one counts in every snapshot."""
+    """``get_metrics()``'s counters, on a logits hook's add and forget (the logits are left alone).
+    A sequence is vLLM's request (``n`` completions count ``n``), added up when it ends; a live one
+    counts in every snapshot."""
 
     def __init__(self):
         self.live: dict[int, Sequence] = {}
-        self.ended = collections.Counter(dict.fromkeys(("prompt_tokens", "generation_tokens", "prefix_cache_queries",
-                                                        "prefix_cache_hits"), 0))
+        self.ended = collections.Counter(dict.fromkeys(
+            ("prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits"), 0))
         self.finished = dict.fromkeys(("stop", "length", "abort", "error"), 0)
 
     def add(self, seqs: list[Sequence], params) -> None:
@@ -63,20 +64,24 @@ class EngineStats(LogitsHook):
             totals.update(_counts(seq))
         blocks = scheduler.block_manager
         gauges = {"num_requests_running": len(scheduler.running),
-                  "num_requests_waiting": len(scheduler.waiting) + sum(map(len, scheduler.held.values())),
+                  "num_requests_waiting": len(scheduler.waiting)
+                                          + sum(map(len, scheduler.held.values())),
                   "kv_cache_usage_perc": len(blocks.used_block_ids) / len(blocks.blocks)}
         counters = {"num_preemptions": scheduler.num_preemptions, **totals}
         metrics = [Gauge(f"vllm:{name}", dict(labels), value) for name, value in gauges.items()]
-        metrics += [Counter(f"vllm:{name}", dict(labels), value) for name, value in counters.items()]
-        return metrics + [Counter("vllm:request_success", {**labels, "finished_reason": reason}, count)
-                          for reason, count in self.finished.items()]
+        metrics += [Counter(f"vllm:{name}", dict(labels), value)
+                    for name, value in counters.items()]
+        return metrics + [Counter("vllm:request_success", {**labels, "finished_reason": reason},
+                                  count) for reason, count in self.finished.items()]
 
 
 def _counts(seq: Sequence) -> dict[str, int]:
-    """A sequence's share: its prompt once prefilled, its known tokens, its prefix-cache lookup (in tokens)."""
+    """A sequence's share: its prompt once prefilled, its known tokens, its prefix-cache lookup (in
+    tokens)."""
     generated = len(seq.token_ids) - seq.num_prompt_tokens
     looked_up = seq.num_prefix_cached_tokens is not None
-    return {"prompt_tokens": seq.num_prompt_tokens if generated else 0, "generation_tokens": generated,
+    return {"prompt_tokens": seq.num_prompt_tokens if generated else 0,
+            "generation_tokens": generated,
             "prefix_cache_queries": seq.num_prompt_tokens if looked_up else 0,
             "prefix_cache_hits": seq.num_prefix_cached_tokens or 0}
 

@@ -34,20 +34,23 @@ class DataParallelLLM:
                        for _ in range(num_replicas)]
         self.retries = 0  # chunks retried after their actor died
 
-    def generate(self, prompts: list, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: list,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  chunk_size: int = 256, use_tqdm: bool = True) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        todo = [range(i, min(i + chunk_size, len(prompts))) for i in range(0, len(prompts), chunk_size)][::-1]
+        todo = [range(i, min(i + chunk_size, len(prompts)))
+                for i in range(0, len(prompts), chunk_size)][::-1]
         idle, running = list(self.actors), {}
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as pbar:
             while todo or running:
                 while todo and idle:
                     actor, chunk = idle.pop(), todo.pop()
-                    ref = actor.generate.remote([prompts[i] for i in chunk], [params[i] for i in chunk], use_tqdm=False)
+                    ref = actor.generate.remote([prompts[i] for i in chunk],
+                                                [params[i] for i in chunk], use_tqdm=False)
                     running[ref] = (actor, chunk)
                 if not running:
                     raise RuntimeError("every engine actor has died")

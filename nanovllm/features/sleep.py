@@ -1,15 +1,16 @@
-"""Sleep mode, a feature with vLLM's semantics: ``LLM(enable_sleep_mode=True)``; ``sleep(level=1)`` copies the weights to host
-memory (pinned on CUDA) and discards the KV cache, ``sleep(level=2)`` discards both; ``wake_up(tags)`` takes back
-the device memory of ``"weights"`` and/or ``"kv_cache"`` (all when None). Between the two, the trainer has the
-device: an RL loop sleeps while it trains and wakes to generate.
+"""Sleep mode, a feature with vLLM's semantics: ``LLM(enable_sleep_mode=True)``; ``sleep(level=1)``
+copies the weights to host memory (pinned on CUDA) and discards the KV cache, ``sleep(level=2)``
+discards both; ``wake_up(tags)`` takes back the device memory of ``"weights"`` and/or ``"kv_cache"``
+(all when None). Between the two, the trainer has the device: an RL loop sleeps while it trains and
+wakes to generate.
 
 Memory is given back by resizing each weight storage and the KV cache's storage to zero bytes (then
-``torch.cuda.empty_cache``); every parameter, view and layer's ``k_cache``/``v_cache`` keeps its tensor, so waking
-resizes the same storages back and nothing else in the engine changes. The new memory has new addresses: the CUDA
-graphs are dropped at ``sleep`` and captured again once both
+``torch.cuda.empty_cache``); every parameter, view and layer's ``k_cache``/``v_cache`` keeps its
+tensor, so waking resizes the same storages back and nothing else in the engine changes. The new
+memory has new addresses: the CUDA graphs are dropped at ``sleep`` and captured again once both
 tags are awake. After level 2 the weights wake zeroed, to be loaded with ``update_weights`` (or a
-``collective_rpc`` method of a ``worker_extension_cls``) before generating. Requests are refused while anything is
-asleep; ``sleep`` is refused while requests are unfinished."""
+``collective_rpc`` method of a ``worker_extension_cls``) before generating. Requests are refused
+while anything is asleep; ``sleep`` is refused while requests are unfinished."""
 from __future__ import annotations
 
 import contextlib
@@ -38,18 +39,22 @@ class RunnerSleep:
     def __init__(self, runner):
         self.runner = runner
         self.asleep: set[str] = set()
-        # tag -> its storages and their byte sizes when awake (asleep, they are empty: no address tells them apart)
+        # tag -> its storages and their byte sizes when awake (asleep, they are empty: no address
+        # tells them apart)
         self.freed: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
-        self.host: torch.Tensor | None = None  # level 1: the weight storages' bytes, one after another
+        # level 1: the weight storages' bytes, one after another
+        self.host: torch.Tensor | None = None
         self.timings: dict[str, float] = {}  # the last wake_up's phases, in seconds
 
     def storages(self, tag: str) -> list[torch.UntypedStorage]:
-        """The storages ``tag`` frees: each parameter's once (tied ones share theirs), or the KV cache's."""
+        """The storages ``tag`` frees: each parameter's once (tied ones share theirs), or the KV
+        cache's."""
         if tag == "kv_cache":
             return [self.runner.kv_cache.untyped_storage()]
         unique = {}
         for param in self.runner.model.parameters():
-            unique.setdefault((param.device, param.untyped_storage().data_ptr()), param.untyped_storage())
+            unique.setdefault((param.device, param.untyped_storage().data_ptr()),
+                              param.untyped_storage())
         return list(unique.values())
 
     def sleep(self, level: int):
@@ -61,7 +66,8 @@ class RunnerSleep:
             storages = self.storages("weights")
             if level == 1:  # one pinned buffer: one host allocation, copies at the link's rate
                 pin = runner.is_cuda
-                self.host = torch.empty(sum(s.nbytes() for s in storages), dtype=torch.uint8, pin_memory=pin)
+                self.host = torch.empty(sum(s.nbytes() for s in storages), dtype=torch.uint8,
+                                        pin_memory=pin)
                 for host, storage in zip(self._host_parts(storages), storages):
                     host.copy_(_bytes(storage), non_blocking=pin)
                 if pin:
@@ -86,9 +92,10 @@ class RunnerSleep:
         return list(torch.split(self.host, [s.nbytes() for s in storages]))
 
     def wake_up(self, tags: list[str]):
-        """Takes back ``tags``' memory. The weights' upload (a side stream on CUDA) overlaps the capture of the CUDA
-        graphs, which records addresses, not values: the capture's warm-up forwards may read weights still on the
-        way and write what they make into the KV cache, so the cache is zeroed once the upload is done."""
+        """Takes back ``tags``' memory. The weights' upload (a side stream on CUDA) overlaps the
+        capture of the CUDA graphs, which records addresses, not values: the capture's warm-up
+        forwards may read weights still on the way and write what they make into the KV cache, so
+        the cache is zeroed once the upload is done."""
         runner, start = self.runner, time.perf_counter()
         waking = [t for t in TAGS if t in tags and t in self.asleep]
         storages = {}
@@ -101,16 +108,18 @@ class RunnerSleep:
         upload = torch.cuda.Stream(runner.device) if runner.is_cuda else None
         if "weights" in storages and self.host is not None:
             if upload is not None:
-                upload.wait_stream(torch.cuda.current_stream(runner.device))  # the memory resize_ allocated
+                # the memory resize_ allocated
+                upload.wait_stream(torch.cuda.current_stream(runner.device))
             with torch.cuda.stream(upload) if upload is not None else contextlib.nullcontext():
-                for host, storage in zip(self._host_parts(storages["weights"]), storages["weights"]):
+                for host, storage in zip(self._host_parts(storages["weights"]),
+                                         storages["weights"]):
                     _bytes(storage).copy_(host, non_blocking=upload is not None)
         elif "weights" in storages:  # level 2: zeros, to be loaded
             for storage in storages["weights"]:
                 _bytes(storage).zero_()
             if runner.rank == 0:
-                logger.info("wake_up: the weights were discarded (sleep level 2) and are zeros: load them with "
-                            "update_weights() before generating")
+                logger.info("wake_up: the weights were discarded (sleep level 2) and are zeros: "
+                            "load them with update_weights() before generating")
         captured = (not self.asleep and runner.is_cuda and not runner.config.enforce_eager
                     and runner.graphs is None)
         if captured:
@@ -120,7 +129,8 @@ class RunnerSleep:
             self.timings["capture"] = time.perf_counter() - mark
         if upload is not None:
             torch.cuda.current_stream(runner.device).wait_stream(upload)
-        if "kv_cache" in storages or captured:  # zeros: masked-out positions must not hold NaN patterns
+        # zeros: masked-out positions must not hold NaN patterns
+        if "kv_cache" in storages or captured:
             _bytes(runner.kv_cache.untyped_storage()).zero_()
         if runner.is_cuda:
             torch.cuda.synchronize(runner.device)

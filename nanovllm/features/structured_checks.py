@@ -1,5 +1,5 @@
-"""What xgrammar would silently misread in a constraint (schema keywords it ignores, regex syntax it reads unlike
-``re``), refused by name before it compiles."""
+"""What xgrammar would silently misread in a constraint (schema keywords it ignores, regex syntax it
+reads unlike ``re``), refused by name before it compiles."""
 from __future__ import annotations
 
 import json
@@ -8,43 +8,51 @@ import re
 MAX_DEPTH = 64  # schema levels: real schemas stay far below
 TOO_DEEP = f"structured_outputs.json is nested more than {MAX_DEPTH} levels deep"
 # the string formats xgrammar has a grammar for; any other it takes for a plain string
-FORMATS = frozenset("email date time date-time duration ipv4 ipv6 hostname uuid uri uri-reference uri-template "
-                    "json-pointer relative-json-pointer".split())
-IGNORED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
-           "dependentSchemas", "dependencies", "$dynamicRef")  # wherever they are
+FORMATS = frozenset("email date time date-time duration ipv4 ipv6 hostname uuid uri uri-reference "
+                    "uri-template json-pointer relative-json-pointer".split())
+IGNORED = ("not", "if", "then", "else", "contains", "minContains", "maxContains",
+           "dependentRequired", "dependentSchemas", "dependencies",
+           "$dynamicRef")  # wherever they are
 # a schema holding one of these is compiled from the first alone
 EXCLUSIVE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
 # ignored unless `type` says which values they constrain
-UNTYPED = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-           "multipleOf", "minItems", "maxItems", "minProperties", "maxProperties")
+UNTYPED = ("minLength", "maxLength", "pattern", "format", "minimum", "maximum",
+           "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minItems", "maxItems",
+           "minProperties", "maxProperties")
 LENGTHS = frozenset(("minLength", "maxLength"))
 # keywords holding a schema, a map of them, a list of them
-ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+       "propertyNames")
 MAP = ("properties", "patternProperties", "$defs", "definitions")
 LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
-CONSTRAINTS = frozenset(("type", "uniqueItems", "required") + UNTYPED + EXCLUSIVE + ONE + MAP[:2] + LIST)
-# a raw JSON string character: no quote, backslash, control or surrogate (as ranges, so that xgrammar refuses
-# overlong UTF-8 too; no escapes: its patterns miss them in alternations)
+CONSTRAINTS = frozenset(("type", "uniqueItems", "required") + UNTYPED + EXCLUSIVE + ONE + MAP[:2]
+                        + LIST)
+# a raw JSON string character: no quote, backslash, control or surrogate (as ranges, so that
+# xgrammar refuses overlong UTF-8 too; no escapes: its patterns miss them in alternations)
 JSON_CHAR = r'[ !#-\[\]-\ud7ff\ue000-\U0010ffff]'
 # the letter escapes xgrammar reads as re does; it takes any other for the letter
-KNOWN_ESCAPE = re.compile(r"[afnrtvdDwWsScbBpPk]|x[0-9a-fA-F]{2}|u([0-9a-fA-F]{4}|\{[0-9a-fA-F]+\})")
+KNOWN_ESCAPE = re.compile(r"[afnrtvdDwWsScbBpPk]|x[0-9a-fA-F]{2}|"
+                          r"u([0-9a-fA-F]{4}|\{[0-9a-fA-F]+\})")
 _TYPES = {str: "string", list: "array", dict: "object", type(None): "null", bool: "boolean"}
 
 
 def checked_schema(schema, root=None, path: str = "", depth: int = 0):
-    """``schema`` as xgrammar should compile it, or a ``ValueError`` naming a keyword it would ignore, and where."""
+    """``schema`` as xgrammar should compile it, or a ``ValueError`` naming a keyword it would
+    ignore, and where."""
     if depth > MAX_DEPTH:
         raise ValueError(TOO_DEEP)
     if not isinstance(schema, dict):
         return schema
     root = schema if root is None else root
     if problem := _ignored(schema, root) or _untyped(schema):
-        raise ValueError(f"structured_outputs.json: {problem} at {path or 'the root'} is not supported")
+        raise ValueError(f"structured_outputs.json: {problem} at {path or 'the root'} "
+                         "is not supported")
 
     def checked(value, where):
         return checked_schema(value, root, f"{path}.{where}".lstrip("."), depth + 1)
     out = dict(schema)
-    if isinstance(out.get("propertyNames"), dict):  # a property name is a string: its keywords apply
+    # a property name is a string: its keywords apply
+    if isinstance(out.get("propertyNames"), dict):
         out["propertyNames"] = {"type": "string"} | out["propertyNames"]
     for key in ONE:
         if key in out:
@@ -97,7 +105,8 @@ def _untyped(schema: dict) -> str | None:
         if key := next((key for key in UNTYPED if key in schema), None):
             return f"{key!r} without 'type'"
     step = schema.get("multipleOf")
-    if step is not None and ("number" in types or not isinstance(step, (int, float)) or not float(step).is_integer()):
+    if step is not None and ("number" in types or not isinstance(step, (int, float))
+                             or not float(step).is_integer()):
         return "'multipleOf'"  # xgrammar enforces an integer one on integers only
     if "string" not in types:
         return None
@@ -109,10 +118,12 @@ def _untyped(schema: dict) -> str | None:
 
 
 def _length_as_pattern(schema: dict) -> dict:
-    """A length-limited string as a pattern: xgrammar's own grammar for lengths admits raw control characters."""
+    """A length-limited string as a pattern: xgrammar's own grammar for lengths admits raw control
+    characters."""
     lo, hi = schema.get("minLength", 0), schema.get("maxLength", "")
     if not (schema.keys() & LENGTHS and "string" in _types(schema) and "pattern" not in schema
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (lo, hi or 0))):
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                    for n in (lo, hi or 0))):
         return schema
     out = {key: value for key, value in schema.items() if key not in LENGTHS}
     return out | {"pattern": f"^{JSON_CHAR}{{{lo},{hi}}}$"}
@@ -134,7 +145,8 @@ def _values(schema) -> list | None:
 
 
 def _values_typed(schema: dict) -> bool:
-    """Whether every ``const`` or ``enum`` value has the schema's ``type`` (which xgrammar ignores)."""
+    """Whether every ``const`` or ``enum`` value has the schema's ``type`` (which xgrammar
+    ignores)."""
     def types(value):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return {"number", "integer"} if float(value).is_integer() else {"number"}
@@ -144,13 +156,15 @@ def _values_typed(schema: dict) -> bool:
 
 
 def _consts(schema) -> set | None:
-    """A ``const`` or ``enum``'s values as JSON texts, 1 and 1.0 alike (as JSON Schema holds them)."""
+    """A ``const`` or ``enum``'s values as JSON texts, 1 and 1.0 alike (as JSON Schema holds
+    them)."""
     def number(text):
         return int(float(text)) if float(text).is_integer() else float(text)
     values = _values(schema) if isinstance(schema, dict) else None
     if values is None:
         return None
-    return {json.dumps(json.loads(json.dumps(v), parse_float=number), sort_keys=True) for v in values}
+    return {json.dumps(json.loads(json.dumps(v), parse_float=number), sort_keys=True)
+            for v in values}
 
 
 def _deref(schema, root: dict):
@@ -159,7 +173,8 @@ def _deref(schema, root: dict):
     if not (isinstance(ref, str) and ref.startswith("#")):
         return schema
     for part in filter(None, ref[1:].split("/")):
-        root = root.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(root, dict) else None
+        root = (root.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(root, dict)
+                else None)
     return root
 
 
@@ -169,8 +184,8 @@ def _apart(groups: list) -> bool:
 
 
 def _disjoint(branches: list, root: dict) -> bool:
-    """Whether no value can match two ``oneOf`` branches (xgrammar reads it as ``anyOf``): by their values, their
-    types (integer counts as number), or a required property's values."""
+    """Whether no value can match two ``oneOf`` branches (xgrammar reads it as ``anyOf``): by their
+    values, their types (integer counts as number), or a required property's values."""
     branches = [_deref(b, root) for b in branches]
     if not all(isinstance(b, dict) for b in branches):
         return False
@@ -178,12 +193,13 @@ def _disjoint(branches: list, root: dict) -> bool:
     if _apart([_consts(b) for b in branches]) or _apart(types):
         return True
     common = set.intersection(*(set(_names(b.get("required"))) for b in branches))
-    return any(_apart([_consts(_deref((b.get("properties") or {}).get(key), root)) for b in branches])
-               for key in common)
+    return any(_apart([_consts(_deref((b.get("properties") or {}).get(key), root))
+                       for b in branches]) for key in common)
 
 
 def check_regex(regex: str) -> None:
-    """A ``ValueError`` naming what xgrammar would misread in ``regex``, or a class matching nothing."""
+    """A ``ValueError`` naming what xgrammar would misread in ``regex``, or a class matching
+    nothing."""
     def refuse(what, why=""):
         raise ValueError(f"structured_outputs.regex: {what} is not supported{why}")
     start, escapes = None, set()  # the character class being read: where it began, its escapes
@@ -196,11 +212,12 @@ def check_regex(regex: str) -> None:
                 refuse(f"{text!r} first in a character class at position {i}")
             escapes.add(text[1])
         elif start is None and text in "^$" and i != (0 if text == "^" else len(regex) - 1):
-            refuse(f"{text!r} at position {i}", f" (only at the {'start' if text == '^' else 'end'})")
+            refuse(f"{text!r} at position {i}",
+                   f" (only at the {'start' if text == '^' else 'end'})")
         elif start is None and text == "[":
             start, escapes = i, set()
         elif start is not None and text == "]" and i > start + 1 + (regex[start + 1] == "^"):
             if regex[start + 1] == "^" and any({a, a.upper()} <= escapes for a in "sdw"):
-                raise ValueError(f"structured_outputs.regex matches no string: {regex[start:i + 1]!r} at position "
-                                 f"{start} matches no character")
+                raise ValueError("structured_outputs.regex matches no string: "
+                                 f"{regex[start:i + 1]!r} at position {start} matches no character")
             start = None

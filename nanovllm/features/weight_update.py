@@ -14,17 +14,18 @@ from nanovllm.utils.loader import SKIPPED_TENSORS, _load_one, target_resolver
 
 UPDATE_BATCH_BYTES = 32 * 2 ** 20  # the tensors of one call to the workers (a larger one alone)
 
-# the devices whose TP ranks get update_weights' tensors by a broadcast over their group (NCCL: device to device);
-# elsewhere through the call channel's shared memory
+# the devices whose TP ranks get update_weights' tensors by a broadcast over their group (NCCL:
+# device to device); elsewhere through the call channel's shared memory
 BROADCAST_DEVICES = ("cuda",)
 
 
 def weight_list(weights) -> list[tuple[str, torch.Tensor]]:
-    """``update_weights``' (name, tensor) pairs as a list, each tensor detached; a TypeError naming the first
-    that is not a pair of a string and a floating-point tensor."""
+    """``update_weights``' (name, tensor) pairs as a list, each tensor detached; a TypeError naming
+    the first that is not a pair of a string and a floating-point tensor."""
     if isinstance(weights, (str, bytes, dict, torch.Tensor)) or not isinstance(weights, Iterable):
         hint = " (a state_dict: pass its .items())" if isinstance(weights, dict) else ""
-        raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}{hint}")
+        raise TypeError("weights must be an iterable of (name, tensor) pairs, "
+                        f"got {type(weights).__name__}{hint}")
     checked = []
     for i, pair in enumerate(weights):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
@@ -32,13 +33,15 @@ def weight_list(weights) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got {pair!r:.80}")
         name, tensor = pair
         if not tensor.is_floating_point():
-            raise TypeError(f"update_weights: tensor {name!r} is {tensor.dtype}: a floating-point tensor is needed")
+            raise TypeError(f"update_weights: tensor {name!r} is {tensor.dtype}: "
+                            "a floating-point tensor is needed")
         checked.append((name, tensor.detach()))
     return checked
 
 
 def weight_batches(weights: list[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list]:
-    """``weights`` in consecutive batches of up to ``max_bytes`` of tensor data (a larger tensor alone)."""
+    """``weights`` in consecutive batches of up to ``max_bytes`` of tensor data (a larger tensor
+    alone)."""
     batch, size = [], 0
     for name, tensor in weights:
         if batch and size + tensor.nbytes > max_bytes:
@@ -51,7 +54,8 @@ def weight_batches(weights: list[tuple[str, torch.Tensor]], max_bytes: int) -> I
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the CPU, owning no more storage than its own elements (a pickled view carries all of it)."""
+    """``tensor`` on the CPU, owning no more storage than its own elements (a pickled view carries
+    all of it)."""
     tensor = tensor.cpu()
     return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
 
@@ -87,23 +91,26 @@ def receive_weights(runner, specs: list[tuple[str, tuple[int, ...], torch.dtype]
 
 
 def update_weights(engine, weights) -> None:
-    """``LLMEngine.update_weights``: every tensor checked on rank 0 by a dry run of its weight loader, then loaded
-    batch by batch on every rank through the loaders (fusing, TP sharding, fp8 quantization, a cast to the model's
-    dtype), in place. Refused while requests are unfinished (let them finish or abort them). Under TP every worker
-    gets the full tensors UPDATE_BATCH_BYTES at a time: on CUDA by a broadcast from rank 0's device over the TP group
-    (NCCL, device to device; the names, shapes and dtypes through the call channel), on CPU through shared memory.
-    With one rank each tensor is copied from where it is straight into the parameter (no host round trip)."""
+    """``LLMEngine.update_weights``: every tensor checked on rank 0 by a dry run of its weight
+    loader, then loaded batch by batch on every rank through the loaders (fusing, TP sharding, fp8
+    quantization, a cast to the model's dtype), in place. Refused while requests are unfinished (let
+    them finish or abort them). Under TP every worker gets the full tensors UPDATE_BATCH_BYTES at a
+    time: on CUDA by a broadcast from rank 0's device over the TP group (NCCL, device to device; the
+    names, shapes and dtypes through the call channel), on CPU through shared memory. With one rank
+    each tensor is copied from where it is straight into the parameter (no host round trip)."""
     weights = weight_list(weights)
     engine.core.drain_if_idle()
     with engine.core.lock:
         runner, workers = engine._resources.runner, engine._resources.workers
         if runner is None:
-            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+            raise RuntimeError("the engine has been shut down (exit() or a failure); "
+                               "create a new LLM")
         check_awake(runner, "update_weights()", ("weights",))
         if not engine.core.is_finished():
             scheduler = engine.core.scheduler
-            raise ValueError(f"update_weights() while {len(scheduler.waiting) + len(scheduler.running)} "
-                             "completions are unfinished: let them finish or abort them first")
+            raise ValueError("update_weights() while "
+                             f"{len(scheduler.waiting) + len(scheduler.running)} completions are "
+                             "unfinished: let them finish or abort them first")
         check_weights(runner.model, weights)
         if workers is None:  # one rank: each tensor copied from where it is into its parameter
             engine.core.call_or_shut_down(load_weights, runner, weights)
@@ -113,9 +120,10 @@ def update_weights(engine, weights) -> None:
                 engine.core.call_or_shut_down(load_weights, runner, batch)
         engine.core.scheduler.block_manager.reset_prefix_cache()
 
-def _weight_targets(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -> list[tuple | None]:
-    """(parameter, weight_loader's extra arguments) of each named tensor, None for one skipped as ``load_model``
-    skips it; a ValueError naming the first that matches no parameter."""
+def _weight_targets(model: nn.Module,
+                    weights: list[tuple[str, torch.Tensor]]) -> list[tuple | None]:
+    """(parameter, weight_loader's extra arguments) of each named tensor, None for one skipped as
+    ``load_model`` skips it; a ValueError naming the first that matches no parameter."""
     resolve = target_resolver(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     targets = []
@@ -125,15 +133,16 @@ def _weight_targets(model: nn.Module, weights: list[tuple[str, torch.Tensor]]) -
             continue
         target, shard_args = resolve(name)
         if target not in params:
-            raise ValueError(f"update_weights: tensor {name!r} matches no parameter of {type(model).__name__}")
+            raise ValueError(f"update_weights: tensor {name!r} matches no parameter of "
+                             f"{type(model).__name__}")
         targets.append((params[target], shard_args))
     return targets
 
 
 @torch.no_grad()
 def check_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
-    """A dry run of ``update_weights``: a ValueError naming the first tensor whose name matches no parameter, or
-    whose dtype or shape its weight loader refuses; nothing is written."""
+    """A dry run of ``update_weights``: a ValueError naming the first tensor whose name matches no
+    parameter, or whose dtype or shape its weight loader refuses; nothing is written."""
     with shapes_only():
         for (name, tensor), target in zip(weights, _weight_targets(model, weights)):
             if target is None:
@@ -149,9 +158,10 @@ def check_weights(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
 
 @torch.no_grad()
 def update_weights_in(model: nn.Module, weights: list[tuple[str, torch.Tensor]]):
-    """Copies (checkpoint name, tensor) pairs into ``model``'s parameters through their weight loaders (packing,
-    sharding, fp8 quantization, a cast to the parameter's dtype), in place: every parameter keeps its storage.
-    Unchecked: a refused tensor could leave the ones before it loaded, so ``check_weights`` runs first."""
+    """Copies (checkpoint name, tensor) pairs into ``model``'s parameters through their weight
+    loaders (packing, sharding, fp8 quantization, a cast to the parameter's dtype), in place: every
+    parameter keeps its storage. Unchecked: a refused tensor could leave the ones before it loaded,
+    so ``check_weights`` runs first."""
     for (_, tensor), target in zip(weights, _weight_targets(model, weights)):
         if target is not None:
             _load_one(*target, tensor)

@@ -26,14 +26,16 @@ def flash_attn_backend(kernel_module_backend, dtype: torch.dtype, head_dim: int)
     def prefill(q, k, v, layer, ctx):
         if ctx.block_tables is not None:
             k, v = layer.k_cache, layer.v_cache
-        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q, cu_seqlens_k=ctx.cu_seqlens_k,
-                                      max_seqlen_q=ctx.max_seqlen_q, max_seqlen_k=ctx.max_seqlen_k,
-                                      softmax_scale=layer.scale, causal=True, window_size=window(layer),
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=ctx.cu_seqlens_q,
+                                      cu_seqlens_k=ctx.cu_seqlens_k, max_seqlen_q=ctx.max_seqlen_q,
+                                      max_seqlen_k=ctx.max_seqlen_k, softmax_scale=layer.scale,
+                                      causal=True, window_size=window(layer),
                                       block_table=ctx.block_tables)
 
     def decode(q, layer, ctx):
-        out = flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, cache_seqlens=ctx.context_lens,
-                                      block_table=ctx.block_tables, softmax_scale=layer.scale, causal=True,
+        out = flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache,
+                                      cache_seqlens=ctx.context_lens, block_table=ctx.block_tables,
+                                      softmax_scale=layer.scale, causal=True,
                                       window_size=window(layer))
         return out.squeeze(1)
 
@@ -62,7 +64,8 @@ def triton_unsupported(device: str, dtype: torch.dtype, block_size: int, head_di
 
 def flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, head_dim: int,
                             kv_dtype: torch.dtype) -> list[str]:
-    reasons = [f"{p} is not installed" for p in ("flash_attn", "triton") if importlib.util.find_spec(p) is None]
+    reasons = [f"{p} is not installed" for p in ("flash_attn", "triton")
+               if importlib.util.find_spec(p) is None]
     if device != "cuda":
         reasons.append(f"device is {device}")
     if dtype not in (torch.bfloat16, torch.float16):
@@ -78,13 +81,16 @@ def flash_attn_unsupported(device: str, dtype: torch.dtype, block_size: int, hea
 
 @functools.cache
 def _flash_attn_probe(dtype: torch.dtype, head_dim: int) -> str:
-    """The decode kernel's error on tiny inputs, or "": builds may lack some dtypes and head sizes."""
+    """The decode kernel's error on tiny inputs, or "": builds may lack some dtypes and head
+    sizes."""
     from flash_attn import flash_attn_with_kvcache
     q = torch.zeros(1, 1, 1, head_dim, dtype=dtype, device="cuda")
     cache = torch.zeros(1, 256, 1, head_dim, dtype=dtype, device="cuda")
     try:
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.ones(1, dtype=torch.int32, device="cuda"),
-                                block_table=torch.zeros(1, 1, dtype=torch.int32, device="cuda"), causal=True)
+        flash_attn_with_kvcache(q, cache, cache,
+                                cache_seqlens=torch.ones(1, dtype=torch.int32, device="cuda"),
+                                block_table=torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+                                causal=True)
     except RuntimeError as e:
         return str(e).splitlines()[0][:120]
     return ""

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import check_shape, dense_ops
@@ -12,7 +11,6 @@ from nanovllm.utils.distributed import all_reduce, get_tp, get_tp_group
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, tied: nn.Parameter | None = None):
-        """``tied``: another one's weight (an LM head tied to the embedding), shared instead of allocated."""
         super().__init__()
         self.tp_rank, self.tp_size = get_tp()
         self.tp_group = get_tp_group()
@@ -20,9 +18,10 @@ class VocabParallelEmbedding(nn.Module):
         rows = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start_idx = rows * self.tp_rank
         self.vocab_end_idx = min(self.vocab_start_idx + rows, num_embeddings)
-        self.weight = tied if tied is not None else nn.Parameter(torch.zeros(rows, embedding_dim), requires_grad=False)
-        if tied is None:
-            self.weight.weight_loader = self.weight_loader
+        if tied is None:  # tied: the embedding's weight, which a tied LM head shares
+            tied = nn.Parameter(torch.zeros(rows, embedding_dim), requires_grad=False)
+            tied.weight_loader = self.weight_loader
+        self.weight = tied
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
         check_shape(loaded, (self.num_embeddings, param.size(1)))
@@ -31,17 +30,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(x, self.weight)
+            return nn.functional.embedding(x, self.weight)
         mask = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding(mask * (x - self.vocab_start_idx), self.weight)
+        y = nn.functional.embedding(mask * (x - self.vocab_start_idx), self.weight)
         return all_reduce(mask.unsqueeze(1) * y, self.tp_group)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Logits on rank 0 (None elsewhere); in prefill only of the rows ``logits_indices`` names."""
-        context = get_context()
-        if context.is_prefill:
+        """Logits on rank 0 (None elsewhere); in prefill only the rows ``logits_indices`` names."""
+        if (context := get_context()).is_prefill:
             x = x[context.logits_indices].contiguous()
         logits = dense_ops(x).linear(x, self.weight)
         if self.tp_size == 1:

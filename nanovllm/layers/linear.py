@@ -1,8 +1,6 @@
 """Tensor-parallel linear layers: column-parallel ones split the output features (q/k/v or gate/up
-packed into one matmul), row-parallel ones the input features, all-reducing their output. How a
-layer stores and multiplies its weight is its ``LinearMethod``: layers built inside
-``linear_methods(factory)`` take ``factory(layer)``'s (a quantization's; a scale tensor's ``block``
-says how many weight rows and columns one of its elements covers, and is sharded whole)."""
+packed into one matmul), row-parallel ones the input features and all-reduce their output. A layer
+built inside ``linear_methods(factory)`` stores and multiplies its weight by ``factory(layer)``."""
 from __future__ import annotations
 
 import contextlib
@@ -19,14 +17,13 @@ QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dense_ops(x: torch.Tensor):
-    """The dense ops for ``x``: Triton's for a CUDA tensor (when triton is installed), else the
-    PyTorch reference."""
+    """Triton's dense ops for a CUDA tensor (when triton is installed), else PyTorch's reference."""
     return triton_module("triton_linear", reference) if x.is_cuda else reference
 
 
 class LinearMethod:
-    """How a linear layer stores and multiplies its weight: ``create_weights`` replaces the
-    layer's plain ``weight`` (and adds scales) when it is built; ``apply`` is its forward."""
+    """How a linear layer stores and multiplies its weight: ``create_weights`` replaces its plain
+    ``weight`` (and adds scales) when it is built; ``apply`` is its forward."""
 
     def create_weights(self, layer: LinearBase) -> None:
         pass
@@ -36,56 +33,49 @@ class LinearMethod:
         return dense_ops(x).linear(x, layer.weight, bias, residual=residual, silu_mul=silu_mul)
 
 
-class _Methods(threading.local):
-    factory = None
+class _State(threading.local):
+    factory = None  # linear_methods'
+    dry_run = False  # inside shapes_only()
 
 
-_METHODS = _Methods()
+_STATE = _State()
 
 
 @contextlib.contextmanager
 def linear_methods(factory):
     """Linear layers built inside take ``factory(layer)``'s method (None: the plain one)."""
-    previous, _METHODS.factory = _METHODS.factory, factory
+    previous, _STATE.factory = _STATE.factory, factory
     try:
         yield
     finally:
-        _METHODS.factory = previous
+        _STATE.factory = previous
 
 
 class ShapeChecked(Exception):
-    """Raised by ``check_shape`` inside ``shapes_only()`` once a shape passed: the loader stops before writing."""
-
-
-class _DryRun(threading.local):
-    active = False
-
-
-_DRY_RUN = _DryRun()
+    """Raised by ``check_shape`` in ``shapes_only()`` once a shape passed: the loader stops."""
 
 
 @contextlib.contextmanager
 def shapes_only():
-    """A dry run of weight loaders (``update_weights`` checks every tensor before changing any): every loader
-    checks its tensor's dtype and whole shape before it writes, and here ``check_shape`` ends it there."""
-    previous, _DRY_RUN.active = _DRY_RUN.active, True
+    """A dry run of weight loaders (``update_weights`` checks every tensor before changing any):
+    each checks its tensor's dtype and whole shape before it writes, and ``check_shape`` ends it."""
+    previous, _STATE.dry_run = _STATE.dry_run, True
     try:
         yield
     finally:
-        _DRY_RUN.active = previous
+        _STATE.dry_run = previous
 
 
 def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
     """Checks a whole checkpoint tensor's shape (the loader adds its name to the error)."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)}")
-    if _DRY_RUN.active:
+    if _STATE.dry_run:
         raise ShapeChecked
 
 
 def check_dtype(loaded: torch.Tensor, param: torch.Tensor):
-    """A quantized (fp8) tensor goes to a quantized parameter only, and only a quantized one does
-    (a bf16 weight would lose its scale)."""
+    """fp8 tensors go to fp8 parameters only, and only they do (bf16 would lose the scale)."""
     quantized = param.dtype in QUANTIZED_DTYPES
     if (loaded.dtype in QUANTIZED_DTYPES) != quantized:
         why = "config.json's quantization_config makes this layer fp8" if quantized else \
@@ -94,8 +84,8 @@ def check_dtype(loaded: torch.Tensor, param: torch.Tensor):
 
 
 def blocks(param: torch.Tensor, dim: int, size: int, what: str) -> int:
-    """``size`` weight rows (dim 0) or columns (dim 1) as ``param``'s: a scale's blocks, which must not straddle
-    a split (a packed part's end, a rank's shard); a per-channel scale has one column whatever the size."""
+    """``size`` weight rows (dim 0) or columns (dim 1) in ``param``'s units (``block``: how many one
+    scale element covers; none may straddle a split); a per-channel scale (None): one column."""
     block = getattr(param, "block", (1, 1))[dim]
     if block is None:
         return 1
@@ -111,18 +101,16 @@ class LinearBase(nn.Module):
         self.tp_group = get_tp_group()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        factory = _METHODS.factory
-        self.quant_method = (factory and factory(self)) or LinearMethod()
+        self.quant_method = (_STATE.factory and _STATE.factory(self)) or LinearMethod()
         self.quant_method.create_weights(self)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.register_parameter("bias", bias)
+        if bias is not None:
+            bias.weight_loader = self.weight_loader
 
     def _shard(self, loaded: torch.Tensor, dim: int | None, full_shape: tuple[int, ...],
                param: torch.Tensor) -> torch.Tensor:
-        """This rank's slice along ``dim`` (None: all) of a checkpoint tensor of ``full_shape`` for ``param``."""
+        """This rank's slice along ``dim`` (None: all) of a checkpoint tensor of ``full_shape``."""
         check_dtype(loaded, param)
         check_shape(loaded, full_shape)
         if dim is None or self.tp_size == 1:
@@ -130,8 +118,8 @@ class LinearBase(nn.Module):
         size = loaded.size(dim) // self.tp_size
         return loaded.narrow(dim, self.tp_rank * size, size)
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None,
-                silu_mul: bool = False) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
         return self.quant_method.apply(self, x, bias, residual, silu_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +138,7 @@ class ReplicatedLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(LinearBase):
-    """Column-parallel ``output_sizes`` in one matmul; checkpoint part ``shard_id`` goes at its offset."""
+    """Column-parallel ``output_sizes`` in one matmul; checkpoint part ``shard_id`` at its rows."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
@@ -159,10 +147,12 @@ class MergedColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         split = len(self.output_sizes) > 1 or self.tp_size > 1
         per_rank = " per rank" if self.tp_size > 1 else ""
-        sizes = [blocks(param, 0, n // self.tp_size, f"{self.part_name(i)}'s rows{per_rank}") if split
-                 else math.ceil(n / getattr(param, "block", (1,))[0]) for i, n in enumerate(self.output_sizes)]
+        sizes = [blocks(param, 0, n // self.tp_size, f"{self.part_name(i)}'s rows{per_rank}")
+                 if split else math.ceil(n / getattr(param, "block", (1,))[0])
+                 for i, n in enumerate(self.output_sizes)]
         full = (sizes[shard_id] * self.tp_size, *param.shape[1:])
-        param.data.narrow(0, sum(sizes[:shard_id]), sizes[shard_id]).copy_(self._shard(loaded, 0, full, param))
+        param.data.narrow(0, sum(sizes[:shard_id]), sizes[shard_id]).copy_(
+            self._shard(loaded, 0, full, param))
 
     def part_name(self, shard_id: int) -> str:
         return f"output part {shard_id}"
@@ -175,10 +165,12 @@ class MergedColumnParallelLinear(LinearBase):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v in one matmul (shard ids "q", "k", "v"); each rank holds its heads of each."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp_size = get_tp()[1]
-        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads // tp_size, num_kv_heads // tp_size
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        tp_size, kv_size = get_tp()[1], num_kv_heads * head_dim
+        self.head_dim, self.num_heads = head_dim, num_heads // tp_size
+        self.num_kv_heads = num_kv_heads // tp_size
+        super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         super().weight_loader(param, loaded, "qkv".index(shard_id))
@@ -192,14 +184,14 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // get_tp()[1], output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor):
-        dim = 1 if param.dim() == 2 and getattr(param, "block", (1, 1))[1] else None  # the bias is whole
+        dim = 1 if param.dim() == 2 and getattr(param, "block", (1, 1))[1] else None  # bias: whole
         if dim is not None and self.tp_size > 1:
             blocks(param, 1, self.weight.size(1), "input features per rank")
         full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(param.shape))
         param.data.copy_(self._shard(loaded, dim, full, param))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T + bias, added in place to ``residual``; both on rank 0 only, before the all-reduce."""
+        """residual += x @ weight.T + bias (both on rank 0 only), then the all-reduce."""
         first = self.tp_rank == 0
         y = self._linear(x, self.bias if first else None, residual=residual if first else None)
         return all_reduce(y, self.tp_group)

@@ -1,6 +1,5 @@
-"""The tensor-parallel Llama decoder that every dense family shares, with its ``DecoderOptions``;
-the families (Llama, Mistral, Qwen2, Qwen3), registered as models by config.json's
-``architectures``."""
+"""The tensor-parallel Llama decoder every dense family shares, and the families (Llama, Mistral,
+Qwen2, Qwen3), registered as models by config.json's ``architectures``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,8 +28,7 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 def sliding_windows(config: PretrainedConfig) -> list[int]:
-    """Each layer's sliding window (0: none), as transformers reads them: ``layer_types``, else for Qwen2/Qwen3
-    the layers from ``max_window_layers`` on, else every layer."""
+    """Each layer's sliding window (0: none), read as transformers reads it."""
     window, n = getattr(config, "sliding_window", None) or 0, config.num_hidden_layers
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"the model's sliding_window must be a positive int, got {window!r}")
@@ -38,12 +36,13 @@ def sliding_windows(config: PretrainedConfig) -> list[int]:
     if types is not None:
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown or len(types) != n:
-            raise ValueError(f"layer_types {unknown or types} are not supported (one of 'full_attention', "
-                             f"'sliding_attention' per layer)")
+            raise ValueError(f"layer_types {unknown or types} are not supported (one of "
+                             f"'full_attention', 'sliding_attention' per layer)")
         return [window if t == "sliding_attention" else 0 for t in types]
     if not getattr(config, "use_sliding_window", True):
         return [0] * n
-    first = (getattr(config, "max_window_layers", 0) or 0) if config.model_type in ("qwen2", "qwen3") else 0
+    qwen = config.model_type in ("qwen2", "qwen3")
+    first = (getattr(config, "max_window_layers", 0) or 0) if qwen else 0
     return [window if i >= first else 0 for i in range(n)]
 
 
@@ -53,45 +52,46 @@ class DecoderOptions:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # (config, options, layer i) -> layer i's MLP if not DecoderMLP; forward(x, residual) adds to residual
+    # (config, options, layer i) -> layer i's MLP if not DecoderMLP; forward(x, residual) adds to it
     mlp: Callable[[PretrainedConfig, DecoderOptions, int], nn.Module] | None = None
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 sliding_window: int = 0):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions,
+                 rotary_emb: RotaryEmbedding, sliding_window: int = 0):
         super().__init__()
-        self.head_dim = head_dim_of(config)
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          num_kv_heads, bias=options.qkv_bias)
+        self.head_dim = head_dim = head_dim_of(config)
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=options.qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=options.o_bias)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=options.o_bias)
         self.rotary_emb = rotary_emb  # shared by every layer
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, sliding_window)
+        self.attn = Attention(self.num_heads, head_dim, head_dim ** -0.5, self.num_kv_heads,
+                              sliding_window)
         if options.qk_norm:  # Qwen3: RMSNorm over each head of q and k, before rotary
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the attention block of hidden_states."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor) -> torch.Tensor:  # residual + the attention block
         qkv = self.qkv_proj(hidden_states)
-        norm = hasattr(self, "q_norm")
-        fused = self.attn.backend.qk_norm_rope_store
-        if fused is not None and self.head_dim & (self.head_dim - 1) == 0:  # one kernel: norm, rotary, KV store
-            q, k, v = fused(qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight if norm else None,
-                            self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
-                            self.attn.k_cache, self.attn.v_cache, get_context().slot_mapping,
-                            self.num_heads, self.num_kv_heads, self.head_dim, self.attn.k_scale, self.attn.v_scale)
-            o = self.attn(q, k, v, kv_stored=True)
+        norm, attn = hasattr(self, "q_norm"), self.attn
+        fused = attn.backend.qk_norm_rope_store
+        if fused is not None and self.head_dim & (self.head_dim - 1) == 0:  # norm, rotary, KV store
+            q, k, v = fused(
+                qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight if norm else None,
+                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
+                attn.k_cache, attn.v_cache, get_context().slot_mapping, self.num_heads,
+                self.num_kv_heads, self.head_dim, attn.k_scale, attn.v_scale)
+            o = attn(q, k, v, kv_stored=True)
         else:
             q, k, v = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split(
                 [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
             if norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-            o = self.attn(q, k, v)
+            o = attn(q, k, v)
         return self.o_proj(o.flatten(1, -1), residual)
 
 
@@ -99,27 +99,27 @@ class DecoderMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, options: DecoderOptions):
         super().__init__()
         check_silu(config)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=options.mlp_bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=options.mlp_bias)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter] * 2, bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=options.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the MLP of x."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # residual + MLP(x)
         return self.down_proj(self.gate_up_proj(x, silu_mul=True), residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, options: DecoderOptions, rotary_emb: RotaryEmbedding,
-                 layer_idx: int = 0, sliding_window: int = 0):
+    def __init__(self, config: PretrainedConfig, options: DecoderOptions,
+                 rotary_emb: RotaryEmbedding, layer_idx: int = 0, sliding_window: int = 0):
         super().__init__()
         self.self_attn = DecoderAttention(config, options, rotary_emb, sliding_window)
-        self.mlp = options.mlp(config, options, layer_idx) if options.mlp else DecoderMLP(config, options)
+        self.mlp = (options.mlp(config, options, layer_idx) if options.mlp
+                    else DecoderMLP(config, options))
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The residual stream through one layer; each block adds its output in its last projection."""
-        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), hidden_states)
+        residual = hidden_states
+        hidden_states = self.self_attn(positions, self.input_layernorm(residual), residual)
         return self.mlp(self.post_attention_layernorm(hidden_states), hidden_states)
 
 
@@ -129,8 +129,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(head_dim_of(config), max_model_len, config)
         # a window of max_model_len or more hides nothing
-        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, w if w < max_model_len else 0)
-                                     for i, w in enumerate(sliding_windows(config))])
+        windows = [w if w < max_model_len else 0 for w in sliding_windows(config)]
+        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, w)
+                                     for i, w in enumerate(windows)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -142,19 +143,19 @@ class DecoderModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama 2 / 3.x; the other families override ``options``."""
-
     # checkpoint name -> (packed parameter name, shard id)
-    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+                              "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+                              "up_proj": ("gate_up_proj", 1)}
 
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
         bias = getattr(config, "attention_bias", False)
-        return DecoderOptions(qkv_bias=bias, o_bias=bias, mlp_bias=getattr(config, "mlp_bias", False))
+        return DecoderOptions(qkv_bias=bias, o_bias=bias,
+                              mlp_bias=getattr(config, "mlp_bias", False))
 
     @staticmethod
-    def check_config(config: PretrainedConfig, max_model_len: int):
-        """Refuses what the decoder cannot build, before anything is loaded."""
+    def check_config(config: PretrainedConfig, max_model_len: int):  # refuses before any loading
         sliding_windows(config)
         rope_parameters(config)
 
@@ -170,10 +171,10 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig, max_model_len: int | None = None):
         super().__init__()
-        max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-        self.model = DecoderModel(config, self.options(config), max_model_len)
+        max_len = config.max_position_embeddings if max_model_len is None else max_model_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_len!r}")
+        self.model = DecoderModel(config, self.options(config), max_len)
         tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tied)
 

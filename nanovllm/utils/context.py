@@ -1,5 +1,4 @@
-"""The attention context: what a forward's attention layers need besides the activations, set per thread by
-``set_context`` around the forward and read with ``get_context()``."""
+"""The attention context: what attention layers need besides the activations, set per thread."""
 from __future__ import annotations
 
 import threading
@@ -17,13 +16,12 @@ class Context:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None  # [num_new_tokens] int32, -1 = do not store
-    logits_indices: torch.Tensor | None = None  # [num_logits] int64, prefill: the rows the LM head projects
+    logits_indices: torch.Tensor | None = None  # [num_logits] int64, prefill: the LM head's rows
     context_lens: torch.Tensor | None = None  # [num_seqs] int32, decode
-    block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks] int32, -1 padded
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks] int32, -1 = padding
 
 
-_EMPTY = Context()
-_STATE = threading.local()
+_EMPTY, _STATE = Context(), threading.local()
 
 
 def get_context() -> Context:

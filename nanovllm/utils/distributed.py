@@ -18,12 +18,13 @@ _IN_FORKED_CHILD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def forget_in_forked_child(owner, forget: Callable[[object], None]):
-    """Calls ``forget(owner)`` in a child forked while ``owner`` lives: the parent's workers, shared memory and
-    finalizers are not the child's to end."""
+    """Calls ``forget(owner)`` in a child forked while ``owner`` lives: the parent's workers,
+    shared memory and finalizers are not the child's to end."""
     _IN_FORKED_CHILD[owner] = forget
 
 
-os.register_at_fork(after_in_child=lambda: [forget(owner) for owner, forget in list(_IN_FORKED_CHILD.items())])
+os.register_at_fork(after_in_child=lambda: [forget(owner) for owner, forget
+                                            in list(_IN_FORKED_CHILD.items())])
 
 
 class _TPState(threading.local):

@@ -1,5 +1,4 @@
-"""Loads a checkpoint directory into a model through each parameter's ``weight_loader``, or random
-weights (``load_format="dummy"``); also its tokenizer and EOS ids."""
+"""Loads a checkpoint's weights (through parameters' ``weight_loader``), tokenizer and EOS ids."""
 from __future__ import annotations
 
 import contextlib
@@ -20,13 +19,12 @@ from nanovllm.layers.linear import check_shape
 INDEX_FILE = "model.safetensors.index.json"
 # buffers old checkpoints saved (Llama's rotary tables); the model computes its own
 SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
-                   "vocab.txt", "*.tiktoken")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.json", "vocab.txt", "*.tiktoken")
 
 logger = logging.getLogger("nanovllm")
-# fp8 KV-cache scales as checkpoints name them
-KV_SCALE = re.compile(r"(?P<layer>.*\.self_attn)\.(?:[kvq]_proj\.|attn\.)?(?P<which>k_scale|v_scale|kv_scale|"
-                      r"q_scale|prob_scale)")
+KV_SCALE = re.compile(r"(?P<layer>.*\.self_attn)\.(?:[kvq]_proj\.|attn\.)?"  # fp8 KV-cache scales
+                      r"(?P<which>k_scale|v_scale|kv_scale|q_scale|prob_scale)")
 
 
 def has_file(directory: str, pattern: str) -> bool:
@@ -39,18 +37,18 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
 
 
 def checkpoint_files(path: str) -> list[str]:
-    """The files the index names (a repository may ship the weights twice), else every ``*.safetensors``."""
+    """The index's files (a repository may ship the weights twice), else every ``*.safetensors``."""
     index = os.path.join(path, INDEX_FILE)
     if not os.path.exists(index):
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
+        if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
             raise ValueError(f"model directory {path!r} has no *.safetensors weights")
         return files
     try:
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index!r} is not a safetensors index with a weight_map ({e!r})") from None
+        raise ValueError(f"{index!r} is not a safetensors index with a weight_map "
+                         f"({e!r})") from None
     files = [os.path.join(path, name) for name in names]
     if missing := [name for name, file in zip(names, files) if not os.path.isfile(file)]:
         raise ValueError(f"{INDEX_FILE} in {path!r} names missing files {missing}")
@@ -58,7 +56,6 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
-    """(parameter name, weight_loader's extra arguments): q/k/v and gate/up go to their packed parameter."""
     for ckpt_name, (packed_name, shard_id) in packed.items():
         if f".{ckpt_name}." in name:
             return name.replace(ckpt_name, packed_name), (shard_id,)
@@ -66,9 +63,8 @@ def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 
 
 def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
-    """Sets an fp8 KV-cache scale on its layer's ``Attention``; False when ``name`` is no such tensor."""
-    match = KV_SCALE.fullmatch(name)
-    if match is None:
+    """Sets an fp8 KV-cache scale on its layer's ``Attention``; False if ``name`` is none."""
+    if (match := KV_SCALE.fullmatch(name)) is None:
         return False
     if match["which"] in ("q_scale", "prob_scale"):
         logger.info("checkpoint tensor %s skipped: fp8 attention arithmetic is not supported", name)
@@ -80,16 +76,16 @@ def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
     tensor = file.get_tensor(name)
     value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
     if value is None or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"checkpoint tensor {name!r}: a KV-cache scale must be one positive finite value, "
-                         f"got shape {tuple(tensor.shape)}{'' if value is None else f' value {value}'}")
+        raise ValueError(f"checkpoint tensor {name!r}: a KV-cache scale must be one positive "
+                         f"finite value, got shape {tuple(tensor.shape)}"
+                         f"{'' if value is None else f' value {value}'}")
     for which in ("k_scale", "v_scale") if match["which"] == "kv_scale" else (match["which"],):
         setattr(attn, which, value)
     return True
 
 
 def target_resolver(model: nn.Module):
-    """A function from a checkpoint tensor's name to (parameter name, weight_loader's extra arguments): a model's
-    own names first (a mixture of experts' per-expert tensors), then the packed ones (q/k/v, gate/up)."""
+    """Name -> (parameter name, weight_loader's extra arguments): the model's own, else packed."""
     packed = getattr(model, "packed_modules_mapping", {})
     own_target = getattr(model, "checkpoint_target", lambda name: None)
     return lambda name: own_target(name) or _packed_target(name, packed)
@@ -122,54 +118,29 @@ def load_model(model: nn.Module, path: str):
                         raise ValueError(f"checkpoint tensor {name!r} in {base}: {e}") from None
                     loaded.add(id(param))
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file: {e}") from None
-    _check_fp8_scales(fp8_weights, names)
+            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file: "
+                             f"{e}") from None
+    for name, base in fp8_weights.items():  # every fp8 weight comes with its block scales
+        if name + "_scale_inv" not in names:
+            raise ValueError(f"checkpoint tensor {name!r} in {base}: is float8_e4m3fn but the "
+                             f"checkpoint has no {name + '_scale_inv'!r} (its block scales)")
     missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
-    # a module whose parameters take many tensors (a mixture of experts) names those it got no value for
+    # a module whose parameters take many tensors (a mixture of experts) names those it lacks
     missing += [f"{name} ({', '.join(parts[:4])}{' ...' if len(parts) > 4 else ''})"
-                for name, module in model.named_modules() if (parts := getattr(module, "missing_weights", list)())]
+                for name, module in model.named_modules()
+                if (parts := getattr(module, "missing_weights", list)())]
     if missing:
-        raise ValueError(f"checkpoint has no weights for {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(f"checkpoint has no weights for {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
 
 
 def _load_one(param: nn.Parameter, shard_args: tuple, tensor: torch.Tensor):
-    """One checkpoint tensor through its parameter's weight loader (load_model's, check_weights', update_weights')."""
     getattr(param, "weight_loader", _default_weight_loader)(param, tensor, *shard_args)
-
-
-def _check_fp8_scales(fp8_weights: dict[str, str], names: set[str]):
-    """Every fp8 weight comes with its block scales (``<name>_scale_inv``)."""
-    for name, base in fp8_weights.items():
-        if name + "_scale_inv" not in names:
-            raise ValueError(f"checkpoint tensor {name!r} in {base}: is float8_e4m3fn but the checkpoint has no "
-                             f"{name + '_scale_inv'!r} (its block scales)")
-
-
-@torch.no_grad()
-def load_dummy_weights(model: nn.Module, seed: int = 0):
-    """N(0, 0.02) weights and biases, unit norm weights and fp8 block scales; parameters marked
-    ``replicated_rank`` (a MoE router) get rank 0's values on every rank (``seed`` is the engine's plus the rank)."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device).manual_seed(seed)
-    replicated: torch.Generator | None = None  # one stream for all of them, in order
-    for name, param in model.named_parameters():
-        if name.endswith(("norm.weight", "weight_scale_inv")):
-            param.fill_(1.0)
-        elif param.dtype == torch.float8_e4m3fn:  # no random kernels for fp8
-            param.copy_(torch.empty(param.shape, device=device).normal_(0.0, 0.02, generator=generator))
-        elif hasattr(param, "replicated_rank"):
-            if replicated is None:
-                replicated = torch.Generator(device).manual_seed(seed - param.replicated_rank)
-            param.normal_(0.0, 0.02, generator=replicated)
-        else:
-            param.normal_(0.0, 0.02, generator=generator)
 
 
 @contextlib.contextmanager
 def gc_paused():
-    """Cyclic garbage collection off inside (as it was after): parsing a large tokenizer.json makes a million
-    objects, and the collections they trigger, each walking every object the process holds, took a third of
-    loading a tokenizer of Qwen3's size (0.95 s against 0.65 s on CPU)."""
+    """Cyclic GC off inside: collecting a big tokenizer.json's objects took a third of its load."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -180,23 +151,22 @@ def gc_paused():
 
 
 def load_tokenizer(path: str):
-    """``AutoTokenizer.from_pretrained(path)``, refusing a directory without tokenizer files (transformers would
-    build a vocabulary of one token)."""
     remedy = "pass tokenizer=<dir> or skip_tokenizer_init=True to run on token ids"
     if os.path.isdir(path) and not any(has_file(path, p) for p in TOKENIZER_FILES):
-        raise ValueError(f"{path!r} has no tokenizer files (any of {', '.join(TOKENIZER_FILES)}): {remedy}")
+        raise ValueError(f"{path!r} has no tokenizer files (any of "
+                         f"{', '.join(TOKENIZER_FILES)}): {remedy}")
     with gc_paused():
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path)
     if len(tokenizer) < 2:
-        raise ValueError(f"the tokenizer loaded from {path!r} has {len(tokenizer)} token(s): {remedy}")
+        raise ValueError(f"the tokenizer loaded from {path!r} has {len(tokenizer)} token(s): "
+                         f"{remedy}")
     return tokenizer
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
-    """generation_config.json's EOS ids (else config.json's), the model's own (the tokenizer's, else config's) first."""
-    own = getattr(hf_config, "eos_token_id", None)
-    eos = own
+    """generation_config.json's EOS ids (else config.json's), the model's own first."""
+    own = eos = getattr(hf_config, "eos_token_id", None)
     if os.path.isfile(path := os.path.join(model_dir, "generation_config.json")):
         with open(path) as f:
             eos = json.load(f).get("eos_token_id", eos)
@@ -204,6 +174,4 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         own = tokenizer.eos_token_id
     own = own[0] if isinstance(own, (list, tuple)) and own else own
-    if own is None:
-        return tuple(sorted(ids))
-    return (own, *sorted(ids - {own}))
+    return tuple(sorted(ids)) if own is None else (own, *sorted(ids - {own}))

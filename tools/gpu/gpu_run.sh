@@ -32,6 +32,7 @@
 #   linear    the dense-layer kernel tests, then the linear-layer microbenchmarks against cuBLAS with a tile sweep
 #   gputests  tests/test_gpu.py on one GPU with flash-attn (no TP tests); asynctest: its async-against-sync and
 #             float32 tests
+#   allgpu    every test marked gpu, on one GPU without flash-attn (no TP tests)
 #   gpu1      tests/test_gpu.py on one GPU without flash-attn (no TP tests; GPU_TESTS: a -k expression); gpu1v: the
 #             same, each test's result printed as it ends
 #   onegpu    one GPU, no flash-attn: the GPU tests of test_gpu.py and test_reliability.py, then the engine, sampling
@@ -209,6 +210,7 @@ for phase in "$@"; do
       step test_gpu.log "${FA[@]}" -m pytest tests/test_gpu.py -q -s -rA \
         -k "not tensor_parallel and not async_scheduling_matches and not float32" ;;
     asynctest) step test_gpu.log "$PYTHON" -m pytest tests/test_gpu.py -q -s -rA -k "async_scheduling_matches or float32" ;;
+    allgpu) step test_allgpu.log "$PYTHON" -m pytest tests -q -rfE -m gpu -k "not tensor_parallel" ;;
     gpu1) step test_gpu.log "$PYTHON" -m pytest tests/test_gpu.py -q -rA -m gpu -k "${GPU_TESTS:-not tensor_parallel}" ;;
     gpu1v) step test_gpu.log "$PYTHON" -m pytest tests/test_gpu.py -v -m gpu -k "${GPU_TESTS:-not tensor_parallel}" ;;
     onegpu)  # one GPU, no flash-attn: the CUDA tests, then the engine-facing CPU tests on CUDA
