@@ -16,7 +16,7 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutput
 
 
 def __getattr__(name: str):
-    """vLLM's names that features define (``StructuredOutputsParams``, ``BeamSearchParams``, ...)."""
+    """vLLM's names that features define (``StructuredOutputsParams``, ``BeamSearchParams``)."""
     if name in REGISTRY.names("name"):
         return REGISTRY.get("name", name)
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

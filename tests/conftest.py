@@ -1,4 +1,5 @@
-"""Shared fixtures and helpers: tiny random checkpoints (built offline) and transformers as the oracle."""
+"""Shared fixtures and helpers: tiny random checkpoints (built offline) and transformers as the
+oracle."""
 from __future__ import annotations
 
 import os
@@ -23,9 +24,10 @@ NEAR_TIE = 1e-4
 CHECKPOINTS = {
     # name: build_tiny_qwen3 overrides
     "gqa2": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32),
-    "gqa1_tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
-    "gqa4_hd128_sharded": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_shard_size="200KB",
-                               rope_theta=1e6, num_hidden_layers=3),
+    "gqa1_tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                      tie_word_embeddings=True),
+    "gqa4_hd128_sharded": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                               max_shard_size="200KB", rope_theta=1e6, num_hidden_layers=3),
 }
 
 
@@ -56,24 +58,30 @@ FAMILIES = {  # name: (architecture, build_tiny_model overrides)
     "llama3_rope_tied": ("llama", dict(head_dim=32, tie_word_embeddings=True, rope_theta=500000.0,
                                        rope_scaling=LLAMA3_ROPE)),
     "llama_linear_rope_all_biases": ("llama", dict(head_dim=32, attention_bias=True, mlp_bias=True,
-                                                   num_key_value_heads=4, rope_scaling=dict(rope_type="linear",
-                                                                                            factor=2.0))),
+                                                   num_key_value_heads=4,
+                                                   rope_scaling=dict(rope_type="linear",
+                                                                     factor=2.0))),
     "mistral": ("mistral", dict(head_dim=32, sliding_window=None, num_key_value_heads=1)),
-    # sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's from max_window_layers on
+    # sliding windows shorter than the prompts: Mistral's on every layer, Qwen2's from
+    # max_window_layers on
     "mistral_window": ("mistral", dict(head_dim=32, sliding_window=24, num_key_value_heads=1)),
-    "qwen2_window_mixed": ("qwen2", dict(head_dim=32, num_key_value_heads=2, use_sliding_window=True,
-                                         sliding_window=20, max_window_layers=1)),
+    "qwen2_window_mixed": ("qwen2", dict(head_dim=32, num_key_value_heads=2,
+                                         use_sliding_window=True, sliding_window=20,
+                                         max_window_layers=1)),
     # Qwen2.5's long-context configuration (YaRN), with an original context the prompts run past
     "qwen2_yarn": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2,
-                                 rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),
+                                 rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                   original_max_position_embeddings=32))),
 }
 
 
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
-    """One tiny checkpoint of every supported family but Qwen3 (test_models.py, test_tensor_parallel.py)."""
+    """One tiny checkpoint of every supported family but Qwen3 (test_models.py,
+    test_tensor_parallel.py)."""
     root = tmp_path_factory.mktemp("families")
-    return {name: build_tiny_model(str(root / name), arch, **kw) for name, (arch, kw) in FAMILIES.items()}
+    return {name: build_tiny_model(str(root / name), arch, **kw)
+            for name, (arch, kw) in FAMILIES.items()}
 
 
 # An explicit cache size (honoured on every device): on a GPU, engines that live side by side
@@ -108,11 +116,13 @@ class Oracle:
         from transformers import AutoModelForCausalLM
         key = (path, device, dtype)
         if key not in self.models:
-            self.models[key] = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            self.models[key] = AutoModelForCausalLM.from_pretrained(path,
+                                                                    dtype=dtype).to(device).eval()
         return self.models[key]
 
     @torch.no_grad()
-    def greedy(self, path: str, prompt: list[int], n: int, device: str = "cpu", dtype=torch.float32):
+    def greedy(self, path: str, prompt: list[int], n: int, device: str = "cpu",
+               dtype=torch.float32):
         """(tokens, logits per generated position) of n greedy steps."""
         key = (path, tuple(prompt), n, device, dtype)
         if key not in self.cache:
@@ -132,8 +142,8 @@ def oracle() -> Oracle:
     return Oracle()
 
 
-def assert_matches_oracle(oracle: Oracle, path: str, prompts, outputs, n: int, max_near_ties: int | None = None,
-                          tie: float = NEAR_TIE, **kw) -> int:
+def assert_matches_oracle(oracle: Oracle, path: str, prompts, outputs, n: int,
+                          max_near_ties: int | None = None, tie: float = NEAR_TIE, **kw) -> int:
     """Asserts token-for-token equality under the near-tie rule; returns the number of near-ties.
 
     ``tie`` stays NEAR_TIE except where a test compares bf16 runs and says why."""
@@ -147,7 +157,8 @@ def assert_matches_oracle(oracle: Oracle, path: str, prompts, outputs, n: int, m
         j = next(k for k in range(n) if got[k] != ref[k])
         top2 = logits[j].topk(2).values
         gap = float(top2[0] - top2[1])
-        assert gap < tie, f"prompt {i} (len {len(prompt)}) differs at token {j}: {got[j]} vs {ref[j]}, gap {gap:.3g}"
+        assert gap < tie, f"prompt {i} (len {len(prompt)}) differs at token {j}: " \
+                          f"{got[j]} vs {ref[j]}, gap {gap:.3g}"
         near_ties += 1
     limit = max(1, len(prompts) // 16) if max_near_ties is None else max_near_ties
     assert near_ties <= limit, f"{near_ties} near-ties in {len(prompts)} sequences"
@@ -165,8 +176,8 @@ def assert_no_leaks(llm) -> None:
 
 
 def run_engine(path: str, prompts, sampling_params, **kw):
-    """(outputs, engine) of one generate on a fresh engine (ENGINE's settings, then ``kw``), checked for
-    leaked blocks; the engine is shut down."""
+    """(outputs, engine) of one generate on a fresh engine (ENGINE's settings, then ``kw``), checked
+    for leaked blocks; the engine is shut down."""
     from nanovllm import LLM
     llm = LLM(path, **{**ENGINE, **kw})
     try:
@@ -178,19 +189,21 @@ def run_engine(path: str, prompts, sampling_params, **kw):
 
 
 def generate_with_features(path: str, prompts, n: int, check=None):
-    """(prompts, outputs): greedy outputs of ``prompts``, then of the last three extended by two tokens (finished
-    last, so their blocks are still cached: prefix-cache hits), with chunked prefill (a 40-token budget) and
-    preemption (a 40-block cache) forced on; ``check(llm)`` runs on the engine first. Checked for cache hits and
-    leaked blocks; the returned prompts include the second wave's."""
+    """(prompts, outputs): greedy outputs of ``prompts``, then of the last three extended by two
+    tokens (finished last, so their blocks are still cached: prefix-cache hits), with chunked
+    prefill (a 40-token budget) and preemption (a 40-block cache) forced on; ``check(llm)`` runs on
+    the engine first. Checked for cache hits and leaked blocks; the returned prompts include the
+    second wave's."""
     from nanovllm import LLM
     again = [p + [1, 2] for p in prompts[-3:]]
-    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=40, max_num_batched_tokens=40,
-              device="cpu")
+    llm = LLM(path, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=40,
+              max_num_batched_tokens=40, device="cpu")
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     try:
         if check is not None:
             check(llm)
-        outputs = llm.generate(prompts, sp, use_tqdm=False) + llm.generate(again, sp, use_tqdm=False)
+        outputs = (llm.generate(prompts, sp, use_tqdm=False)
+                   + llm.generate(again, sp, use_tqdm=False))
         assert llm.scheduler.block_manager.num_cache_hits > 0
         assert_no_leaks(llm)
     finally:
@@ -204,7 +217,8 @@ def token_ids_of(outputs) -> list[list[int]]:
 
 def assert_prompt_logprobs(model, prompt: list[int], entries: list, k: int, tol: float = 1e-4):
     """vLLM's format (None for the first token, then {token id: logprob} of the actual token and the
-    top k) with transformers' log_softmax of the full sequence's logits (float32) as the reference."""
+    top k) with transformers' log_softmax of the full sequence's logits (float32) as the
+    reference."""
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
     assert len(entries) == len(prompt) and entries[0] is None

@@ -1,6 +1,7 @@
-"""Specification of the public API: generate, stream, chat, add_request/step and the outputs' fields, the
-LLM's life cycle (exit, shutdown, the context manager), and its input validation: a bad prompt, engine
-keyword or argument is refused with a ValueError or TypeError that names it, and the engine stays usable."""
+"""Specification of the public API: generate, stream, chat, add_request/step and the outputs'
+fields, the LLM's life cycle (exit, shutdown, the context manager), and its input validation: a bad
+prompt, engine keyword or argument is refused with a ValueError or TypeError that names it, and the
+engine stays usable."""
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,8 @@ def test_outputs_in_prompt_order_and_text(llm, oracle, tiny):
 
 
 def test_token_id_prompt_and_single_params(llm):
-    out = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate([[1, 2, 3], [4, 5]],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert [len(o["token_ids"]) for o in out] == [3, 3]
 
 
@@ -43,36 +44,47 @@ def test_outputs_are_vllms_objects_and_answer_the_old_keys(llm, oracle, tiny):
     assert c.index == 0 and c.token_ids == oracle.greedy(tiny, prompt, 6)[0] and c.finished()
     assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
     assert c.finish_reason == "length" and c.stop_reason is None
-    assert c.cumulative_logprob is None and c.logprobs is None and out.prompt_logprobs is None  # not asked for
-    assert out.prompt is None and out.prompt_token_ids == prompt and out.finished and isinstance(out.request_id, str)
+    # not asked for
+    assert c.cumulative_logprob is None and c.logprobs is None and out.prompt_logprobs is None
+    assert (out.prompt is None and out.prompt_token_ids == prompt and out.finished
+            and isinstance(out.request_id, str))
     assert 0 < out.metrics.time_to_first_token <= out.metrics.total_time
     # nano-vllm's keys (completion 0) and the keys of the dicts earlier versions returned
-    assert out["text"] == c.text and out["token_ids"] == c.token_ids and out["finish_reason"] == "length"
+    assert (out["text"] == c.text and out["token_ids"] == c.token_ids
+            and out["finish_reason"] == "length")
     assert out["outputs"][0]["text"] == c.text and out["prompt_token_ids"] == prompt
-    assert out["metrics"]["total_time"] == out.metrics.total_time and out["num_cached_tokens"] == out.num_cached_tokens
-    assert "logprobs" not in out and "prompt_logprobs" not in out and "error" not in out and "text" in out
+    assert (out["metrics"]["total_time"] == out.metrics.total_time
+            and out["num_cached_tokens"] == out.num_cached_tokens)
+    assert ("logprobs" not in out and "prompt_logprobs" not in out and "error" not in out
+            and "text" in out)
     assert out.get("logprobs", "absent") == "absent" and dict(out)["token_ids"] == c.token_ids
-    assert list(out) == out.keys() and len(out) == len(out.keys()) and dict(out.items()) == dict(out)
+    assert (list(out) == out.keys() and len(out) == len(out.keys())
+            and dict(out.items()) == dict(out))
     with pytest.raises(KeyError):
         out["no_such_field"]
     again = llm.generate([{"prompt": text}], sp, use_tqdm=False)[0]
-    assert again.prompt == text and again["token_ids"] == c.token_ids and again.num_cached_tokens == 32  # 2 blocks
+    # 2 blocks
+    assert (again.prompt == text and again["token_ids"] == c.token_ids
+            and again.num_cached_tokens == 32)
     assert again.request_id != out.request_id
     chat = llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False)[0]
-    assert chat.prompt == llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                            add_generation_prompt=True)
+    assert chat.prompt == llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
 
 
 def test_stop_reason_names_what_ended_a_completion(llm):
     prompt = random_prompts(1, 10, 10, seed=51)[0]
-    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0]
     free = free.outputs[0]
     token = free.token_ids[3]
-    by_token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[token],
+    by_token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                     stop_token_ids=[token],
                                                      ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == token
     assert by_token.token_ids == free.token_ids[:free.token_ids.index(token) + 1]
-    decode = llm.tokenizer.decode  # the stop token's text is left out unless include_stop_str_in_output
+    # the stop token's text is left out unless include_stop_str_in_output
+    decode = llm.tokenizer.decode
     assert by_token.text == decode(by_token.token_ids[:-1], skip_special_tokens=True)
     kept = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[token], ignore_eos=True,
                           include_stop_str_in_output=True)
@@ -86,22 +98,27 @@ def test_stop_reason_names_what_ended_a_completion(llm):
     # the byte tokenizer: two printable ASCII tokens in a row make a stop string
     start = next(i for i in range(1, 58) if all(32 <= t < 127 for t in longer[i:i + 2]))
     stop = bytes(longer[start:start + 2]).decode()
-    by_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, stop=[stop], ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0]
-    assert by_text.finish_reason == "stop" and by_text.stop_reason == stop and stop not in by_text.text
+    by_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=60, stop=[stop],
+                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (by_text.finish_reason == "stop" and by_text.stop_reason == stop
+            and stop not in by_text.text)
     eos = llm.core.outputs.eos_token_ids, llm.core.outputs.eos_token_id
-    llm.core.outputs.eos_token_ids, llm.core.outputs.eos_token_id = {token}, token  # as though it were the model's EOS
+    # as though it were the model's EOS
+    llm.core.outputs.eos_token_ids, llm.core.outputs.eos_token_id = {token}, token
     try:
-        by_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+        by_eos = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12),
+                              use_tqdm=False)[0].outputs[0]
     finally:
         llm.core.outputs.eos_token_ids, llm.core.outputs.eos_token_id = eos
-    assert by_eos.finish_reason == "stop" and by_eos.stop_reason is None and by_eos.token_ids == by_token.token_ids
+    assert (by_eos.finish_reason == "stop" and by_eos.stop_reason is None
+            and by_eos.token_ids == by_token.token_ids)
 
 
-# ---- vLLM's engine loop and LLM methods ------------------------------------------------------------
+# ---- vLLM's engine loop and LLM methods ----------------------------------------------------------
 def test_vllms_engine_loop(llm):
-    """The shape of vLLM's llm_engine example: add_request(request_id, prompt, params), step() until no request
-    is unfinished; outputs are cumulative, a finished request is reported once; abort_request by id."""
+    """The shape of vLLM's llm_engine example: add_request(request_id, prompt, params), step() until
+    no request is unfinished; outputs are cumulative, a finished request is reported once;
+    abort_request by id."""
     engine = llm.llm_engine
     assert engine.step() == []  # nothing to run: no outputs (vLLM's)
     prompts = random_prompts(3, 5, 20, seed=81)
@@ -109,34 +126,43 @@ def test_vllms_engine_loop(llm):
     reference = llm.generate(prompts, sp, use_tqdm=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, sp)
-    engine.add_request("cut", prompts[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.add_request("cut", prompts[0],
+                       SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     with pytest.raises(ValueError, match="req-0"):
         engine.add_request("req-0", prompts[0], sp)  # an id that is running
     finished, seen, texts, reported = {}, {}, {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens, text = out.outputs[0].token_ids, out.outputs[0].text
-            assert len(tokens) > seen.get(out.request_id, 0) or out.finished  # cumulative, only when it grew
-            assert text.startswith(texts.get(out.request_id, ""))  # the text grows too (incrementally decoded)
+            # cumulative, only when it grew
+            assert len(tokens) > seen.get(out.request_id, 0) or out.finished
+            # the text grows too (incrementally decoded)
+            assert text.startswith(texts.get(out.request_id, ""))
             seen[out.request_id], texts[out.request_id] = len(tokens), text
             reported.append(out)
             if out.finished:
                 assert out.request_id not in finished
                 finished[out.request_id] = out
-        if "req-0" in finished and "cut" not in finished and engine.get_num_unfinished_requests() > 0:
+        if ("req-0" in finished and "cut" not in finished
+                and engine.get_num_unfinished_requests() > 0):
             engine.abort_request("cut")
             assert not any(r.request_id == "cut" for r in llm.requests.values())
-    assert [finished[f"req-{i}"].outputs[0].token_ids for i in range(3)] == [r["token_ids"] for r in reference]
+    assert ([finished[f"req-{i}"].outputs[0].token_ids for i in range(3)]
+            == [r["token_ids"] for r in reference])
     # the text is a stream's: the same pieces, whole
     streamed = "".join(p["text"] for p in llm.stream([prompts[1]], sp))
     assert finished["req-1"].outputs[0].text == streamed
     # an earlier report keeps what it said then
-    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in reported if o.request_id != "cut")
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
+               for o in reported if o.request_id != "cut")
     assert "cut" not in finished and engine.model_config.max_model_len == llm.config.max_model_len
     assert engine.get_tokenizer() is llm.tokenizer and llm.get_tokenizer() is llm.tokenizer
-    # a request that finishes while another call runs the steps is reported by the next step(), then forgotten
-    engine.add_request("meanwhile", prompts[1], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    # a request that finishes while another call runs the steps is reported by the next step(), then
+    # forgotten
+    engine.add_request("meanwhile", prompts[1],
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                 use_tqdm=False)
     assert engine.has_unfinished_requests()
     (late,) = engine.step()
     assert late.request_id == "meanwhile" and late.finished and len(late.outputs[0].token_ids) == 3
@@ -145,11 +171,12 @@ def test_vllms_engine_loop(llm):
 
 
 def test_engine_from_engine_args_and_default_sampling_params(tiny, tmp_path):
-    """get_default_sampling_params reads generation_config.json (as vLLM) and generate uses it when given none."""
+    """get_default_sampling_params reads generation_config.json (as vLLM) and generate uses it when
+    given none."""
     path = tmp_path / "with_generation_config"
     shutil.copytree(tiny, path)
-    (path / "generation_config.json").write_text(json.dumps(dict(temperature=0.6, top_p=0.95, top_k=20,
-                                                                 max_new_tokens=7, do_sample=True)))
+    (path / "generation_config.json").write_text(json.dumps(dict(
+        temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=7, do_sample=True)))
     engine = LLMEngine.from_engine_args(EngineArgs(str(path), **ENGINE))
     try:
         sp = engine.get_default_sampling_params()
@@ -160,7 +187,8 @@ def test_engine_from_engine_args_and_default_sampling_params(tiny, tmp_path):
     finally:
         engine.exit()
     plain = SamplingParams()
-    opted_out = LLMEngine(str(path), generation_config="vllm", **ENGINE)  # vLLM's keyword: vLLM's own defaults
+    # vLLM's keyword: vLLM's own defaults
+    opted_out = LLMEngine(str(path), generation_config="vllm", **ENGINE)
     try:
         sp = opted_out.get_default_sampling_params()
         assert (sp.temperature, sp.top_k, sp.max_tokens) == (plain.temperature, plain.top_k, 16)
@@ -171,14 +199,17 @@ def test_engine_from_engine_args_and_default_sampling_params(tiny, tmp_path):
 
 
 def test_vllm_forms_without_sampling_params_generate_vllms_16_tokens(tiny, tmp_path):
-    """nano-vllm's SamplingParams() keeps 64 tokens; vLLM's forms without sampling params get vLLM's 16, as
-    get_default_sampling_params gives when generation_config.json sets no max_new_tokens."""
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))  # greedy, no max_new_tokens
+    """nano-vllm's SamplingParams() keeps 64 tokens; vLLM's forms without sampling params get vLLM's
+    16, as get_default_sampling_params gives when generation_config.json sets no max_new_tokens."""
+    # greedy, no max_new_tokens
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
     engine = LLM(tiny, generation_config=str(tmp_path), **ENGINE)
     try:
-        assert SamplingParams().max_tokens == 64 and engine.get_default_sampling_params().max_tokens == 16
+        assert (SamplingParams().max_tokens == 64
+                and engine.get_default_sampling_params().max_tokens == 16)
         prompt = [1, 2, 3]
-        longer = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=17), use_tqdm=False)
+        longer = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=17),
+                                 use_tqdm=False)
         expected = longer[0].outputs[0].token_ids[:16]
         assert len(longer[0].outputs[0].token_ids) == 17  # no EOS before the 17th token
         assert engine.generate([prompt], use_tqdm=False)[0].outputs[0].token_ids == expected
@@ -187,20 +218,23 @@ def test_vllm_forms_without_sampling_params_generate_vllms_16_tokens(tiny, tmp_p
             finished = [o for o in engine.step() if o.finished]
         assert finished[0].outputs[0].token_ids == expected
         chat = engine.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0].outputs[0]
-        assert len(chat.token_ids) == 16 or chat.finish_reason == "stop" and len(chat.token_ids) < 16
+        assert (len(chat.token_ids) == 16
+                or chat.finish_reason == "stop" and len(chat.token_ids) < 16)
     finally:
         engine.exit()
 
 
 def test_engine_args_as_command_line_flags():
-    """vLLM's EngineArgs.add_cli_args / from_cli_args: a flag per engine keyword, unset ones left to the defaults."""
+    """vLLM's EngineArgs.add_cli_args / from_cli_args: a flag per engine keyword, unset ones left to
+    the defaults."""
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args(
-        ["--model", "m", "--max-model-len", "256", "--block-size", "16", "--enforce-eager", "--dtype", "half",
-         "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching", "--hf-token", "t"]))
-    assert args.model == "m" and args.kwargs == dict(max_model_len=256, block_size=16, enforce_eager=True,
-                                                     dtype="half", gpu_memory_utilization=0.5,
-                                                     enable_prefix_caching=False, hf_token="t")
+        ["--model", "m", "--max-model-len", "256", "--block-size", "16", "--enforce-eager",
+         "--dtype", "half", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
+         "--hf-token", "t"]))
+    assert args.model == "m" and args.kwargs == dict(
+        max_model_len=256, block_size=16, enforce_eager=True, dtype="half",
+        gpu_memory_utilization=0.5, enable_prefix_caching=False, hf_token="t")
     assert EngineArgs.from_cli_args(parser.parse_args([])).kwargs == {}
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-model-len", "many"])
@@ -266,7 +300,8 @@ def test_generate_inside_a_stream_loop_and_interleaved_streams(llm):
         tokens[piece["index"]] += piece["token_ids"]
         if inner is None:
             inner = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
-    assert [tokens[0], tokens[1]] == token_ids_of(ref[:2]) and inner["token_ids"] == ref[2]["token_ids"]
+    assert ([tokens[0], tokens[1]] == token_ids_of(ref[:2])
+            and inner["token_ids"] == ref[2]["token_ids"])
 
     a, b = llm.stream(prompts[:1], sp), llm.stream(prompts[1:], sp)
     got: dict[str, list[int]] = {"a": [], "b": []}
@@ -285,16 +320,19 @@ def test_generate_inside_a_stream_loop_and_interleaved_streams(llm):
 def test_streamed_text_with_a_stop_string_equals_generate(llm):
     for seed in range(80, 86):
         prompt = random_prompts(1, 10, 10, seed=seed)[0]
-        ref_ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        ref_ids = llm.generate([prompt],
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                use_tqdm=False)[0]["token_ids"]
-        start = next((i for i in range(2, 36) if all(32 <= t < 127 for t in ref_ids[i:i + 4])), None)
+        start = next((i for i in range(2, 36) if all(32 <= t < 127 for t in ref_ids[i:i + 4])),
+                     None)
         if start is None:
             continue
         stop = bytes(ref_ids[start:start + 4]).decode()
         sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
         final = llm.generate([prompt], sp, use_tqdm=False)[0]
         pieces = [p["text"] for p in llm.stream([prompt], sp)]
-        assert final["finish_reason"] == "stop" and "".join(pieces) == final["text"], (pieces, final["text"])
+        assert (final["finish_reason"] == "stop"
+                and "".join(pieces) == final["text"]), (pieces, final["text"])
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -315,7 +353,8 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor
 
 
 def _chat_prompt(llm, messages, **kw) -> str:
-    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, chat_template=TEMPLATE, **kw)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
+                   chat_template=TEMPLATE, **kw)
     return llm.tokenizer.decode(out[0]["prompt_token_ids"])
 
 
@@ -328,7 +367,8 @@ def test_chat_keywords_keep_their_meaning(llm):
     assert _chat_prompt(llm, messages, tools=[{"type": "function", "function": {"name": "f"}}]) == \
         "<user>hi[tools:1]<assistant>"
     partial = messages + [{"role": "assistant", "content": "Hel"}]
-    assert _chat_prompt(llm, partial, add_generation_prompt=False, continue_final_message=True).endswith("Hel")
+    assert _chat_prompt(llm, partial, add_generation_prompt=False,
+                        continue_final_message=True).endswith("Hel")
     with pytest.raises(TypeError, match="temperature"):
         llm.chat(messages, temperature=0)  # a keyword chat does not take is refused by name
     with pytest.raises(ValueError, match="continue_final_message"):
@@ -338,21 +378,27 @@ def test_chat_keywords_keep_their_meaning(llm):
 
 
 def test_chat_joins_text_parts_and_refuses_malformed_messages(llm):
-    """vLLM's text parts are joined by newlines; a message without a string role, content that is neither a
-    string nor a list of parts, or a part other than text (the engine is text-only) is refused by index."""
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    """vLLM's text parts are joined by newlines; a message without a string role, content that is
+    neither a string nor a list of parts, or a part other than text (the engine is text-only) is
+    refused by index."""
+    parts = [{"role": "user",
+              "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
     assert _chat_prompt(llm, parts) == "<user>hi\nthere<assistant>"
-    assert _chat_prompt(llm, [{"role": "user", "content": None}]) == "<user><assistant>"  # vLLM's: no text
+    # vLLM's: no text
+    assert _chat_prompt(llm, [{"role": "user", "content": None}]) == "<user><assistant>"
     ok = {"role": "user", "content": "hi"}
     image = {"role": "user", "content": [{"type": "text", "text": "see"},
-                                         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+                                         {"type": "image_url",
+                                          "image_url": {"url": "http://x/y.png"}}]}
     cases = [([{"content": "hi"}], r"messages\[0\]\['role'\] must be a string, got None"),
              ([ok, {"role": None, "content": "hi"}], r"messages\[1\]\['role'\] must be a string"),
              ([{"role": 3, "content": "hi"}], r"messages\[0\]\['role'\]"),
-             ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] must be a string or a list"),
+             ([{"role": "user", "content": 5}],
+              r"messages\[0\]\['content'\] must be a string or a list"),
              ([{"role": "user", "content": {"text": "hi"}}], r"messages\[0\]\['content'\]"),
              ([image], r"messages\[0\]\['content'\]\[1\] has type 'image_url'.*text-only"),
-             ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"messages\[0\]\['content'\]\[0\]"),
+             ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
+              r"messages\[0\]\['content'\]\[0\]"),
              ([[ok], [ok, image]], r"messages\[1\]\[1\]\['content'\]\[1\] has type 'image_url'")]
     for messages, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -377,7 +423,8 @@ def test_context_manager_shutdown_alias_and_idempotent_exit(tiny):
 
 # ---- engine keywords -----------------------------------------------------------------------------
 def test_vllm_engine_keywords(tiny):
-    engine = LLM(tiny, block_size=16, enable_prefix_caching=False, max_model_len=256, num_kvcache_blocks=64, seed=3)
+    engine = LLM(tiny, block_size=16, enable_prefix_caching=False, max_model_len=256,
+                 num_kvcache_blocks=64, seed=3)
     try:
         assert engine.config.kvcache_block_size == 16
         prompt = list(range(40))
@@ -391,8 +438,8 @@ def test_vllm_engine_keywords(tiny):
 
 
 def test_default_block_size_is_the_backends(tiny):
-    """64 tokens unless flash-attn (its paged KV: multiples of 256); None, vLLM's "default", too; a given size
-    stays, and one the backend cannot take is refused naming it."""
+    """64 tokens unless flash-attn (its paged KV: multiples of 256); None, vLLM's "default", too; a
+    given size stays, and one the backend cannot take is refused naming it."""
     from nanovllm.config import DEFAULT_BLOCK_SIZE, Config
     from nanovllm.entrypoints.llm import create_engine_config
     assert Config(tiny, device="cpu").kvcache_block_size == 64
@@ -401,7 +448,8 @@ def test_default_block_size_is_the_backends(tiny):
     from nanovllm.layers import attention
     assert set(DEFAULT_BLOCK_SIZE) == set(attention.BACKENDS)   # every backend has one
     # a flash-attn that takes this configuration, to see its default
-    fake = dict(attention.BACKENDS, **{"flash-attn": (lambda *shape: [], attention.BACKENDS["flash-attn"][1])})
+    fake = dict(attention.BACKENDS,
+                **{"flash-attn": (lambda *shape: [], attention.BACKENDS["flash-attn"][1])})
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention, "BACKENDS", fake)
         assert Config(tiny, device="cpu", attention_backend="flash-attn").kvcache_block_size == 256
@@ -417,7 +465,8 @@ def test_skip_tokenizer_init_rejects_text(tiny, tmp_path):
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
     engine = LLM(str(ckpt), skip_tokenizer_init=True, **ENGINE)
     try:
-        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True),
+                              use_tqdm=False)[0]
         assert out["text"] == "" and len(out["token_ids"]) == 3
         with pytest.raises(ValueError, match="skip_tokenizer_init"):
             engine.generate(["text"], SamplingParams(), use_tqdm=False)
@@ -451,24 +500,31 @@ def test_seed_seeds_pythons_numpys_and_torchs_global_generators(tiny):
 
 
 def test_max_logprobs_bounds_the_requested_logprobs_at_admission(llm, tiny):
-    """vLLM's max_logprobs (20; -1: no limit but the vocabulary) refuses a request asking for more, in vLLM's
-    words."""
+    """vLLM's max_logprobs (20; -1: no limit but the vocabulary) refuses a request asking for more,
+    in vLLM's words."""
     assert llm.config.max_logprobs == 20
-    with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater than max allowed: 20"):
+    with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater than "
+                                         "max allowed: 20"):
         llm.generate(["a"], SamplingParams(logprobs=21), use_tqdm=False)
-    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater than max allowed: 20"):
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater than "
+                                         "max allowed: 20"):
         llm.generate(["a"], SamplingParams(prompt_logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="sample logprobs of 21"):
         llm.add_request("too-many", [1, 2], SamplingParams(logprobs=21))
     assert llm.is_finished() and not llm.has_unfinished_requests()
-    out = llm.generate(["ab"], SamplingParams(max_tokens=1, logprobs=20, prompt_logprobs=20), use_tqdm=False)[0]
+    out = llm.generate(["ab"], SamplingParams(max_tokens=1, logprobs=20, prompt_logprobs=20),
+                       use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) >= 20 and len(out.prompt_logprobs[1]) >= 20
-    with LLM(tiny, max_logprobs=2, **CPU_ENGINE) as few, LLM(tiny, max_logprobs=-1, **CPU_ENGINE) as unlimited:
-        with pytest.raises(ValueError, match="sample logprobs of 3, which is greater than max allowed: 2"):
+    with (LLM(tiny, max_logprobs=2, **CPU_ENGINE) as few,
+          LLM(tiny, max_logprobs=-1, **CPU_ENGINE) as unlimited):
+        with pytest.raises(ValueError,
+                           match="sample logprobs of 3, which is greater than max allowed: 2"):
             few.generate([[1, 2]], SamplingParams(logprobs=3), use_tqdm=False)
-        out = unlimited.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=320), use_tqdm=False)[0]
+        out = unlimited.generate([[1, 2]], SamplingParams(max_tokens=1, logprobs=320),
+                                 use_tqdm=False)[0]
         assert len(out.outputs[0].logprobs[0]) == 320
-        with pytest.raises(ValueError, match="sample logprobs of 321, which is greater than max allowed: 320"):
+        with pytest.raises(ValueError,
+                           match="sample logprobs of 321, which is greater than max allowed: 320"):
             unlimited.generate([[1, 2]], SamplingParams(logprobs=321), use_tqdm=False)
     for bad, error in ((-2, ValueError), (1.5, TypeError)):
         with pytest.raises(error, match="max_logprobs"):
@@ -479,7 +535,8 @@ def test_priority_list_of_the_wrong_length_is_refused(llm):
     with pytest.raises(ValueError, match=r"prompts \(2\) and priority \(1\)"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0])
     assert llm.is_finished()
-    assert len(llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False, priority=[0, 0])) == 2
+    assert len(llm.generate(["a", "b"], SamplingParams(max_tokens=1), use_tqdm=False,
+                            priority=[0, 0])) == 2
 
 
 def test_unknown_keyword_is_named(tiny):
@@ -510,12 +567,14 @@ def test_bad_model_dir(tmp_path):
 def test_attention_backend_choice_is_checked_up_front(tiny):
     with pytest.raises(ValueError, match="attention_backend must be"):
         LLM(tiny, attention_backend="xformers")
-    with pytest.raises(ValueError, match=r"attention_backend='flash-attn' does not support.*kvcache_block_size 16"):
+    with pytest.raises(ValueError, match=r"attention_backend='flash-attn' does not "
+                                         r"support.*kvcache_block_size 16"):
         LLM(tiny, device="cpu", kvcache_block_size=16, attention_backend="flash-attn")
 
 
 def test_auto_backend_on_cpu_is_the_reference(llm):
-    assert llm.model_runner.attention_backend.name == ("triton" if llm.config.device == "cuda" else "torch")
+    assert llm.model_runner.attention_backend.name == ("triton" if llm.config.device == "cuda"
+                                                       else "torch")
 
 
 def test_kv_budget_too_small_for_one_block(tiny):
@@ -528,18 +587,22 @@ def test_max_model_len_past_the_models_positions_is_lowered_and_said(tiny, caplo
     with caplog.at_level("INFO", logger="nanovllm"):
         config = Config(tiny, device="cpu", max_model_len=100_000)
     assert config.max_model_len == config.hf_config.max_position_embeddings
-    assert f"max_model_len lowered from 100000 to the model's {config.max_model_len} positions" in caplog.text
+    assert (f"max_model_len lowered from 100000 to the model's {config.max_model_len} positions"
+            in caplog.text)
 
 
 def test_prompt_larger_than_the_kv_cache(tiny, caplog):
     engine = LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=2)
     try:
-        # max_model_len is lowered to what the cache holds, and says so (vLLM refuses such a start instead)
+        # max_model_len is lowered to what the cache holds, and says so (vLLM refuses such a start
+        # instead)
         assert engine.config.max_model_len == 32
         assert "max_model_len lowered from 1024 to 32" in caplog.text
-        with pytest.raises(ValueError, match=r"max_model_len=32 \(the whole KV cache holds 32 tokens\)"):
+        with pytest.raises(ValueError,
+                           match=r"max_model_len=32 \(the whole KV cache holds 32 tokens\)"):
             engine.generate([[5] * 40], SamplingParams(), use_tqdm=False)
-        out = engine.generate([[5] * 20], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        out = engine.generate([[5] * 20],
+                              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                               use_tqdm=False)[0]
     finally:
         engine.exit()
@@ -550,24 +613,29 @@ def test_prompt_larger_than_the_kv_cache(tiny, caplog):
 @pytest.mark.parametrize("prompts, params, match", [
     ([[]], None, "prompt 0: the decoder prompt cannot be empty"),
     (["ok", ""], None, "prompt 1: the decoder prompt cannot be empty"),
-    ([[1, 2, 999]], None, r"prompt 0: token id 999 is out of vocabulary \(ids \[999\] outside \[0, 320\)\)"),
+    ([[1, 2, 999]], None,
+     r"prompt 0: token id 999 is out of vocabulary \(ids \[999\] outside \[0, 320\)\)"),
     ([[1, -2]], None, r"token id -2 is out of vocabulary \(ids \[-2\] outside \[0, 320\)"),
     ([[1, 2.5]], None, "list of ints"),
-    ([[7] * 600], None, r"prompt 0 \(length 600\) plus at least 1 output token is longer than the maximum "
+    ([[7] * 600], None,
+     r"prompt 0 \(length 600\) plus at least 1 output token is longer than the maximum "
                         r"context length: max_model_len=512"),
     ([[7] * 512], None, r"prompt 0 \(length 512\) plus .* maximum context length"),
     (["\ud800"], None, "prompt 0 is not valid Unicode text"),
     ([{"prompt": "a\udfffb"}], None, "prompt 0 is not valid Unicode text"),
     (["a", "b"], [SamplingParams()], "2 prompts but 1"),
     ([1.5], None, "a string, a list of ints or a dict"),
-    (["a"], SamplingParams(logprobs=321), "Requested sample logprobs of 321, which is greater than max allowed: 20"),
-    (["a"], SamplingParams(prompt_logprobs=10_000), "Requested prompt logprobs of 10000, which is greater than"),
+    (["a"], SamplingParams(logprobs=321),
+     "Requested sample logprobs of 321, which is greater than max allowed: 20"),
+    (["a"], SamplingParams(prompt_logprobs=10_000),
+     "Requested prompt logprobs of 10000, which is greater than"),
 ])
 def test_bad_prompts_leave_engine_usable(llm, prompts, params, match):
     with pytest.raises((ValueError, TypeError), match=match):
         llm.generate(prompts, params or SamplingParams(), use_tqdm=False)
     assert llm.is_finished()
-    assert len(llm.generate(["ok"], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"]) <= 2
+    assert len(llm.generate(["ok"], SamplingParams(max_tokens=2),
+                            use_tqdm=False)[0]["token_ids"]) <= 2
 
 
 def test_wrong_sampling_params_type(llm):

@@ -22,7 +22,8 @@ def test_workload_is_nano_vllms():
     assert len(prompts) == 256
     assert sum(sp.max_tokens for sp in params) == 133_966
     assert sum(len(p) for p in prompts) == 142_827
-    assert all(100 <= len(p) <= 1024 and 100 <= sp.max_tokens <= 1024 for p, sp in zip(prompts, params))
+    assert all(100 <= len(p) <= 1024 and 100 <= sp.max_tokens <= 1024
+               for p, sp in zip(prompts, params))
     assert all(sp.temperature == 0.6 and sp.ignore_eos for sp in params)
 
 
@@ -42,19 +43,21 @@ def test_roofline_matches_the_reference_arithmetic():
 def test_bench_runs_on_cpu(tmp_path, quantization):
     from tiny_model import build_tiny_qwen3
     path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--num-seqs", "4",
-                           "--max-input-len", "130", "--max-output-len", "110", "--json",
-                           *(["--quantization", quantization] if quantization else [])],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path,
+                           "--num-seqs", "4", "--max-input-len", "130", "--max-output-len", "110",
+                           "--json", *(["--quantization", quantization] if quantization else [])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     _, params = bench.workload(4, 100, 130, 110)
-    assert result["output_tokens"] == sum(sp.max_tokens for sp in params) and result["tok_per_s"] > 0
+    assert (result["output_tokens"] == sum(sp.max_tokens for sp in params)
+            and result["tok_per_s"] > 0)
     assert result["weights"] == ("fp8 per-channel" if quantization else "bf16")
 
 
 def test_fp8_presets_are_qwens_block_wise_checkpoints():
-    """qwen3-*-fp8: the model's config.json with Qwen3-*-FP8's quantization_config (e4m3, 128x128 blocks)."""
+    """qwen3-*-fp8: the model's config.json with Qwen3-*-FP8's quantization_config (e4m3, 128x128
+    blocks)."""
     from nanovllm.features.fp8 import get_quantization_config
     fp8, bf16 = preset_config("qwen3-8b-fp8"), preset_config("qwen3-8b")
     assert fp8.hidden_size == bf16.hidden_size and fp8.num_hidden_layers == bf16.num_hidden_layers
@@ -64,7 +67,8 @@ def test_fp8_presets_are_qwens_block_wise_checkpoints():
 
 
 def test_profile_step_times_every_phase(tiny):
-    """tools/profile_step.py on CPU: every wrapped phase is timed (a renamed engine method fails here)."""
+    """tools/profile_step.py on CPU: every wrapped phase is timed (a renamed engine method fails
+    here)."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from profile_step import profile
 
@@ -74,21 +78,23 @@ def test_profile_step_times_every_phase(tiny):
         result = profile(llm, batch=2, context=20, steps=3)
     finally:
         llm.exit()
-    for phase in ("schedule", "prepare_decode", "step_tensors", "prepare_sample", "run_model", "postprocess"):
+    for phase in ("schedule", "prepare_decode", "step_tensors", "prepare_sample", "run_model",
+                  "postprocess"):
         assert result[phase] > 0, phase
     assert result["step_ms"] > 0 and result["batch"] == 2
 
 
-TINY_PRESET = ("Qwen3Config", dict(architectures=["Qwen3ForCausalLM"], vocab_size=600, hidden_size=64,
-                                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                                   bos_token_id=500, eos_token_id=502, tie_word_embeddings=False, dtype="bfloat16"))
+TINY_PRESET = ("Qwen3Config", dict(architectures=["Qwen3ForCausalLM"], vocab_size=600,
+                                   hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, bos_token_id=500, eos_token_id=502,
+                                   tie_word_embeddings=False, dtype="bfloat16"))
 
 
 def test_startup_time_writes_a_checkpoint_once_and_times_every_phase(tmp_path, monkeypatch):
-    """tools/startup_time.py --checkpoint-of: a sharded checkpoint that transformers loads without a missing or
-    unexpected tensor, written once; the engine loads it with the tokenizer's EOS; the child times each phase
-    of the construction from it (a renamed engine function fails here)."""
+    """tools/startup_time.py --checkpoint-of: a sharded checkpoint that transformers loads without a
+    missing or unexpected tensor, written once; the engine loads it with the tokenizer's EOS; the
+    child times each phase of the construction from it (a renamed engine function fails here)."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from startup_time import write_checkpoint
     from transformers import AutoModelForCausalLM
@@ -108,13 +114,16 @@ def test_startup_time_writes_a_checkpoint_once_and_times_every_phase(tmp_path, m
         assert len(llm.tokenizer) == 600 and llm.config.eos_token_ids[0] == 502
     finally:
         llm.exit()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "startup_time.py"), "--child", "--model", path],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "startup_time.py"),
+                           "--child", "--model", path],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     phases = json.loads(proc.stdout.strip().splitlines()[-1])
-    for phase in ("resolve_paths", "hf_config", "tokenizer", "eos_token_ids", "load_weights", "kv_cache"):
+    for phase in ("resolve_paths", "hf_config", "tokenizer", "eos_token_ids", "load_weights",
+                  "kv_cache"):
         assert phase in phases, phase
-    assert phases["tokenizer"] > 0 and phases["llm_construction"] >= phases["load_weights"] + phases["tokenizer"]
+    assert (phases["tokenizer"] > 0
+            and phases["llm_construction"] >= phases["load_weights"] + phases["tokenizer"])
 
 
 def test_scenarios_have_their_documented_shapes_and_the_warmup_has_other_tokens():
@@ -123,9 +132,12 @@ def test_scenarios_have_their_documented_shapes_and_the_warmup_has_other_tokens(
     warm, warm_params, _ = bench.scenario_workload(bench.SCENARIOS["prefix"], 1)
     assert len(batch1) == 1 and len(batch1[0]) == 512
     assert len(prompts) == 256 and shared == 2048 and all(len(p) == 2048 + 128 for p in prompts)
-    assert all(p[:2048] == prompts[0][:2048] for p in prompts) and prompts[0][2048:] != prompts[1][2048:]
-    assert [len(p) for p in warm] == [len(p) for p in prompts] and warm[0][:2048] != prompts[0][:2048]
-    assert all(sp.max_tokens == 128 and sp.temperature == 0.6 and sp.ignore_eos for sp in params + warm_params)
+    assert (all(p[:2048] == prompts[0][:2048] for p in prompts)
+            and prompts[0][2048:] != prompts[1][2048:])
+    assert ([len(p) for p in warm] == [len(p) for p in prompts]
+            and warm[0][:2048] != prompts[0][:2048])
+    assert all(sp.max_tokens == 128 and sp.temperature == 0.6 and sp.ignore_eos
+               for sp in params + warm_params)
 
 
 def test_roofline_prefills_a_shared_prefix_once():
@@ -134,20 +146,23 @@ def test_roofline_prefills_a_shared_prefix_once():
     alone = bench.roofline(config, [2048 + 128] + [128] * 3, [8] * 4, 4e12, 7e14)
     unshared = bench.roofline(config, [2048 + 128] * 4, [8] * 4, 4e12, 7e14)
     assert shared.seconds_compute < unshared.seconds_compute
-    # the same prefill tokens as one full prompt plus three suffixes; the suffixes attend over the prefix too
+    # the same prefill tokens as one full prompt plus three suffixes; the suffixes attend over the
+    # prefix too
     assert alone.seconds_compute < shared.seconds_compute
 
 
 def test_scenario_runs_on_cpu(tmp_path):
     from tiny_model import build_tiny_qwen3
     path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--scenario", "prefix",
-                           "--scale", "0.02", "--block-size", "16", "--kv-cache-dtype", "fp8", "--json"],
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path,
+                           "--scenario", "prefix", "--scale", "0.02", "--block-size", "16",
+                           "--kv-cache-dtype", "fp8", "--json"],
                           capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["scenario"] == "prefix" and result["num_seqs"] == 256 and result["output_tokens"] == 256 * 3
+    assert (result["scenario"] == "prefix" and result["num_seqs"] == 256
+            and result["output_tokens"] == 256 * 3)
     assert result["block_size"] == 16 and result["kv_cache_dtype"] == "fp8"
 
 
@@ -164,8 +179,10 @@ def test_roofline_reads_a_shared_prefix_once_per_step():
 def test_kernel_table_counts_launches_busy_and_idle_time():
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from profile_step import kernel_table
-    # gemm 0-10 and a copy 5-11 (busy 0-11), norm 12-14 (1 us idle before it); 20 us idle; gemm, norm 34-46
-    kernels = [("gemm", 0, 10), ("copy", 5, 11), ("norm", 12, 14), ("gemm", 34, 44), ("norm", 44, 46)]
+    # gemm 0-10 and a copy 5-11 (busy 0-11), norm 12-14 (1 us idle before it); 20 us idle; gemm,
+    # norm 34-46
+    kernels = [("gemm", 0, 10), ("copy", 5, 11), ("norm", 12, 14), ("gemm", 34, 44),
+               ("norm", 44, 46)]
     table = kernel_table(kernels, steps=2)
     assert table["launches_per_step"] == 2.5 and table["busy_us_per_step"] == (11 + 2 + 12) / 2
     assert table["idle_us_per_step"] == (1 + 20) / 2  # 11 -> 12 and 14 -> 34
@@ -174,21 +191,26 @@ def test_kernel_table_counts_launches_busy_and_idle_time():
 
 
 def test_roofline_reads_the_experts_a_moe_step_touches():
-    """Qwen3-30B-A3B: a decode step reads the dense weights (attention, routers, embeddings) and, in each of
-    the 48 sparse layers, the distinct experts its B running sequences touch: exactly top-k = 8 at B = 1,
-    E (1 - (1 - k/E)^B) in expectation; a token computes with 8 of the 128 experts."""
+    """Qwen3-30B-A3B: a decode step reads the dense weights (attention, routers, embeddings) and, in
+    each of the 48 sparse layers, the distinct experts its B running sequences touch: exactly top-k
+    = 8 at B = 1, E (1 - (1 - k/E)^B) in expectation; a token computes with 8 of the 128 experts."""
     moe = preset_config("qwen3-30b-a3b")
     h, layers = 2048, 48
-    dense = layers * (h * (32 + 2 * 4) * 128 + 32 * 128 * h + 128 * h) + 2 * 151936 * h   # attention, routers, vocab
+    # attention, routers, vocab
+    dense = layers * (h * (32 + 2 * 4) * 128 + 32 * 128 * h + 128 * h) + 2 * 151936 * h
     expert = 3 * h * 768
     one = bench.roofline(moe, [10], [5], 1e12, 1e15)  # 4 decode steps at B = 1: 8 experts each
     kv_token = 2 * layers * 4 * 128 * 2
-    kv = (10 * 4 + 5 * 4 // 2 + 10) * kv_token  # decode steps' reads of prompt + outputs, and the prefill's writes
-    assert one.seconds_memory * 1e12 == pytest.approx(4 * (dense + layers * 8 * expert) * 2 + kv, rel=1e-9)
-    three = bench.roofline(moe, [10] * 3, [3, 3, 2], 1e12, 1e15)  # step 1 runs 3 sequences, step 2 two
+    # decode steps' reads of prompt + outputs, and the prefill's writes
+    kv = (10 * 4 + 5 * 4 // 2 + 10) * kv_token
+    assert one.seconds_memory * 1e12 == pytest.approx(4 * (dense + layers * 8 * expert) * 2 + kv,
+                                                      rel=1e-9)
+    # step 1 runs 3 sequences, step 2 two
+    three = bench.roofline(moe, [10] * 3, [3, 3, 2], 1e12, 1e15)
     touched = 128 * (1 - (1 - 8 / 128) ** 3) + 128 * (1 - (1 - 8 / 128) ** 2)
     kv = sum(10 * (o - 1) + o * (o - 1) // 2 for o in (3, 3, 2)) * kv_token + 30 * kv_token
-    assert three.seconds_memory * 1e12 == pytest.approx(2 * dense * 2 + layers * touched * expert * 2 + kv, rel=1e-9)
+    assert three.seconds_memory * 1e12 == pytest.approx(
+        2 * dense * 2 + layers * touched * expert * 2 + kv, rel=1e-9)
     # compute: the active matrices (8 experts a token; the LM head apart, the embedding no matmul)
     active = dense - 2 * 151936 * h + layers * 8 * expert
     flops_linear = 2 * active * (10 + 5) + 2 * 151936 * h * (1 + 5)
@@ -196,15 +218,17 @@ def test_roofline_reads_the_experts_a_moe_step_touches():
     assert one.seconds_compute * 1e15 == pytest.approx(flops_linear + flops_attn, rel=1e-9)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="needs the structured extra")
+@pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None,
+                    reason="needs the structured extra")
 def test_bench_structured_runs_on_cpu_with_the_handoff():
-    """tools/bench_structured.py end to end on the demo model with async scheduling (the bitmask handoff's
-    path): both batches run, the JSON batch's bitmasks are counted, and every phase of the host's steps is
-    timed."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_structured.py"), "--model",
-                          "nanovllm:demo", "--num-seqs", "4", "--prompt-len", "16", "--output-len", "12", "--reps",
-                          "1", "--async-scheduling", "--phases", "--json"], capture_output=True, text=True,
-                         timeout=600, check=True, cwd=ROOT).stdout
+    """tools/bench_structured.py end to end on the demo model with async scheduling (the bitmask
+    handoff's path): both batches run, the JSON batch's bitmasks are counted, and every phase of the
+    host's steps is timed."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_structured.py"),
+                          "--model", "nanovllm:demo", "--num-seqs", "4", "--prompt-len", "16",
+                          "--output-len", "12", "--reps", "1", "--async-scheduling", "--phases",
+                          "--json"], capture_output=True, text=True, timeout=600, check=True,
+                         cwd=ROOT).stdout
     record = json.loads(out.splitlines()[-1])
     assert record["async_scheduling"] and record["handoff"]
     free, constrained = record["runs"]["free"][0], record["runs"]["json"][0]

@@ -1,6 +1,7 @@
-"""The fp8-weight linear kernels (kernels/triton_fp8.py) against the same quantization in float64: block scales and
-per-channel ones, activations quantized per row or per row and group, with the SiLU-and-mul, bias and residual
-fusions. On CPU in Triton's interpreter (fp32, fp16); compiled on the GPU (bf16 too)."""
+"""The fp8-weight linear kernels (kernels/triton_fp8.py) against the same quantization in float64:
+block scales and per-channel ones, activations quantized per row or per row and group, with the
+SiLU-and-mul, bias and residual fusions. On CPU in Triton's interpreter (fp32, fp16); compiled on
+the GPU (bf16 too)."""
 from __future__ import annotations
 
 import pytest
@@ -12,14 +13,17 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 FP8_MAX = 448.0
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}  # relative error, by output dtype
-# Hopper's fp8 tensor cores keep about 14 bits of mantissa while they add up products (DeepSeek-V3 report, 3.3.2), so
-# an fp8 x fp8 product's error is about 1e-4 relative whatever the output dtype (measured: 6e-5 to 4e-4 in fp32)
+# relative error, by output dtype
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+# Hopper's fp8 tensor cores keep about 14 bits of mantissa while they add up products (DeepSeek-V3
+# report, 3.3.2), so an fp8 x fp8 product's error is about 1e-4 relative whatever the output dtype
+# (measured: 6e-5 to 4e-4 in fp32)
 FP8_MMA_TOLERANCE = 1e-3
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] | None):
-    """(w_fp8, scales): per (bn x bk) block, or per row with block None; and the dequantized weight in float64."""
+    """(w_fp8, scales): per (bn x bk) block, or per row with block None; and the dequantized weight
+    in float64."""
     n, k = w.shape
     bn, bk = block or (1, k)
     nb, kb = -(-n // bn), -(-k // bk)
@@ -33,28 +37,32 @@ def quantize(w: torch.Tensor, block: tuple[int, int] | None):
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """x per row and group of ``group`` columns through e4m3 and back, in float32 as the GEMM's quantization."""
+    """x per row and group of ``group`` columns through e4m3 and back, in float32 as the GEMM's
+    quantization."""
     m, k = x.shape
     out = torch.empty(m, k, dtype=torch.float64)
     for g in range(0, k, group):
         part = x[:, g:g + group].float()
         amax = part.abs().amax(1, keepdim=True)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        out[:, g:g + group] = (part / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale
+        out[:, g:g + group] = ((part / scale).clamp(-FP8_MAX, FP8_MAX)
+                               .to(torch.float8_e4m3fn).double() * scale)
     return out
 
 
 def check_linear(x: torch.Tensor, n: int, block, fusion: str, tol: float | None = None, **kwargs):
-    """fp8_linear of x (``fusion``: none, silu_mul, residual or bias) against x quantized as the kernels quantize it
-    (per row, or per row and group of bk columns) @ the dequantized weight in float64, within the output dtype's
-    tolerance (or ``tol``); returns (out, ref) in float64 on the CPU. ``kwargs`` go to fp8_skinny instead."""
+    """fp8_linear of x (``fusion``: none, silu_mul, residual or bias) against x quantized as the
+    kernels quantize it (per row, or per row and group of bk columns) @ the dequantized weight in
+    float64, within the output dtype's tolerance (or ``tol``); returns (out, ref) in float64 on the
+    CPU. ``kwargs`` go to fp8_skinny instead."""
     m, k = x.shape
     dtype = x.dtype
     w = torch.randn(2 * n if fusion == "silu_mul" else n, k) * 0.1
     w_fp8, scale, w_ref = quantize(w, block)
     bias = torch.randn(n) if fusion == "bias" else None
     residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
-    ref = quantize_groups(x, k if block is None else block[1]) @ w_ref.T + (bias.double() if bias is not None else 0)
+    ref = (quantize_groups(x, k if block is None else block[1]) @ w_ref.T
+           + (bias.double() if bias is not None else 0))
     if fusion == "silu_mul":
         ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
     if residual is not None:
@@ -77,11 +85,13 @@ def test_fp8_skinny_linear_matches_quantized_operands(dtype, block, fusion):
     m, k, n = 5, 320, 96  # K not a multiple of the block: the last block is partial
     x = torch.randn(m, k).to(dtype)
     x[2] = 0.0  # a zero row's scale is 1, not 0/0
-    x[1, :64] *= 50.0  # one group of a row far larger than the rest: per-group scales differ from per-row ones
+    # one group of a row far larger than the rest: per-group scales differ from per-row ones
+    x[1, :64] *= 50.0
     check_linear(x, n, block, fusion)
 
 
-@pytest.mark.skipif(not CUDA, reason="the fp8 MMA needs an sm_89+ GPU; the interpreter converts both operands")
+@pytest.mark.skipif(not CUDA, reason="the fp8 MMA needs an sm_89+ GPU; the interpreter converts "
+                                     "both operands")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block", [(128, 128), None])
@@ -94,13 +104,16 @@ def test_fp8_skinny_on_the_fp8_mma_and_in_the_activation_dtype_agree(dtype, bloc
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [(128, 128), (32, 64), None])
-@pytest.mark.parametrize("m,fusion", [(17, "none"), (70, "silu_mul"), (130, "residual"), (33, "bias")])
+@pytest.mark.parametrize("m,fusion", [(17, "none"), (70, "silu_mul"), (130, "residual"),
+                                      (33, "bias")])
 def test_fp8_gemm_matches_quantized_operands(dtype, block, m, fusion):
-    """More than SKINNY_MAX_M rows: x quantized per token (per-channel weights) or per token and group of bk
-    columns (block-wise), both operands multiplied in fp8; against the same quantization in float64."""
+    """More than SKINNY_MAX_M rows: x quantized per token (per-channel weights) or per token and
+    group of bk columns (block-wise), both operands multiplied in fp8; against the same quantization
+    in float64."""
     torch.manual_seed(1)
     k, n = 320, 200  # partial K block, partial N tile, several M tiles at m = 130
     x = torch.randn(m, k).to(dtype)
     x[3] = 0.0  # a zero row's scale is 1, not 0/0
-    out, ref = check_linear(x, n, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE) if CUDA else None)
+    out, ref = check_linear(x, n, block, fusion,
+                            tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE) if CUDA else None)
     assert float((out[3] - ref[3]).abs().max()) < 1e-2

@@ -58,7 +58,8 @@ def test_a_killed_actor_loses_no_prompt(local_ray, tiny, reference):
 def test_ray_data_map_batches(local_ray, tiny, reference):
     prompts, expected = reference
     ds = ray.data.from_items([{"prompt": p} for p in prompts[:12]])
-    out = ds.map_batches(LLMPredictor, fn_constructor_kwargs={"model": tiny, "sampling_params": SP, **CPU_ENGINE},
+    out = ds.map_batches(LLMPredictor,
+                         fn_constructor_kwargs={"model": tiny, "sampling_params": SP, **CPU_ENGINE},
                          concurrency=1, batch_size=6).take_all()
     got = {tuple(r["prompt"]): list(r["generated_token_ids"]) for r in out}
     assert [got[tuple(p)] for p in prompts[:12]] == expected[:12]

@@ -1,6 +1,6 @@
-"""Specification of failures and resource hygiene: dead workers, Ctrl-C, a killed run, orphan processes,
-shared memory, engines that fail to start, a failure that is one request's own, memory given back when an
-engine is dropped, threads, a batch far larger than the cache, a soak."""
+"""Specification of failures and resource hygiene: dead workers, Ctrl-C, a killed run, orphan
+processes, shared memory, engines that fail to start, a failure that is one request's own, memory
+given back when an engine is dropped, threads, a batch far larger than the cache, a soak."""
 from __future__ import annotations
 
 import _thread
@@ -52,14 +52,16 @@ def _shm(name: str) -> bool:
 # ---- dead workers, orphans, shared memory --------------------------------------------------------
 @pytest.mark.parametrize("delay", [0.3, 1.0, 1.8])
 def test_dead_worker_raises_naming_the_rank(tiny, delay):
-    """Killed at any point of a generate, the worker is named (never gloo's raw 'Connection reset')."""
+    """Killed at any point of a generate, the worker is named (never gloo's raw 'Connection
+    reset')."""
     llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
     worker = llm.workers.processes[0]
     shm_name = llm.workers.channel.shm.name
     threading.Timer(delay, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.time()
     with pytest.raises(WorkerDiedError, match=r"worker rank 1 died \(exit code -9\)"):
-        llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
+        llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True),
+                     use_tqdm=False)
     assert time.time() - start < 30
     assert not worker.is_alive() and not _shm(shm_name)
     with pytest.raises(RuntimeError, match="shut down"):
@@ -68,7 +70,8 @@ def test_dead_worker_raises_naming_the_rank(tiny, delay):
 
 
 def _in_thread(fn, timeout: float):
-    """(result, exception) of fn() run in a thread, or pytest.fail if it has not returned by ``timeout``."""
+    """(result, exception) of fn() run in a thread, or pytest.fail if it has not returned by
+    ``timeout``."""
     box = {}
 
     def run():
@@ -93,8 +96,10 @@ def test_idle_worker_killed_between_calls_is_named(tiny):
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         start = time.time()
-        _, error = _in_thread(lambda: llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False), 60)
-        assert isinstance(error, WorkerDiedError) and "rank 1 died (exit code -9)" in str(error), error
+        _, error = _in_thread(lambda: llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3),
+                                                   use_tqdm=False), 60)
+        assert (isinstance(error, WorkerDiedError)
+                and "rank 1 died (exit code -9)" in str(error)), error
         assert time.time() - start < 10
     finally:
         llm.exit()
@@ -102,8 +107,9 @@ def test_idle_worker_killed_between_calls_is_named(tiny):
 
 @pytest.fixture
 def sigint_raises():
-    """Ctrl-C raising KeyboardInterrupt, as in a terminal: a shell that starts pytest in the background ignores
-    SIGINT, and Python then leaves it ignored (interrupt_main does nothing, children inherit it)."""
+    """Ctrl-C raising KeyboardInterrupt, as in a terminal: a shell that starts pytest in the
+    background ignores SIGINT, and Python then leaves it ignored (interrupt_main does nothing,
+    children inherit it)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
@@ -120,7 +126,8 @@ def test_ctrl_c_with_tensor_parallelism_returns_at_once(tiny, sigint_raises):
 
     threading.Timer(1.0, interrupt).start()
     with pytest.raises(KeyboardInterrupt):
-        llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
+        llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True),
+                     use_tqdm=False)
     llm.exit()  # a no-op when the interrupt came inside a step (it shut the engine down then)
     took = time.monotonic() - interrupted[0]
     assert took < 5, f"Ctrl-C took {took:.1f} s to shut the engine down"
@@ -135,7 +142,8 @@ def test_two_tp_engines_side_by_side_and_after_a_failed_start(tiny, tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(tiny, **CPU_ENGINE) as ref_engine:
         ref = [o["token_ids"] for o in ref_engine.generate(prompts, sp, use_tqdm=False)]
-    a, b = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE), LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
+    a, b = (LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE),
+            LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE))
     try:
         assert [o["token_ids"] for o in a.generate(prompts, sp, use_tqdm=False)] == ref
         assert [o["token_ids"] for o in b.generate(prompts, sp, use_tqdm=False)] == ref
@@ -145,8 +153,8 @@ def test_two_tp_engines_side_by_side_and_after_a_failed_start(tiny, tmp_path):
 
 
 def test_a_call_larger_than_the_segment_moves_to_a_larger_one(tiny, monkeypatch):
-    """Steps whose description exceeds the shared-memory segment (512 bytes here; 512 sequences of 1,000
-    blocks exceed the 1 MiB default) move to a larger segment instead of failing."""
+    """Steps whose description exceeds the shared-memory segment (512 bytes here; 512 sequences of
+    1,000 blocks exceed the 1 MiB default) move to a larger segment instead of failing."""
     monkeypatch.setattr(worker_group, "SEGMENT_SIZE", 512)
     prompts = random_prompts(24, 30, 90, seed=98)
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -163,28 +171,30 @@ def test_a_call_larger_than_the_segment_moves_to_a_larger_one(tiny, monkeypatch)
 
 def test_full_dev_shm_is_a_clear_error():
     stat = os.statvfs("/dev/shm")
-    too_big = stat.f_blocks * stat.f_frsize + 2 ** 20  # more than /dev/shm holds: refused before any page
+    # more than /dev/shm holds: refused before any page
+    too_big = stat.f_blocks * stat.f_frsize + 2 ** 20
     name = f"nanovllm-{os.getpid()}-fulltest"
-    with pytest.raises(RuntimeError, match=r"cannot reserve \d+ bytes of shared memory in /dev/shm"):
+    with pytest.raises(RuntimeError,
+                       match=r"cannot reserve \d+ bytes of shared memory in /dev/shm"):
         worker_group.create_segment(name, too_big)
     assert not _shm(name)
 
 
 def test_workers_exit_with_rank_0_whatever_their_main_thread_does(tmp_path):
-    """A worker whose main thread is blocked (in a collective, a device sync, C code holding the GIL)
-    still ends when rank 0's process is killed: a watchdog thread on the parent's sentinel, and the
-    parent-death signal for a main thread that never releases the GIL."""
+    """A worker whose main thread is blocked (in a collective, a device sync, C code holding the
+    GIL) still ends when rank 0's process is killed: a watchdog thread on the parent's sentinel, and
+    the parent-death signal for a main thread that never releases the GIL."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import multiprocessing, os, time
         from nanovllm.engine.worker_group import _exit_with_parent
 
-        def sleeper():               # blocked, GIL released: the watchdog thread ends it
+        def sleeper():  # blocked, GIL released: the watchdog thread ends it
             _exit_with_parent(pdeathsig=False)
             print("READY", os.getpid(), flush=True)
             time.sleep(600)
 
-        def spinner():               # blocked in C code that holds the GIL: only the signal can end it
+        def spinner():  # blocked in C code that holds the GIL: only the signal can end it
             _exit_with_parent(pdeathsig=True)
             print("READY", os.getpid(), flush=True)
             sum(range(10 ** 13))
@@ -206,8 +216,9 @@ def test_workers_exit_with_rank_0_whatever_their_main_thread_does(tmp_path):
 
 
 def test_a_child_whose_parent_died_while_it_started_exits(tmp_path):
-    """Rank 0 killed before a worker armed its watchdog (the worker still importing): the worker sees it
-    has been re-parented and exits, even when its main thread would next hold the GIL for good."""
+    """Rank 0 killed before a worker armed its watchdog (the worker still importing): the worker
+    sees it has been re-parented and exits, even when its main thread would next hold the GIL for
+    good."""
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent("""
         import multiprocessing, time
@@ -243,15 +254,18 @@ def test_script_without_main_guard_fails_at_once_with_the_fix(tiny, tmp_path):
         print("STARTED")
     """))
     start = time.time()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240)
     assert proc.returncode != 0 and "STARTED" not in proc.stdout
-    assert 'if __name__ == "__main__":' in proc.stderr and "WorkerDiedError" in proc.stderr, proc.stderr[-3000:]
+    assert ('if __name__ == "__main__":' in proc.stderr
+            and "WorkerDiedError" in proc.stderr), proc.stderr[-3000:]
     assert time.time() - start < 120
 
 
 def test_waiting_for_a_step_notices_a_dead_worker():
-    """With NCCL a step whose collectives wait for a dead rank never completes: the wait for its sampled
-    tokens polls the step's event and gives up once a worker is gone, instead of blocking forever."""
+    """With NCCL a step whose collectives wait for a dead rank never completes: the wait for its
+    sampled tokens polls the step's event and gives up once a worker is gone, instead of blocking
+    forever."""
     from nanovllm.engine.cuda_graph import wait_for_event
 
     class NeverDone:  # a CUDA event of a forward stuck in a collective
@@ -264,7 +278,8 @@ def test_waiting_for_a_step_notices_a_dead_worker():
     checks = []
     start = time.time()
     with pytest.raises(RuntimeError, match="worker died"):
-        wait_for_event(NeverDone(), alive=lambda: checks.append(1) or len(checks) < 3, check_every_s=0.01)
+        wait_for_event(NeverDone(), alive=lambda: checks.append(1) or len(checks) < 3,
+                       check_every_s=0.01)
     assert len(checks) == 3 and time.time() - start < 2
 
     class DoneAfter:  # a step that completes: no liveness check needed before it does
@@ -283,12 +298,15 @@ SCRIPT = textwrap.dedent("""
     import signal, sys, time
     from nanovllm import LLM, SamplingParams
     if __name__ == "__main__":
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the test runner's shell ignores
+        # whatever the test runner's shell ignores
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, max_model_len=512,
                   num_kvcache_blocks=256, device="cpu")
-        print("PIDS", *[p.pid for p in llm.workers.processes], "SHM", llm.workers.channel.shm.name, flush=True)
+        print("PIDS", *[p.pid for p in llm.workers.processes], "SHM", llm.workers.channel.shm.name,
+              flush=True)
         try:
-            llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True), use_tqdm=False)
+            llm.generate([[1] * 20] * 8, SamplingParams(max_tokens=450, ignore_eos=True),
+                         use_tqdm=False)
         except KeyboardInterrupt:
             llm.exit()
             print("SHUT DOWN", time.monotonic(), flush=True)
@@ -300,8 +318,8 @@ SCRIPT = textwrap.dedent("""
 def _start(tiny, tmp_path):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), tiny], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen([sys.executable, str(script), tiny], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
     assert line and line[0] == "PIDS", proc.stderr.read()[-2000:]
     return proc, [int(p) for p in line[1:line.index("SHM")]], line[-1]
@@ -316,7 +334,8 @@ def test_ctrl_c_shuts_everything_down(tiny, tmp_path):
     proc.send_signal(signal.SIGINT)  # to the main process only, as a supervisor would
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "KeyboardInterrupt" in err
-    shut_down = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("SHUT DOWN")]
+    shut_down = [float(line.split()[-1])
+                 for line in out.splitlines() if line.startswith("SHUT DOWN")]
     assert shut_down and shut_down[0] - sent < 10, (out, err[-2000:])
     assert all(_gone(pid) for pid in workers), "orphan worker processes"
     assert not _shm(shm_name), "leaked shared memory"
@@ -328,10 +347,12 @@ def test_killed_run_leaves_nothing_that_blocks_the_next(tiny, tmp_path):
     proc.kill()  # SIGKILL: no cleanup code runs in the main process
     proc.wait(timeout=10)
     assert all(_gone(pid) for pid in workers), "workers outlived their rank 0"
-    llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)  # starts; any segment left behind is removed
+    # starts; any segment left behind is removed
+    llm = LLM(tiny, tensor_parallel_size=2, **CPU_ENGINE)
     try:
         assert not _shm(shm_name)
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0]["token_ids"]) <= 3
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3),
+                                use_tqdm=False)[0]["token_ids"]) <= 3
     finally:
         llm.exit()
 
@@ -383,7 +404,8 @@ def test_a_request_whose_sampling_inputs_fail_ends_alone(tiny, monkeypatch):
 
         monkeypatch.setattr(runner, "prepare_sample", prepare_sample)
         out = llm.generate(prompts + [[9, 9, 9]], [GREEDY] * 3 + [poisoned], use_tqdm=False)
-        assert token_ids_of(out[:3]) == ref and out[3]["finish_reason"] == "error" and out[3]["token_ids"] == []
+        assert (token_ids_of(out[:3]) == ref and out[3]["finish_reason"] == "error"
+                and out[3]["token_ids"] == [])
         assert_no_leaks(llm)
     finally:
         llm.exit()
@@ -403,7 +425,8 @@ def test_context_is_reset_even_when_the_forward_raises():
 
 # ---- memory: a cache too large, an engine dropped ------------------------------------------------
 def test_a_kv_cache_too_large_to_allocate_is_named(tiny):
-    with pytest.raises(ValueError, match=r"cannot allocate a KV cache of 1000000000 blocks .*num_kvcache_blocks"):
+    with pytest.raises(ValueError, match=r"cannot allocate a KV cache of 1000000000 blocks "
+                                         r".*num_kvcache_blocks"):
         LLM(tiny, kvcache_block_size=16, num_kvcache_blocks=10 ** 9)
 
 
@@ -414,7 +437,8 @@ def _rss_mib() -> float:
 
 def test_del_frees_the_engine_and_its_memory(tiny):
     before = _rss_mib()
-    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384,  # a 256 MiB KV cache
+    # a 256 MiB KV cache
+    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384,
               device="cpu")
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     engine, cache = weakref.ref(llm), weakref.ref(llm.model_runner.kv_cache)
@@ -427,12 +451,14 @@ def test_del_frees_the_engine_and_its_memory(tiny):
 
 @pytest.mark.gpu
 def test_del_frees_the_device_memory(tiny):
-    """Every engine gives back all it took. The first CUDA work of a process leaves torch's own state behind
-    (cuBLAS and cuBLASLt workspaces: 64 MiB on an H200), so one engine runs first and the second is measured."""
+    """Every engine gives back all it took. The first CUDA work of a process leaves torch's own
+    state behind (cuBLAS and cuBLASLt workspaces: 64 MiB on an H200), so one engine runs first and
+    the second is measured."""
     import torch
 
     def run_one() -> weakref.ref:
-        llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384, device="cuda")
+        llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=16384,
+                  device="cuda")
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
         assert torch.cuda.memory_allocated() - before > 200 * 2 ** 20
         return weakref.ref(llm)
@@ -449,8 +475,9 @@ def test_del_frees_the_device_memory(tiny):
 
 @pytest.mark.gpu
 def test_an_engine_after_exit_gets_the_whole_card_again(tiny):
-    """Sized from the free memory (gpu_memory_utilization): the second engine, built while the first object is
-    still referenced, gets the first one's blocks, since exit() returned the first cache to the device."""
+    """Sized from the free memory (gpu_memory_utilization): the second engine, built while the first
+    object is still referenced, gets the first one's blocks, since exit() returned the first cache
+    to the device."""
     first = LLM(tiny, kvcache_block_size=16, max_model_len=512, device="cuda")
     blocks = first.model_runner.num_kvcache_blocks
     first.exit()
@@ -461,7 +488,8 @@ def test_an_engine_after_exit_gets_the_whole_card_again(tiny):
 
 # ---- threads -------------------------------------------------------------------------------------
 def _in_threads(work, n: int = 2) -> list:
-    """work(i) in n threads at once; its results in order (an exception raised in a thread is re-raised)."""
+    """work(i) in n threads at once; its results in order (an exception raised in a thread is
+    re-raised)."""
     results: list = [None] * n
 
     def run(i):
@@ -484,7 +512,8 @@ def _in_threads(work, n: int = 2) -> list:
 def test_generate_from_two_threads(llm):
     batches = [random_prompts(4, 5, 30, seed=90 + i) for i in range(2)]
     ref = [token_ids_of(llm.generate(b, GREEDY, use_tqdm=False)) for b in batches]
-    assert _in_threads(lambda i: token_ids_of(llm.generate(batches[i], GREEDY, use_tqdm=False))) == ref
+    assert _in_threads(
+        lambda i: token_ids_of(llm.generate(batches[i], GREEDY, use_tqdm=False))) == ref
     assert_no_leaks(llm)
 
 
@@ -522,9 +551,11 @@ def test_batch_far_larger_than_the_cache(tiny):
 
 @pytest.mark.slow
 def test_soak_ten_thousand_requests(tiny):
-    """10,000 requests (mixed lengths, shared prefixes, cache pressure) in 5 waves through one engine:
-    all complete with the right lengths, no blocks leak, and neither Python objects nor the prefix map grow."""
-    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=64, max_num_seqs=128, device="cpu")
+    """10,000 requests (mixed lengths, shared prefixes, cache pressure) in 5 waves through one
+    engine: all complete with the right lengths, no blocks leak, and neither Python objects nor the
+    prefix map grow."""
+    llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=64,
+              max_num_seqs=128, device="cpu")
     bm = llm.scheduler.block_manager
     shared = random_prompts(4, 40, 40, seed=60)
     objects = []
@@ -532,7 +563,8 @@ def test_soak_ten_thousand_requests(tiny):
         for wave in range(5):
             tails = random_prompts(2000, 1, 30, seed=61 + wave)
             prompts = [shared[i % 4] + t if i % 2 else t for i, t in enumerate(tails)]
-            params = [SamplingParams(temperature=0.0 if i % 3 else 0.8, max_tokens=1 + i % 5, ignore_eos=True)
+            params = [SamplingParams(temperature=0.0 if i % 3 else 0.8, max_tokens=1 + i % 5,
+                                     ignore_eos=True)
                       for i in range(len(prompts))]
             out = llm.generate(prompts, params, use_tqdm=False)
             assert [len(o["token_ids"]) for o in out] == [sp.max_tokens for sp in params]
@@ -548,13 +580,15 @@ def test_soak_ten_thousand_requests(tiny):
 
 
 def test_exit_frees_the_kv_cache_and_the_weights_at_once(tiny):
-    """exit() hands the device memory back then, not when the engine object goes: a second engine of the same
-    process sizes its cache from what is free (on CUDA, one left holding 90% of the card got no blocks)."""
+    """exit() hands the device memory back then, not when the engine object goes: a second engine of
+    the same process sizes its cache from what is free (on CUDA, one left holding 90% of the card
+    got no blocks)."""
     llm = LLM(tiny, **CPU_ENGINE)
     runner = llm.model_runner
     held = [weakref.ref(runner.kv_cache), weakref.ref(next(runner.model.parameters()))]
     assert all(ref() is not None for ref in held)
     llm.exit()
-    assert [ref() for ref in held] == [None, None]   # no gc.collect(): nothing refers to them any more
+    # no gc.collect(): nothing refers to them any more
+    assert [ref() for ref in held] == [None, None]
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(["again"], SamplingParams(max_tokens=1), use_tqdm=False)

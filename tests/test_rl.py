@@ -1,7 +1,7 @@
-"""Specification of the RL rollout surface: sleep mode (``sleep(level)``/``wake_up(tags)``: greedy outputs after
-waking equal those before, at TP=1 and TP=2; memory really given back; requests refused while asleep),
-``worker_extension_cls`` with ``collective_rpc``, and sampled logprobs that transformers recomputes on the
-updated weights."""
+"""Specification of the RL rollout surface: sleep mode (``sleep(level)``/``wake_up(tags)``: greedy
+outputs after waking equal those before, at TP=1 and TP=2; memory really given back; requests
+refused while asleep), ``worker_extension_cls`` with ``collective_rpc``, and sampled logprobs that
+transformers recomputes on the updated weights."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +17,8 @@ SLEEPY = dict(CPU_ENGINE, enable_sleep_mode=True)
 
 
 class Extension:
-    """A worker extension as vLLM's RLHF examples write one: methods that reach the model through ``self``."""
+    """A worker extension as vLLM's RLHF examples write one: methods that reach the model through
+    ``self``."""
 
     def weight_sum(self) -> float:
         return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
@@ -56,19 +57,21 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def sleep_cycle(llm: LLM, weights) -> list[list[int]]:
-    """Level 1 and back, then level 2, weights woken and reloaded, then the KV cache: each time the outputs are
-    the same as before sleeping; what is asleep is refused by name."""
+    """Level 1 and back, then level 2, weights woken and reloaded, then the KV cache: each time the
+    outputs are the same as before sleeping; what is asleep is refused by name."""
     before = generate(llm)
     llm.sleep(level=1)
     assert llm.is_sleeping()
     assert weight_bytes(llm) == 0 and llm.model_runner.kv_cache.untyped_storage().nbytes() == 0
-    with pytest.raises(RuntimeError, match=r"a request while the engine sleeps \(weights and kv_cache asleep\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"a request while the engine sleeps \(weights and kv_cache asleep\)"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.wake_up()
     assert not llm.is_sleeping()
     assert generate(llm) == before
     llm.sleep(level=2)
-    with pytest.raises(RuntimeError, match=r"update_weights\(\) while the engine sleeps.*tags=\['weights'\]"):
+    with pytest.raises(RuntimeError,
+                       match=r"update_weights\(\) while the engine sleeps.*tags=\['weights'\]"):
         llm.update_weights(weights)
     llm.wake_up(tags=["weights"])
     assert weight_bytes(llm) > 0 and llm.is_sleeping()
@@ -87,13 +90,15 @@ def test_sleep_and_wake_up_one_rank(pair, oracle):
         ptrs = [p.data_ptr() for p in llm.model_runner.model.parameters()]
         sleep_cycle(llm, weights)
         assert generate(llm) == generate(llm)  # the prefix cache (reset at sleep) refilled and hit
-        # a second level-1 sleep after a level-2 one, and level 2 over level 1 discards the host copy
+        # a second level-1 sleep after a level-2 one, and level 2 over level 1 discards the host
+        # copy
         llm.sleep(level=1)
         assert llm.model_runner.extensions["sleep"].host is not None
         llm.sleep(level=2)
         assert llm.model_runner.extensions["sleep"].host is None
         llm.wake_up()
-        assert all(not p.detach().any() for p in llm.model_runner.model.parameters())  # discarded: zeros
+        # discarded: zeros
+        assert all(not p.detach().any() for p in llm.model_runner.model.parameters())
         llm.update_weights(weights)
         assert len(ptrs) == len(list(llm.model_runner.model.parameters()))
         with pytest.raises(ValueError, match="level must be"):
@@ -113,19 +118,22 @@ def test_sleep_and_wake_up_one_rank(pair, oracle):
 
 
 def test_sleep_and_extension_on_two_ranks(pair, oracle, monkeypatch):
-    """TP=2: sleep and wake_up run on both ranks (the update after level 2 reaches the worker's shard), and the
-    extension's methods run on each with the runner as ``self``. The updates take CUDA's route here: the worker
-    gets the tensors by a broadcast over the TP group (gloo on CPU), not through the call channel."""
+    """TP=2: sleep and wake_up run on both ranks (the update after level 2 reaches the worker's
+    shard), and the extension's methods run on each with the runner as ``self``. The updates take
+    CUDA's route here: the worker gets the tensors by a broadcast over the TP group (gloo on CPU),
+    not through the call channel."""
     from nanovllm.features import weight_update
     monkeypatch.setattr(weight_update, "BROADCAST_DEVICES", ("cuda", "cpu"))
     a, b = pair
-    with LLM(a, **SLEEPY, tensor_parallel_size=2, worker_extension_cls=f"{__name__}.Extension") as llm:
+    with LLM(a, **SLEEPY, tensor_parallel_size=2,
+             worker_extension_cls=f"{__name__}.Extension") as llm:
         sleep_cycle(llm, list(oracle.model(a).named_parameters()))
         sums = llm.collective_rpc("weight_sum")
         assert len(sums) == 2 and sums[0] != sums[1]  # each rank holds its own shards
         llm.update_weights(list(oracle.model(b).named_parameters()))
         assert all(x != y for x, y in zip(llm.collective_rpc("weight_sum"), sums))
-        assert llm.collective_rpc("scale_norms", args=(1.0,)) == [9, 9]  # 2 layers x 4 norms + the final one
+        # 2 layers x 4 norms + the final one
+        assert llm.collective_rpc("scale_norms", args=(1.0,)) == [9, 9]
         llm.sleep(level=1)
         assert llm.collective_rpc(lambda_free_storage) == [0, 0]  # every rank gave its weights back
         llm.wake_up()
@@ -147,22 +155,25 @@ def test_worker_extension_cls_one_rank(pair):
         assert total == pytest.approx(Extension.weight_sum(llm.model_runner.worker))
         assert llm.collective_rpc("scale_norms", kwargs={"factor": 0.0}) == [9]
         assert generate(llm) != before  # the extension changed the model
-    with pytest.raises(ValueError, match=r"worker_extension_cls='no.such.Class' cannot be imported"):
+    with pytest.raises(ValueError,
+                       match=r"worker_extension_cls='no.such.Class' cannot be imported"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls="no.such.Class")
     with pytest.raises(TypeError, match="worker_extension_cls must be a class"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=3)
-    with pytest.raises(ValueError, match=r"Clashing: attribute\(s\) \['capture_cudagraph'\] conflict"):
+    with pytest.raises(ValueError,
+                       match=r"Clashing: attribute\(s\) \['capture_cudagraph'\] conflict"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=Clashing)
     with pytest.raises(ValueError, match="WithInit defines __init__"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=WithInit)
 
 
 def test_sampled_logprobs_match_transformers_after_update(pair, oracle):
-    """After ``update_weights`` with B's weights, temperature-1 samples' logprobs equal transformers'
-    log_softmax of B's raw logits at each sampled token (fp32, CPU)."""
+    """After ``update_weights`` with B's weights, temperature-1 samples' logprobs equal
+    transformers' log_softmax of B's raw logits at each sampled token (fp32, CPU)."""
     a, b = pair
     model = oracle.model(b)
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, logprobs=0, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=10, logprobs=0, ignore_eos=True,
+                            n=2)
     with LLM(a, **CPU_ENGINE) as llm:
         llm.update_weights(model.named_parameters())
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -172,7 +183,8 @@ def test_sampled_logprobs_match_transformers_after_update(pair, oracle):
             ids = list(prompt) + list(completion.token_ids)
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float()
-            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+            expected = torch.log_softmax(logits, -1).gather(
+                1, torch.tensor(completion.token_ids)[:, None])[:, 0]
             got = torch.tensor([float(entry[token]) for entry, token in zip(completion.logprobs,
                                                                              completion.token_ids)])
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
@@ -182,11 +194,12 @@ def test_sampled_logprobs_match_transformers_after_update(pair, oracle):
 
 @pytest.mark.gpu
 def test_sleep_gives_device_memory_back_and_graphs_are_captured_again(pair, oracle):
-    """CUDA: sleep(level=1) frees at least the weights and the KV cache (the device's used memory falls by 90% of
-    their bytes or more); after wake_up the decode graphs are captured again and the outputs are as before."""
+    """CUDA: sleep(level=1) frees at least the weights and the KV cache (the device's used memory
+    falls by 90% of their bytes or more); after wake_up the decode graphs are captured again and the
+    outputs are as before."""
     a, _ = pair
-    with LLM(a, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=4096, enable_sleep_mode=True,
-             max_num_seqs=8) as llm:
+    with LLM(a, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=4096,
+             enable_sleep_mode=True, max_num_seqs=8) as llm:
         runner = llm.model_runner
         assert runner.graphs is not None
         before = generate(llm)

@@ -1,5 +1,6 @@
-"""examples/rl_loop.py, short: eight GRPO steps on the demo model raise the mean reward (the last three steps'
-mean well above the first two's), and the engine's sampled logprobs equal the trainer's on the same weights."""
+"""examples/rl_loop.py, short: eight GRPO steps on the demo model raise the mean reward (the last
+three steps' mean well above the first two's), and the engine's sampled logprobs equal the trainer's
+on the same weights."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("rl_loop", os.path.join(ROOT, "examples", "rl_loop.py"))
+    spec = importlib.util.spec_from_file_location("rl_loop",
+                                                  os.path.join(ROOT, "examples", "rl_loop.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -28,7 +30,8 @@ def test_reward_and_advantages():
 
 
 def test_short_rl_loop_raises_the_reward():
-    """Seeded, on one thread (many threads on a busy machine wait on each other: 20 times slower here)."""
+    """Seeded, on one thread (many threads on a busy machine wait on each other: 20 times slower
+    here)."""
     rl_loop = load_example()
     rewards, gaps = rl_loop.train(steps=8, num_prompts=4, threads=1, progress=False)
     first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3

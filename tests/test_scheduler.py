@@ -1,6 +1,7 @@
-"""Specification of the scheduler: Sequence and its slot mapping, batch building (``nanovllm.engine.batch``),
-the BlockManager (prefix cache, reference counts), the Scheduler's admission and caps, and a property test
-of the step loop (EngineCore with its Scheduler and BlockManager) under random load."""
+"""Specification of the scheduler: Sequence and its slot mapping, batch building
+(``nanovllm.engine.batch``), the BlockManager (prefix cache, reference counts), the Scheduler's
+admission and caps, and a property test of the step loop (EngineCore with its Scheduler and
+BlockManager) under random load."""
 from __future__ import annotations
 
 from collections import Counter
@@ -24,17 +25,21 @@ from nanovllm.sampling_params import SamplingParams
 
 # ---- batch building: slot mapping (a worked example), prefill and decode steps -------------------
 def test_slot_mapping_worked_example():
-    # block_table [4, 5, 9, 3, 11], block_size 8, tokens [1, 38) scheduled: slot = table[p // 8] * 8 + p % 8
+    # block_table [4, 5, 9, 3, 11], block_size 8, tokens [1, 38) scheduled:
+    # slot = table[p // 8] * 8 + p % 8
     seq = Sequence(list(range(38)), block_size=8)
     seq.block_table = [4, 5, 9, 3, 11]
     seq.num_cached_tokens, seq.num_scheduled_tokens = 1, 37
     step = prepare_prefill([seq], 8)  # a pure function of the sequences: no runner, no model
     expected = [*range(33, 40), *range(40, 48), *range(72, 80), *range(24, 32), *range(88, 94)]
     assert step.slot_mapping.tolist() == expected
-    assert step.input_ids.tolist() == list(range(1, 38)) and step.positions.tolist() == list(range(1, 38))
+    assert step.input_ids.tolist() == list(range(1, 38)) \
+        and step.positions.tolist() == list(range(1, 38))
     assert step.cu_seqlens_q.tolist() == [0, 37] and step.cu_seqlens_k.tolist() == [0, 38]
-    assert step.block_tables.tolist() == [[4, 5, 9, 3, 11]]  # keys partly cached: block tables needed
-    assert step.max_seqlen_q == 37 and step.max_seqlen_k == 38 and step.logits_indices.tolist() == [36]
+    # keys partly cached: block tables needed
+    assert step.block_tables.tolist() == [[4, 5, 9, 3, 11]]
+    assert step.max_seqlen_q == 37 and step.max_seqlen_k == 38 \
+        and step.logits_indices.tolist() == [36]
     # every slot is block_table[p // bs] * bs + p % bs
     assert expected == [seq.block_table[p // 8] * 8 + p % 8 for p in range(1, 38)]
 
@@ -43,7 +48,8 @@ def test_prefill_of_several_sequences_and_the_warmup():
     a, b = Sequence(list(range(5)), block_size=4), Sequence(list(range(10, 13)), block_size=4)
     a.block_table, b.block_table = [3, 1], [2]
     a.num_scheduled_tokens, b.num_scheduled_tokens = 5, 3
-    b.prompt_logprobs = [None] * 3  # b computes its prompt logprobs: the LM head projects all its positions
+    # b computes its prompt logprobs: the LM head projects all its positions
+    b.prompt_logprobs = [None] * 3
     step = prepare_prefill([a, b], 4)
     assert step.input_ids.tolist() == [0, 1, 2, 3, 4, 10, 11, 12]
     assert step.slot_mapping.tolist() == [12, 13, 14, 15, 4, 8, 9, 10]
@@ -51,7 +57,8 @@ def test_prefill_of_several_sequences_and_the_warmup():
     assert step.logits_indices.tolist() == [4, 5, 6, 7]  # a's last position, every one of b's
     warm = Sequence([0] * 6, block_size=4)
     warm.num_scheduled_tokens = 6
-    assert prepare_prefill([warm], 4).slot_mapping.tolist() == [-1] * 6  # no blocks: nothing is stored
+    # no blocks: nothing is stored
+    assert prepare_prefill([warm], 4).slot_mapping.tolist() == [-1] * 6
 
 
 def test_prepare_decode():
@@ -64,12 +71,15 @@ def test_prepare_decode():
     assert step.block_tables.tolist() == [[7, 2, 5], [1, 0, -1]]
     b.num_pending_tokens = 1  # b's token is still on the device, at row 3 of the step in flight
     b.block_table.append(6)
-    inflight = SimpleNamespace(seqs=[Sequence([1]), Sequence([2]), a, b], kept_rows=[0, 1, 3])  # row 2: a chunk
+    # row 2: a chunk
+    inflight = SimpleNamespace(seqs=[Sequence([1]), Sequence([2]), a, b], kept_rows=[0, 1, 3])
     step = prepare_decode([a, b], 4, inflight)
     assert step.prev_rows.tolist() == [-1, 3] and step.positions.tolist() == [9, 5]
     assert step.input_ids.tolist() == [9, -1] and step.context_lens.tolist() == [10, 6]
-    assert b.token_ids == list(range(5)) and b.num_tokens == 6  # a pending token is counted, not stored
-    assert step.slot_mapping.tolist() == [21, 6 * 4 + 1]  # position 5: block 6 (its third), offset 1
+    # a pending token is counted, not stored
+    assert b.token_ids == list(range(5)) and b.num_tokens == 6
+    # position 5: block 6 (its third), offset 1
+    assert step.slot_mapping.tolist() == [21, 6 * 4 + 1]
 
 
 # ---- block manager -------------------------------------------------------------------------------
@@ -88,7 +98,8 @@ def test_block_manager_prefix_cache_and_refcounts():
     # a prompt entirely cached still computes its last block
     c = Sequence(list(range(8)), block_size=4)
     bm.allocate(c)
-    assert c.block_table[0] == a.block_table[0] and c.block_table[1] != a.block_table[1] and c.num_cached_tokens == 4
+    assert c.block_table[0] == a.block_table[0] and c.block_table[1] != a.block_table[1] \
+        and c.num_cached_tokens == 4
     for seq in (a, b, c):
         bm.deallocate(seq)
     assert len(bm.free_block_ids) == 8 and all(blk.ref_count == 0 for blk in bm.blocks)
@@ -113,8 +124,8 @@ def test_running_sequences_capped_by_max_num_seqs(tiny):
 
 
 def test_completions_of_one_long_prompt_run_together(tiny):
-    """n=2 of a 100-token prompt (6 full blocks + 1) in a 12-block cache: the second completion needs
-    one new block, not seven, so both run at once."""
+    """n=2 of a 100-token prompt (6 full blocks + 1) in a 12-block cache: the second completion
+    needs one new block, not seven, so both run at once."""
     llm = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=12)
     running = []
     schedule = llm.scheduler.schedule
@@ -127,21 +138,23 @@ def test_completions_of_one_long_prompt_run_together(tiny):
     llm.scheduler.schedule = spy
     try:
         prompt = random_prompts(1, 100, 100, seed=75)[0]
-        out = llm.generate([prompt], SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True),
+        out = llm.generate([prompt],
+                           SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True),
                            use_tqdm=False)[0]
         assert_no_leaks(llm)
     finally:
         llm.exit()
     assert max(running) == 2
-    assert out["outputs"][0]["token_ids"] == out["outputs"][1]["token_ids"] and len(out["token_ids"]) == 20
+    assert out["outputs"][0]["token_ids"] == out["outputs"][1]["token_ids"] \
+        and len(out["token_ids"]) == 20
 
 
-# ---- property-based tests of the step loop ---------------------------------------------------------
-# EngineCore with its Scheduler and BlockManager, the real batch builder, under random load, with a fake
-# runner in place of the device. The fake model's next token is a hash of the whole history, so a correct
-# engine produces the same outputs whatever the batching, chunking, preemption, prefix caching, async
-# overlap, penalty sync points or ``n``; a plain Python loop is the reference. After every step the block
-# accounting is checked against the sequences.
+# ---- property-based tests of the step loop -------------------------------------------------------
+# EngineCore with its Scheduler and BlockManager, the real batch builder, under random load, with a
+# fake runner in place of the device. The fake model's next token is a hash of the whole history, so
+# a correct engine produces the same outputs whatever the batching, chunking, preemption, prefix
+# caching, async overlap, penalty sync points or ``n``; a plain Python loop is the reference. After
+# every step the block accounting is checked against the sequences.
 VOCAB, EOS = 7, 6
 
 
@@ -173,8 +186,8 @@ def check_invariants(scheduler: Scheduler, live: list[Sequence]):
 
 
 def device_history(seq: Sequence) -> list[int]:
-    """The sequence as the device knows it: its known tokens, then each pending one as the fake model
-    sampled it."""
+    """The sequence as the device knows it: its known tokens, then each pending one as the fake
+    model sampled it."""
     history = list(seq.token_ids)
     for _ in range(seq.num_pending_tokens):
         history.append(fake_next(history))
@@ -183,8 +196,8 @@ def device_history(seq: Sequence) -> list[int]:
 
 def fake_forward(batch: list[Sequence], step, inflight) -> list[int]:
     """The fake device: checks that the forward's inputs are known where the engine needs them
-    (prefill tokens on the host; a decode input pending only from the step in flight, and marked so in
-    the step input), and samples."""
+    (prefill tokens on the host; a decode input pending only from the step in flight, and marked so
+    in the step input), and samples."""
     for row, seq in enumerate(batch):
         if step.is_prefill:  # every scheduled token is known on the host
             assert seq.num_pending_tokens == 0
@@ -193,17 +206,20 @@ def fake_forward(batch: list[Sequence], step, inflight) -> list[int]:
             assert seq.num_completion_tokens < seq.sampling_params.max_tokens
             pending = step.prev_rows is not None and step.prev_rows[row] >= 0
             assert pending == bool(seq.num_pending_tokens)
-        if not step.is_prefill and seq.num_pending_tokens:  # its input is the in-flight step's sample
+        # its input is the in-flight step's sample
+        if not step.is_prefill and seq.num_pending_tokens:
             assert seq.num_pending_tokens == 1 and seq.num_cached_tokens == len(seq.token_ids)
             prev_row = step.prev_rows[row]
-            assert inflight is not None and prev_row in inflight[0].kept_rows and inflight[0].seqs[prev_row] is seq
+            assert inflight is not None and prev_row in inflight[0].kept_rows \
+                and inflight[0].seqs[prev_row] is seq
             assert step.input_ids[row] == -1
-    return [fake_next(device_history(seq)[:seq.num_cached_tokens + seq.num_scheduled_tokens]) for seq in batch]
+    return [fake_next(device_history(seq)[:seq.num_cached_tokens + seq.num_scheduled_tokens])
+            for seq in batch]
 
 
 class FakeRunner:
-    """Rank 0's runner without a model: ``forward`` samples the fake model for the sequences whose sampling
-    inputs were prepared last (the core prepares them right before it launches)."""
+    """Rank 0's runner without a model: ``forward`` samples the fake model for the sequences whose
+    sampling inputs were prepared last (the core prepares them right before it launches)."""
 
     def __init__(self):
         self.core: EngineCore | None = None
@@ -232,22 +248,25 @@ class FakeSampled:
         return self.token_ids, [None] * len(self.token_ids), None
 
 
-def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefix_caching, max_len=10_000,
-        async_scheduling=False, n=None, penalties=None):
-    """EngineCore's step loop around a fake runner. With async_scheduling the next step is scheduled and
-    launched before the last one's tokens are read. Returns every completion's tokens (prompt by prompt,
-    its n completions in order) and the length limit in force."""
-    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, eos_token_ids=(EOS,),
+def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefix_caching,
+        max_len=10_000, async_scheduling=False, n=None, penalties=None):
+    """EngineCore's step loop around a fake runner. With async_scheduling the next step is scheduled
+    and launched before the last one's tokens are read. Returns every completion's tokens (prompt by
+    prompt, its n completions in order) and the length limit in force."""
+    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             eos_token_ids=(EOS,),
                              # as the model runner lowers it: no more than the whole cache holds
-                             max_model_len=min(max_len, num_blocks * block_size), num_kvcache_blocks=num_blocks,
-                             kvcache_block_size=block_size,
-                             enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling, device="cpu")
+                             max_model_len=min(max_len, num_blocks * block_size),
+                             num_kvcache_blocks=num_blocks, kvcache_block_size=block_size,
+                             enable_prefix_caching=prefix_caching,
+                             async_scheduling=async_scheduling, device="cpu")
     resources = EngineResources()
     resources.runner = runner = FakeRunner()
     core = runner.core = EngineCore(config, resources, resources.close, [])
     seqs = []
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        sp = SamplingParams(max_tokens=m, presence_penalty=0.5 if penalties and penalties[i] else 0.0)
+        sp = SamplingParams(max_tokens=m,
+                            presence_penalty=0.5 if penalties and penalties[i] else 0.0)
         request_seqs = [Sequence(prompt, sp, block_size) for _ in range(n[i] if n else 1)]
         core.add(Request(i, prompt, request_seqs), sp)
         seqs += request_seqs
@@ -256,36 +275,42 @@ def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefi
             break
         core.step()
         check_invariants(core.scheduler, [s for s in seqs if not s.is_finished])
-    assert core.is_finished() and all(seq.is_finished for seq in seqs), "the engine made no progress"
+    assert core.is_finished() and all(seq.is_finished for seq in seqs), \
+        "the engine made no progress"
     assert not core.scheduler.block_manager.used_block_ids
     assert all(seq.num_pending_tokens == 0 for seq in seqs)
     return [seq.completion_token_ids for seq in seqs], core.scheduler.max_model_len
 
 
-prompt_lists = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=30), min_size=1, max_size=12)
+prompt_lists = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=30), min_size=1,
+                        max_size=12)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=prompt_lists, data=st.data(), block_size=st.sampled_from([2, 4, 8]),
        num_blocks=st.integers(4, 40), budget=st.integers(1, 64), max_num_seqs=st.integers(1, 8),
        prefix_caching=st.booleans(), async_scheduling=st.booleans())
-def test_random_load_keeps_accounting_and_outputs(prompts, data, block_size, num_blocks, budget, max_num_seqs,
-                                                   prefix_caching, async_scheduling):
+def test_random_load_keeps_accounting_and_outputs(prompts, data, block_size, num_blocks, budget,
+                                                   max_num_seqs, prefix_caching, async_scheduling):
     capacity = num_blocks * block_size
     prompts = [p for p in prompts if len(p) + 1 <= capacity] or [[0]]
-    max_tokens = data.draw(st.lists(st.integers(1, 25), min_size=len(prompts), max_size=len(prompts)))
+    max_tokens = data.draw(st.lists(st.integers(1, 25), min_size=len(prompts),
+                                    max_size=len(prompts)))
     n = data.draw(st.lists(st.integers(1, 3), min_size=len(prompts), max_size=len(prompts)))
     penalties = data.draw(st.lists(st.booleans(), min_size=len(prompts), max_size=len(prompts)))
-    outputs, max_len = run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefix_caching,
-                           async_scheduling=async_scheduling, n=n, penalties=penalties)
-    expected = [reference(prompt, m, max_len) for prompt, m, k in zip(prompts, max_tokens, n) for _ in range(k)]
+    outputs, max_len = run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs,
+                           prefix_caching, async_scheduling=async_scheduling, n=n,
+                           penalties=penalties)
+    expected = [reference(prompt, m, max_len) for prompt, m, k in zip(prompts, max_tokens, n)
+                for _ in range(k)]
     assert outputs == expected
 
 
 @settings(max_examples=40, deadline=None)
 @given(prompts=prompt_lists, block_size=st.sampled_from([2, 4]))
 def test_outputs_do_not_depend_on_features(prompts, block_size):
-    """Prefix caching, chunked prefill, preemption and async scheduling on or off: the same outputs."""
+    """Prefix caching, chunked prefill, preemption and async scheduling on or off: the same
+    outputs."""
     max_tokens = [5 + len(p) % 7 for p in prompts]
     plain, _ = run(prompts, max_tokens, 1000, block_size, 4096, 64, False)
     small = (max(map(len, prompts)) + 13) // block_size + 2

@@ -1,7 +1,7 @@
-"""Specification of ``LLM.update_weights``: an engine started on checkpoint A and given checkpoint B's
-transformers ``named_parameters()`` generates B's greedy output token for token (TP=1 and TP=2, tied
-embeddings, online fp8); a bad name or shape is refused before anything changes; parameters keep their storage;
-the prefix cache is reset; an update while requests run is refused."""
+"""Specification of ``LLM.update_weights``: an engine started on checkpoint A and given checkpoint
+B's transformers ``named_parameters()`` generates B's greedy output token for token (TP=1 and TP=2,
+tied embeddings, online fp8); a bad name or shape is refused before anything changes; parameters
+keep their storage; the prefix cache is reset; an update while requests run is refused."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,8 @@ from nanovllm import LLM, SamplingParams
 
 N = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-PROMPTS = random_prompts(4, 20, 60, seed=41)  # longer than a block: their full blocks enter the prefix cache
+# longer than a block: their full blocks enter the prefix cache
+PROMPTS = random_prompts(4, 20, 60, seed=41)
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +45,18 @@ def test_update_weights_gives_the_new_model(pair, oracle):
         llm.update_weights(weights_of(oracle, b))
         hits = llm.scheduler.block_manager.num_cache_hits
         after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert llm.scheduler.block_manager.num_cache_hits == hits  # the prefix cache was reset: no A prefix reused
-        assert storage(llm) == ptrs  # every parameter and buffer kept its storage (CUDA graphs stay valid)
+        # the prefix cache was reset: no A prefix reused
+        assert llm.scheduler.block_manager.num_cache_hits == hits
+        # every parameter and buffer kept its storage (CUDA graphs stay valid)
+        assert storage(llm) == ptrs
     assert_matches_oracle(oracle, b, PROMPTS, after, N)
     assert_matches_oracle(oracle, a, PROMPTS, [{"token_ids": t} for t in before], N)
     assert token_ids_of(after) != before
 
 
 def test_update_weights_tensor_parallel(pair, oracle, monkeypatch):
-    """TP=2: each worker gets the full tensors over the call channel, in batches that keep the shared memory at
-    its first size, and keeps its shard."""
+    """TP=2: each worker gets the full tensors over the call channel, in batches that keep the
+    shared memory at its first size, and keeps its shard."""
     from nanovllm.engine import worker_group
     from nanovllm.features import weight_update
     a, b = pair
@@ -71,29 +74,34 @@ def test_update_weights_tensor_parallel(pair, oracle, monkeypatch):
 
 
 def test_tied_embeddings_and_bf16_tensors(tmp_path, oracle):
-    """A tied model's parameters come without ``lm_head.weight`` (the embedding sets both), or with it; any float
-    dtype is cast to the model's."""
-    a, b = (build_tiny_qwen3(str(tmp_path / name), seed=seed, tie_word_embeddings=True) for name, seed in
-            (("a", 0), ("b", 1)))
+    """A tied model's parameters come without ``lm_head.weight`` (the embedding sets both), or with
+    it; any float dtype is cast to the model's."""
+    a, b = (build_tiny_qwen3(str(tmp_path / name), seed=seed, tie_word_embeddings=True)
+            for name, seed in (("a", 0), ("b", 1)))
     weights = weights_of(oracle, b)
     assert not any(name == "lm_head.weight" for name, _ in weights)
     with LLM(a, **CPU_ENGINE) as llm:
         llm.update_weights(weights)
         after = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        llm.update_weights([(name, t.to(torch.bfloat16)) for name, t in oracle.model(a).state_dict().items()])
+        llm.update_weights([(name, t.to(torch.bfloat16))
+                            for name, t in oracle.model(a).state_dict().items()])
         assert "lm_head.weight" in oracle.model(a).state_dict()
         assert generate(llm) != token_ids_of(after)  # A's weights, rounded to bf16
     assert_matches_oracle(oracle, b, PROMPTS, after, N)
 
 
 @pytest.mark.parametrize("bad, message", [
-    (("model.layers.0.mlp.nope.weight", torch.zeros(4)), "'model.layers.0.mlp.nope.weight' matches no parameter"),
+    (("model.layers.0.mlp.nope.weight", torch.zeros(4)),
+     "'model.layers.0.mlp.nope.weight' matches no parameter"),
     (("model.layers.1.mlp.down_proj.weight", torch.zeros(64, 127)),
-     r"'model.layers.1.mlp.down_proj.weight'.*has shape \(64, 127\) but the model expects \(64, 128\)"),
-    (("model.layers.1.self_attn.k_proj.weight", torch.zeros(32, 64)), r"'model.layers.1.self_attn.k_proj.weight'"),
+     r"'model.layers.1.mlp.down_proj.weight'.*has shape \(64, 127\) "
+     r"but the model expects \(64, 128\)"),
+    (("model.layers.1.self_attn.k_proj.weight", torch.zeros(32, 64)),
+     r"'model.layers.1.self_attn.k_proj.weight'"),
 ])
 def test_refused_update_changes_nothing(pair, oracle, bad, message):
-    """The bad tensor comes last: had the others been loaded as they were checked, the outputs would be B's."""
+    """The bad tensor comes last: had the others been loaded as they were checked, the outputs would
+    be B's."""
     a, b = pair
     with LLM(a, **CPU_ENGINE) as llm:
         before = generate(llm)
@@ -126,7 +134,8 @@ def test_refused_while_requests_run(pair, oracle):
 
 
 def test_online_fp8_quantizes_the_new_weights(pair, oracle):
-    """``quantization="fp8"``: the float tensors are quantized by the layers' online loader, as at load."""
+    """``quantization="fp8"``: the float tensors are quantized by the layers' online loader, as at
+    load."""
     a, b = pair
     with LLM(b, **CPU_ENGINE, quantization="fp8") as llm:
         expected = generate(llm)

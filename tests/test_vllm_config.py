@@ -1,6 +1,7 @@
-"""vLLM's engine keywords and value conventions: keywords that change nothing here are accepted and named in
-one log line, those that would change behaviour are refused by name; dtype aliases, seed and None conventions; model
-names as users type them (Hugging Face Hub ids, resolved from a local cache laid out in tmp_path, never the network)."""
+"""vLLM's engine keywords and value conventions: keywords that change nothing here are accepted and
+named in one log line, those that would change behaviour are refused by name; dtype aliases, seed
+and None conventions; model names as users type them (Hugging Face Hub ids, resolved from a local
+cache laid out in tmp_path, never the network)."""
 from __future__ import annotations
 
 import gc
@@ -61,7 +62,8 @@ def test_unsupported_keywords_are_refused_by_name(tiny, kwargs, match):
 
 
 def test_structured_output_backend_xgrammar_is_accepted(tiny):
-    """vLLM's backend choice at the value nanovllm uses (xgrammar, or auto) changes nothing: accepted."""
+    """vLLM's backend choice at the value nanovllm uses (xgrammar, or auto) changes nothing:
+    accepted."""
     config = create_engine_config(tiny, device="cpu", guided_decoding_backend="xgrammar",
                                 structured_outputs_config={"backend": "auto"})
     assert config.model == tiny
@@ -74,7 +76,8 @@ def test_unknown_keyword_is_still_a_type_error(tiny):
 
 # ---- values --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype, expected", [
-    ("auto", torch.float32), ("half", torch.float16), ("float16", torch.float16), ("bfloat16", torch.bfloat16),
+    ("auto", torch.float32), ("half", torch.float16), ("float16", torch.float16),
+    ("bfloat16", torch.bfloat16),
     ("float", torch.float32), ("float32", torch.float32), (torch.float16, torch.float16),
     (torch.bfloat16, torch.bfloat16),
 ])
@@ -110,18 +113,20 @@ def test_seed_none_is_vllms_default_zero(tiny):
 def test_none_and_minus_one_conventions(tiny):
     for auto in (None, -1):  # the model's length
         assert create_engine_config(tiny, max_model_len=auto).max_model_len == 1024
-    config = create_engine_config(tiny, max_num_seqs=None, max_num_batched_tokens=None, block_size=None,
-                                num_gpu_blocks_override=None, enable_prefix_caching=None)
+    config = create_engine_config(tiny, max_num_seqs=None, max_num_batched_tokens=None,
+                                  block_size=None, num_gpu_blocks_override=None,
+                                  enable_prefix_caching=None)
     default = Config(tiny)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "num_kvcache_blocks",
-                 "enable_prefix_caching"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size",
+                 "num_kvcache_blocks", "enable_prefix_caching"):
         assert getattr(config, name) == getattr(default, name), name
     assert create_engine_config(tiny, num_gpu_blocks_override=64).num_kvcache_blocks == 64
 
 
 # ---- Hugging Face Hub ids ------------------------------------------------------------------------
 def add_snapshot(cache, repo_id: str, checkpoint: str, ref: str = "main") -> str:
-    """Lays out ``checkpoint`` in Hugging Face's cache layout: models--org--name/{refs/<ref>, snapshots/<commit>/}."""
+    """Lays out ``checkpoint`` in Hugging Face's cache layout: models--org--name/{refs/<ref>,
+    snapshots/<commit>/}."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     shutil.copytree(checkpoint, repo / "snapshots" / COMMIT)
     (repo / "refs").mkdir(exist_ok=True)
@@ -131,8 +136,8 @@ def add_snapshot(cache, repo_id: str, checkpoint: str, ref: str = "main") -> str
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache, offline. huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE when it is
-    imported, so its constants are set as well as the environment."""
+    """An empty Hugging Face cache, offline. huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE
+    when it is imported, so its constants are set as well as the environment."""
     cache = tmp_path / "hub"
     cache.mkdir()
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
@@ -162,7 +167,8 @@ def test_hub_id_missing_from_the_cache(tiny, hub_cache):
     add_snapshot(hub_cache, "org/name", tiny)
     with pytest.raises(ValueError, match=r"revision 'v2'.*`hf download org/name --revision v2`"):
         LLM("org/name", revision="v2")
-    no_weights = shutil.copytree(tiny, hub_cache.parent / "noweights", ignore=shutil.ignore_patterns("*.safetensors"))
+    no_weights = shutil.copytree(tiny, hub_cache.parent / "noweights",
+                                 ignore=shutil.ignore_patterns("*.safetensors"))
     add_snapshot(hub_cache, "org/noweights", no_weights)
     with pytest.raises(ValueError, match=r"'org/noweights'.*without \*\.safetensors"):
         LLM("org/noweights")
@@ -173,7 +179,8 @@ def test_hub_id_downloads_only_after_the_cache_and_when_online(tiny, hub_cache, 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     calls = []
 
-    def snapshot_download(repo_id, local_files_only=False, **kwargs):  # the Hub, without the network
+    # the Hub, without the network
+    def snapshot_download(repo_id, local_files_only=False, **kwargs):
         calls.append((repo_id, local_files_only, kwargs["revision"]))
         if local_files_only:
             raise LocalEntryNotFoundError("not cached")
@@ -185,26 +192,29 @@ def test_hub_id_downloads_only_after_the_cache_and_when_online(tiny, hub_cache, 
     assert calls == [("org/name", True, "main"), ("org/name", False, "main")]
 
 
-# ---- vLLM's command-line flags and module paths ----------------------------------------------------
+# ---- vLLM's command-line flags and module paths --------------------------------------------------
 def test_flexible_argument_parser_flags_reach_the_engine_through_llm_of_vars_args(tiny):
-    """vLLM's examples pass every flag of ``EngineArgs.add_cli_args`` to ``LLM(**vars(args))``: the flags left
-    unset (None, both names of an alias pair among them) are defaults; underscores spell dashed flags."""
+    """vLLM's examples pass every flag of ``EngineArgs.add_cli_args`` to ``LLM(**vars(args))``: the
+    flags left unset (None, both names of an alias pair among them) are defaults; underscores spell
+    dashed flags."""
     from nanovllm import EngineArgs
     from nanovllm.utils.argparse_utils import FlexibleArgumentParser
     parser = FlexibleArgumentParser()
     EngineArgs.add_cli_args(parser)
-    args = vars(parser.parse_args([f"--model={tiny}", "--max_model_len", "256", "--block-size", "16",
-                                   "--num_gpu_blocks_override=64", "--device", "cpu"]))
+    args = vars(parser.parse_args([f"--model={tiny}", "--max_model_len", "256", "--block-size",
+                                   "16", "--num_gpu_blocks_override=64", "--device", "cpu"]))
     assert args["kvcache_block_size"] is None and args["block_size"] == 16
     engine = LLM(**args)
     try:
         c = engine.config
         assert (c.max_model_len, c.kvcache_block_size, c.num_kvcache_blocks) == (256, 16, 64)
-        assert (c.max_num_seqs, c.gpu_memory_utilization, c.dtype) == (Config(tiny).max_num_seqs, 0.9, "auto")
+        assert (c.max_num_seqs, c.gpu_memory_utilization, c.dtype) == (Config(tiny).max_num_seqs,
+                                                                        0.9, "auto")
         assert len(engine.generate(["a"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
     finally:
         engine.exit()
-    with pytest.raises(TypeError, match="pass kvcache_block_size or its alias block_size, not both"):
+    with pytest.raises(TypeError,
+                       match="pass kvcache_block_size or its alias block_size, not both"):
         create_engine_config(tiny, kvcache_block_size=16, block_size=32)
 
 
@@ -221,7 +231,8 @@ def test_cleanup_dist_env_and_memory_frees_dropped_engines_and_keeps_live_ones(t
     gc.disable()  # the collection is cleanup's to make
     try:
         dropped = LLM(tiny, **CPU_ENGINE)
-        dropped.itself, resources = dropped, dropped._resources  # a cycle: only a collection frees it
+        # a cycle: only a collection frees it
+        dropped.itself, resources = dropped, dropped._resources
         before = token_ids_of(live.generate(PROMPTS, GREEDY, use_tqdm=False))
         del dropped
         assert not resources.closed
@@ -234,7 +245,7 @@ def test_cleanup_dist_env_and_memory_frees_dropped_engines_and_keeps_live_ones(t
         live.exit()
 
 
-# ---- vLLM's LLM methods and engine keywords ------------------------------------------------------------
+# ---- vLLM's LLM methods and engine keywords ------------------------------------------------------
 def rank_and_scaled_blocks(runner, scale, offset=0):
     return runner.rank, runner.num_kvcache_blocks * scale + offset
 
@@ -256,7 +267,8 @@ def sleeps_on_rank_1(runner, seconds):
 
 
 def trace_ranks(directory) -> list[str]:
-    """The ranks of the torch profiler traces in ``directory``, each checked to be a Chrome trace."""
+    """The ranks of the torch profiler traces in ``directory``, each checked to be a Chrome
+    trace."""
     ranks = []
     for path in sorted(directory.iterdir()):
         with (gzip.open(path, "rt") if path.suffix == ".gz" else open(path)) as f:
@@ -266,11 +278,14 @@ def trace_ranks(directory) -> list[str]:
 
 
 def test_collective_rpc_and_the_profiler_on_one_rank(tiny, llm, tmp_path):
-    engine = LLM(tiny, **CPU_ENGINE, profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
+    engine = LLM(tiny, **CPU_ENGINE,
+                 profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
     try:
         blocks = engine.config.num_kvcache_blocks
-        assert engine.collective_rpc(rank_and_scaled_blocks, args=(2,), kwargs={"offset": 1}) == [(0, 2 * blocks + 1)]
-        assert engine.collective_rpc(lambda runner: runner.rank) == [0]  # in this process: any callable
+        assert engine.collective_rpc(rank_and_scaled_blocks, args=(2,), kwargs={"offset": 1}) \
+            == [(0, 2 * blocks + 1)]
+        # in this process: any callable
+        assert engine.collective_rpc(lambda runner: runner.rank) == [0]
         assert engine.collective_rpc("_block_bytes") == [engine.model_runner._block_bytes()]
         with pytest.raises(ValueError, match="method='no_such_method'"):
             engine.collective_rpc("no_such_method")
@@ -279,7 +294,8 @@ def test_collective_rpc_and_the_profiler_on_one_rank(tiny, llm, tmp_path):
             engine.start_profile()
         engine.generate(PROMPTS, GREEDY, use_tqdm=False)
         engine.stop_profile()
-        assert trace_ranks(tmp_path) == ["rank0"] and next(tmp_path.iterdir()).name.endswith(".pt.trace.json.gz")
+        assert trace_ranks(tmp_path) == ["rank0"] \
+            and next(tmp_path.iterdir()).name.endswith(".pt.trace.json.gz")
         with pytest.raises(RuntimeError, match="stop_profile"):
             engine.stop_profile()
     finally:
@@ -293,12 +309,14 @@ def max_positions(runner):
 
 
 def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
-    profile = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_use_gzip": False}
+    profile = {"profiler": "torch", "torch_profiler_dir": str(tmp_path),
+               "torch_profiler_use_gzip": False}
 
     def extend(hf_config):  # a local function: the workers get the config it made, not the function
         hf_config.max_position_embeddings = 2048
         return hf_config
-    engine = LLM(tiny, **CPU_ENGINE, tensor_parallel_size=2, profiler_config=profile, hf_overrides=extend)
+    engine = LLM(tiny, **CPU_ENGINE, tensor_parallel_size=2, profiler_config=profile,
+                 hf_overrides=extend)
     try:
         assert engine.collective_rpc(max_positions) == [2048, 2048]
         blocks = engine.config.num_kvcache_blocks
@@ -309,12 +327,14 @@ def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
             engine.collective_rpc(fails_on_rank_1)
         with pytest.raises(TypeError, match="pickle"):
             engine.collective_rpc(lambda runner: runner.rank)
-        assert engine.collective_rpc("_block_bytes", timeout=60) == [engine.model_runner._block_bytes()] * 2
+        assert engine.collective_rpc("_block_bytes", timeout=60) \
+            == [engine.model_runner._block_bytes()] * 2
         engine.start_profile(profile_prefix="tp")
         assert len(engine.generate(PROMPTS, GREEDY, use_tqdm=False)[1].outputs[0].token_ids) == 8
         engine.stop_profile()
         assert trace_ranks(tmp_path) == ["tp_rank0", "tp_rank1"]
-        with pytest.raises(TimeoutError, match="rank 1"):  # its reply would come late: the engine shuts down
+        # its reply would come late: the engine shuts down
+        with pytest.raises(TimeoutError, match="rank 1"):
             engine.collective_rpc(sleeps_on_rank_1, timeout=0.5, args=(60,))
         with pytest.raises(RuntimeError, match="shut down"):
             engine.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -326,9 +346,10 @@ def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
     ({"profiler": "cuda"}, ValueError, "profiler='cuda'"),
     ({"profiler": "torch"}, ValueError, "torch_profiler_dir must be set when profiler is 'torch'"),
     ({"torch_profiler_dir": "traces"}, ValueError, "torch_profiler_dir is only applicable"),
-    ({"profiler": "torch", "torch_profiler_dir": "traces", "delay_iterations": 2}, ValueError, "delay_iterations"),
-    ({"profiler": "torch", "torch_profiler_dir": "traces", "torch_profiler_with_stack": "no"}, TypeError,
-     "torch_profiler_with_stack"),
+    ({"profiler": "torch", "torch_profiler_dir": "traces", "delay_iterations": 2}, ValueError,
+     "delay_iterations"),
+    ({"profiler": "torch", "torch_profiler_dir": "traces", "torch_profiler_with_stack": "no"},
+     TypeError, "torch_profiler_with_stack"),
     ("torch", TypeError, "profiler_config must be a dict"),
 ])
 def test_profiler_config_is_checked_by_name(tiny, profiler_config, error, match):
@@ -343,18 +364,22 @@ def metric_values(engine) -> dict:
 def test_get_metrics_counts_requests_tokens_preemptions_and_the_prefix_cache(tiny):
     from nanovllm.v1.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
     assert all(issubclass(t, Metric) for t in (Counter, Gauge, Histogram, Vector))
-    with LLM(tiny, device="cpu") as plain, pytest.raises(ValueError, match="disable_log_stats=False"):
+    with LLM(tiny, device="cpu") as plain, pytest.raises(ValueError,
+                                                         match="disable_log_stats=False"):
         plain.get_metrics()  # as in vLLM, the statistics are off by default
-    engine = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=12, device="cpu",
-                 disable_log_stats=False)
+    engine = LLM(tiny, kvcache_block_size=16, max_model_len=512, num_kvcache_blocks=12,
+                 device="cpu", disable_log_stats=False)
     prompt = list(range(1, 41))  # two full blocks the prefix cache can share
     try:
         sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
-        engine.generate([prompt, prompt[::-1]], sp, use_tqdm=False)  # 4 x 5 blocks in 12: preemptions
-        engine.add_request("live", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        # 4 x 5 blocks in 12: preemptions
+        engine.generate([prompt, prompt[::-1]], sp, use_tqdm=False)
+        engine.add_request("live", prompt,
+                           SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         engine.step()
         live = metric_values(engine)
-        assert live[("vllm:num_requests_running", None)] == 1 and live[("vllm:num_requests_waiting", None)] == 0
+        assert live[("vllm:num_requests_running", None)] == 1 \
+            and live[("vllm:num_requests_waiting", None)] == 0
         assert live[("vllm:kv_cache_usage_perc", None)] == 3 / 12
         assert live[("vllm:generation_tokens", None)] == 4 * 40 + 1
         engine.add_request("aborted", prompt, SamplingParams(max_tokens=3))
@@ -362,14 +387,18 @@ def test_get_metrics_counts_requests_tokens_preemptions_and_the_prefix_cache(tin
         while engine.has_unfinished_requests():
             engine.step()
         values = metric_values(engine)
-        assert values[("vllm:num_requests_running", None)] == 0 and values[("vllm:kv_cache_usage_perc", None)] == 0
+        assert values[("vllm:num_requests_running", None)] == 0 \
+            and values[("vllm:kv_cache_usage_perc", None)] == 0
         assert values[("vllm:generation_tokens", None)] == 4 * 40 + 3
         assert values[("vllm:prompt_tokens", None)] == 5 * 40  # the aborted request never prefilled
         assert values[("vllm:num_preemptions", None)] == engine.scheduler.num_preemptions > 0
         assert values[("vllm:prefix_cache_queries", None)] == 5 * 40
-        assert 3 * 32 <= values[("vllm:prefix_cache_hits", None)] <= 5 * 32  # siblings, and the prompt again
-        assert values[("vllm:request_success", "length")] == 5 and values[("vllm:request_success", "abort")] == 1
-        assert values[("vllm:request_success", "stop")] == values[("vllm:request_success", "error")] == 0
+        # siblings, and the prompt again
+        assert 3 * 32 <= values[("vllm:prefix_cache_hits", None)] <= 5 * 32
+        assert values[("vllm:request_success", "length")] == 5 \
+            and values[("vllm:request_success", "abort")] == 1
+        assert values[("vllm:request_success", "stop")] \
+            == values[("vllm:request_success", "error")] == 0
     finally:
         engine.exit()
 
@@ -377,16 +406,19 @@ def test_get_metrics_counts_requests_tokens_preemptions_and_the_prefix_cache(tin
 def test_reset_prefix_cache_with_running_requests_preempts_them_first(tiny, llm):
     prompt, sp = list(range(1, 41)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
-    engine = LLM(tiny, **CPU_ENGINE, async_scheduling=True)  # a step in flight when the cache is reset
+    # a step in flight when the cache is reset
+    engine = LLM(tiny, **CPU_ENGINE, async_scheduling=True)
     try:
         engine.generate([prompt], sp, use_tqdm=False)
         engine.add_request("r", prompt, sp)
         engine.step()
         engine.step()
-        assert engine.reset_prefix_cache() is False  # vLLM's default: refused while requests hold blocks
+        # vLLM's default: refused while requests hold blocks
+        assert engine.reset_prefix_cache() is False
         assert engine.reset_prefix_cache(reset_running_requests=True) is True
         blocks = engine.scheduler.block_manager
-        assert not blocks.hash_to_block_id and not blocks.used_block_ids and engine.scheduler.num_preemptions == 1
+        assert not blocks.hash_to_block_id and not blocks.used_block_ids \
+            and engine.scheduler.num_preemptions == 1
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
@@ -399,12 +431,14 @@ def test_reset_prefix_cache_with_running_requests_preempts_them_first(tiny, llm)
 
 def test_hf_overrides_extend_the_context_as_config_json_would(tiny, llm, tmp_path):
     """vLLM's context extension: a rope dict without ``rope_theta`` keeps config.json's."""
-    overrides = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "max_position_embeddings": 2048}
+    overrides = {"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                 "max_position_embeddings": 2048}
     edited = shutil.copytree(tiny, tmp_path / "edited")
     config = json.loads((edited / "config.json").read_text())
     config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 2.0}
     (edited / "config.json").write_text(json.dumps(dict(config, max_position_embeddings=2048)))
-    assert create_engine_config(tiny, max_model_len=None, hf_overrides=overrides).max_model_len == 2048
+    assert create_engine_config(tiny, max_model_len=None,
+                                hf_overrides=overrides).max_model_len == 2048
     runs = []
     for path, kwargs in ((tiny, dict(hf_overrides=overrides)), (str(edited), {})):
         engine = LLM(path, **ENGINE, **kwargs)
@@ -426,26 +460,27 @@ def test_hf_overrides_extend_the_context_as_config_json_would(tiny, llm, tmp_pat
 
 
 def test_enable_chunked_prefill_false_runs_unchunked_or_is_refused_by_name(tiny, llm):
-    """This engine splits a prompt only when it exceeds max_num_batched_tokens: False holds while that covers
-    max_model_len, and gives the same outputs."""
+    """This engine splits a prompt only when it exceeds max_num_batched_tokens: False holds while
+    that covers max_model_len, and gives the same outputs."""
     engine = LLM(tiny, **ENGINE, enable_chunked_prefill=False)
     try:
         assert token_ids_of(engine.generate(PROMPTS, GREEDY, use_tqdm=False)) == \
             token_ids_of(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     finally:
         engine.exit()
-    with pytest.raises(ValueError, match=r"enable_chunked_prefill=False needs max_num_batched_tokens \(64\) >= "
-                                         r"max_model_len \(512\)"):
-        create_engine_config(tiny, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=512)
+    with pytest.raises(ValueError, match=r"enable_chunked_prefill=False needs "
+                                         r"max_num_batched_tokens \(64\) >= max_model_len \(512\)"):
+        create_engine_config(tiny, enable_chunked_prefill=False, max_num_batched_tokens=64,
+                             max_model_len=512)
     with pytest.raises(TypeError, match="enable_chunked_prefill"):
         create_engine_config(tiny, enable_chunked_prefill="no")
 
 
 def test_request_output_ignores_keywords_of_a_later_vllm(caplog):
     caplog.set_level(logging.WARNING, logger="nanovllm")
-    output = RequestOutput(request_id="test_request_id", prompt="test prompt", prompt_token_ids=[1, 2, 3],
-                           prompt_logprobs=None, outputs=[], finished=False,
-                           example_arg_added_in_new_version="some_value")
+    output = RequestOutput(request_id="test_request_id", prompt="test prompt",
+                           prompt_token_ids=[1, 2, 3], prompt_logprobs=None, outputs=[],
+                           finished=False, example_arg_added_in_new_version="some_value")
     assert output.request_id == "test_request_id" and output.prompt_token_ids == [1, 2, 3]
     assert not hasattr(output, "example_arg_added_in_new_version")
     assert "example_arg_added_in_new_version" in caplog.text

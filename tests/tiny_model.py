@@ -1,6 +1,8 @@
-"""Builds tiny random checkpoints (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE) with a byte-level tokenizer, offline.
+"""Builds tiny random checkpoints (Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE) with a byte-level
+tokenizer, offline.
 
-Test code (not part of the package): the tests build their checkpoints with it, transformers being the oracle.
+Test code (not part of the package): the tests build their checkpoints with it, transformers being
+the oracle.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import os
 import torch
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -35,7 +38,8 @@ def build_byte_tokenizer(path: str):
 
 def _bytes_to_unicode() -> list[str]:
     """GPT-2's printable stand-in character for each byte, in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -50,18 +54,23 @@ def build_tiny_qwen3(path: str, **kwargs) -> str:
     return build_tiny_model(path, "qwen3", **{"head_dim": 32, **kwargs})
 
 
-ARCHITECTURES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                 "llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+ARCHITECTURES = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                 "llama": ("LlamaConfig", "LlamaForCausalLM"),
+                 "mistral": ("MistralConfig", "MistralForCausalLM"),
                  "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
-def build_tiny_model(path: str, arch: str = "qwen3", *, seed: int = 0, vocab_size: int = 320, hidden_size: int = 64,
-                     intermediate_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
-                     num_key_value_heads: int = 2, rope_theta: float = 10000.0, rope_scaling: dict | None = None,
-                     max_position_embeddings: int = 1024, initializer_range: float = 0.2,
-                     max_shard_size: str | None = None, dtype: torch.dtype = torch.float32, **extra) -> str:
-    """Saves a random model of one of ARCHITECTURES with a byte tokenizer in ``path``; ``extra`` goes to the
-    transformers config (head_dim, tie_word_embeddings, attention_bias, mlp_bias, sliding_window, num_experts...)."""
+def build_tiny_model(path: str, arch: str = "qwen3", *, seed: int = 0, vocab_size: int = 320,
+                     hidden_size: int = 64, intermediate_size: int = 128,
+                     num_hidden_layers: int = 2, num_attention_heads: int = 4,
+                     num_key_value_heads: int = 2, rope_theta: float = 10000.0,
+                     rope_scaling: dict | None = None, max_position_embeddings: int = 1024,
+                     initializer_range: float = 0.2, max_shard_size: str | None = None,
+                     dtype: torch.dtype = torch.float32, **extra) -> str:
+    """Saves a random model of one of ARCHITECTURES with a byte tokenizer in ``path``; ``extra``
+    goes to the transformers config (head_dim, tie_word_embeddings, attention_bias, mlp_bias,
+    sliding_window, num_experts...)."""
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -74,12 +83,13 @@ def build_tiny_model(path: str, arch: str = "qwen3", *, seed: int = 0, vocab_siz
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
-        rope_parameters=rope, initializer_range=initializer_range, bos_token_id=eos, eos_token_id=eos,
-        pad_token_id=eos, **extra)
+        rope_parameters=rope, initializer_range=initializer_range, bos_token_id=eos,
+        eos_token_id=eos, pad_token_id=eos, **extra)
     config.architectures = [arch_name]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
-    with torch.no_grad():  # RMSNorm weights start at 1, biases at 0: randomize them so a mix-up shows
+    # RMSNorm weights start at 1, biases at 0: randomize them so a mix-up shows
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)

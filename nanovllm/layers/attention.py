@@ -21,7 +21,7 @@ class AttentionBackend:
     store_kvcache: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale); -1: skip
     prefill: Callable  # (q, k, v, layer, ctx) -> [N, num_heads, head_dim]
     decode: Callable  # (q, layer, ctx) -> [B, num_heads, head_dim]
-    qk_norm_rope_store: Callable | None = None  # optional: q/k RMSNorm, rotary, KV store in one
+    qk_norm_rope_store: Callable | None = None  # optional, fused: q/k RMSNorm, rotary, KV store
 
 
 def _kernel_module_backend(name: str, *shape) -> AttentionBackend:  # "torch" or "triton"
@@ -76,6 +76,7 @@ def bind_backend(name: str, dtype: torch.dtype, head_dim: int) -> AttentionBacke
 class Attention(torch.nn.Module):
     """Paged attention over the layer's K/V cache views: a query at position i sees keys
     (i - sliding_window, i]. An fp8 cache holds K/V divided by ``k_scale``/``v_scale``."""
+
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None):
         super().__init__()

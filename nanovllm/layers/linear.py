@@ -1,6 +1,5 @@
 """Tensor-parallel linear layers: column-parallel ones split the output features (q/k/v or gate/up
-packed into one matmul), row-parallel ones the input features and all-reduce their output. A layer
-built inside ``linear_methods(factory)`` stores and multiplies its weight by ``factory(layer)``."""
+packed into one matmul), row-parallel ones the input features and all-reduce their output."""
 from __future__ import annotations
 
 import contextlib
