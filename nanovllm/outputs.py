@@ -2,7 +2,6 @@
 they also answer nano-vllm's dict keys (``out["text"]``)."""
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field, fields
 
@@ -78,22 +77,6 @@ class RequestMetrics(DictLike):
     total_time: float | None
 
 
-def _ignores_unknown_keywords(cls):
-    """vLLM's forward compatibility: the constructor logs and drops keywords of a later vLLM (the
-    engine builds its outputs with the dataclass's own ``__init__``, ``__init__.__wrapped__``)."""
-    init, names = cls.__init__, {f.name for f in fields(cls) if f.init}
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        if unknown := sorted(kwargs.keys() - names):
-            logger.warning("%s: ignoring extra arguments: %s", cls.__name__, unknown)
-            kwargs = {k: v for k, v in kwargs.items() if k in names}
-        init(self, *args, **kwargs)
-    cls.__init__ = __init__
-    return cls
-
-
-@_ignores_unknown_keywords
 @dataclass
 class RequestOutput(DictLike):
     """``prompt`` is None for token prompts; the keys add completion 0's ``text``, ``token_ids``,
@@ -113,3 +96,17 @@ class RequestOutput(DictLike):
     _ALIASES = {name: (lambda o, name=name: getattr(o.outputs[0], name))
                 for name in ("text", "token_ids", "finish_reason", "logprobs")}
     _OPTIONAL = ("prompt_logprobs", "error", "logprobs")
+
+
+def _init_dropping_unknown(self, *args, **kwargs):
+    """vLLM's forward compatibility: the constructor logs and drops keywords of a later vLLM (the
+    engine builds its outputs with the dataclass's own ``__init__``, ``__init__.__wrapped__``)."""
+    if unknown := sorted(kwargs.keys() - _NAMES):
+        logger.warning("RequestOutput: ignoring extra arguments: %s", unknown)
+        kwargs = {k: v for k, v in kwargs.items() if k in _NAMES}
+    _init_dropping_unknown.__wrapped__(self, *args, **kwargs)
+
+
+_NAMES = {f.name for f in fields(RequestOutput) if f.init}
+_init_dropping_unknown.__wrapped__ = RequestOutput.__init__
+RequestOutput.__init__ = _init_dropping_unknown

@@ -200,8 +200,8 @@ def main():
         emit(out, {**base, "metric": "wake_up", "wake_up_seconds": round(woken, 3),
                    "first_generate_seconds": round(first, 3), "seconds": round(woken + first, 3),
                    "same_outputs_as_before_sleep": same, "bar_seconds": 3.0,
-                   "rank0_phases": {k: round(v, 3)
-                                    for k, v in llm.model_runner.extensions["sleep"].timings.items()}})
+                   "rank0_phases": {k: round(v, 3) for k, v
+                                    in llm.model_runner.extensions["sleep"].timings.items()}})
 
         steps, start = {}, time.perf_counter()
         for name, step in (("sleep_level_2", lambda: llm.sleep(level=2)),

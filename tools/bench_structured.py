@@ -136,8 +136,8 @@ class PhaseTimer:
 
     def __init__(self, llm):
         from nanovllm.engine import batch
-        from nanovllm.features import bitmask_handoff
         from nanovllm.engine.outputs import ModelRunnerOutput
+        from nanovllm.features import bitmask_handoff
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         engine, runner = llm.core, llm.model_runner
@@ -272,10 +272,12 @@ def main():
               "num_seqs": args.num_seqs, "prompt_len": args.prompt_len,
               "output_len": args.output_len,
               "temperature": args.temperature, "async_scheduling": llm.config.async_scheduling,
-              "handoff": llm.install("structured_outputs").manager.can_hand_off, "enforce_eager": args.enforce_eager,
+              "handoff": llm.install("structured_outputs").manager.can_hand_off,
+              "enforce_eager": args.enforce_eager,
               "fill_threads": args.fill_threads,
               "torch_threads": torch.get_num_threads(),
-              "bitmask_handoff": None if not (h := llm.install("structured_outputs").manager.handoff)
+              "bitmask_handoff": None
+              if not (h := llm.install("structured_outputs").manager.handoff)
               else "device" if h.on_device else "host",
               "compile_s": round(compile_s, 3), "runs": results,
               "median_tok_per_s": median,

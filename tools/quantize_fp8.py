@@ -21,8 +21,8 @@ sys.path.insert(0, ROOT)
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from nanovllm.kernels.fp8_reference import quantize_fp8_block  # noqa: E402
 from nanovllm.entrypoints.hub import resolve_model  # noqa: E402
+from nanovllm.kernels.fp8_reference import quantize_fp8_block  # noqa: E402
 from nanovllm.utils.loader import INDEX_FILE, checkpoint_files  # noqa: E402
 
 PROJECTION = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight")

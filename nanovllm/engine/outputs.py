@@ -160,6 +160,8 @@ def request_output(request, tokenizer) -> RequestOutput:
                        else entries_out(first.prompt_logprobs, tokenizer, first.sampling_params))
     completions = [completion_output(seq, i, tokenizer, request.detokenizers[i],
                                      request.incremental_text) for i, seq in enumerate(seqs)]
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                         prompt_logprobs, completions, finished,
-                         first.num_prefix_cached_tokens or 0, metrics, request.error)
+    output = RequestOutput.__new__(RequestOutput)  # by the dataclass's own __init__: the public
+    RequestOutput.__init__.__wrapped__(  # one also drops a later vLLM's keywords, never given here
+        output, request.request_id, request.prompt, request.prompt_token_ids, prompt_logprobs,
+        completions, finished, first.num_prefix_cached_tokens or 0, metrics, request.error)
+    return output

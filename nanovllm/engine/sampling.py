@@ -11,6 +11,7 @@ from nanovllm.engine.logprobs import PromptLogprobsBatch, prepare_prompt_logprob
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import SamplingBatch
+from nanovllm.layers.sampling_stages import prepare_stages
 
 
 @dataclass
@@ -82,44 +83,9 @@ class SamplingPreparer:
         # a temperature below SAMPLING_EPS is greedy (1 / T would overflow the logits)
         temperatures = [0.0 if sp.is_greedy else sp.temperature for sp in params]
         batch = SamplingBatch(self.to_device(temperatures, torch.float32))
-        if all(sp.is_plain for sp in params):
-            return batch
-
-        def floats(name: str) -> torch.Tensor:
-            return self.to_device([getattr(sp, name) for sp in params], torch.float32)
-
-        if any(sp.needs_top_k_top_p for sp in params):
-            top_k = [sp.top_k if sp.top_k > 0 else self.vocab_size for sp in params]
-            batch.top_k, batch.top_p = self.to_device(top_k, torch.int64), floats("top_p")
-        if any(sp.min_p > 0 for sp in params):
-            batch.min_p = floats("min_p")
-        if any(sp.needs_penalties for sp in params):
-            batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty = map(
-                floats, ("presence_penalty", "frequency_penalty", "repetition_penalty"))
-            batch.output_ids = self._padded([seq.completion_token_ids for seq in seqs])
-            batch.prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens]
-                                             if sp.repetition_penalty != 1 else []
-                                             for seq, sp in zip(seqs, params)])
-        kept = set(kept_rows)  # only kept rows use min_tokens and seeds
-        banned = [self.eos_token_ids | set(sp.stop_token_ids)
-                  if row in kept and seq.num_completion_tokens < sp.min_tokens else set()
-                  for row, (seq, sp) in enumerate(zip(seqs, params))]
-        if any(banned):
-            ids = sorted(set().union(*banned))
-            batch.banned_ids = self.to_device(ids, torch.int64)
-            batch.banned_rows = self.to_device([[i in r for i in ids] for r in banned], torch.bool)
-        if any(sp.seed is not None for sp in params):
-            for row, (seq, sp) in enumerate(zip(seqs, params)):
-                if row in kept and sp.seed is not None and seq.seq_id not in self.generators:
-                    self.generators[seq.seq_id] = torch.Generator(self.device).manual_seed(sp.seed)
-            batch.generators = [self.generators.get(seq.seq_id) if row in kept else None
-                                for row, seq in enumerate(seqs)]
-        batch.num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        if not all(sp.is_plain for sp in params):
+            prepare_stages(self, batch, seqs, params, kept_rows)
         return batch
 
     def forget(self, seq: Sequence) -> None:
         self.generators.pop(seq.seq_id, None)
-
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(r) for r in rows))
-        return self.to_device([r + [self.vocab_size] * (width - len(r)) for r in rows], torch.int64)
