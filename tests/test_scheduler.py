@@ -15,6 +15,7 @@ from nanovllm import LLM
 from nanovllm.engine.batch import prepare_decode, prepare_prefill
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.core import EngineCore
+from nanovllm.engine.overlap import OverlapEngineCore
 from nanovllm.engine.outputs import Request
 from nanovllm.engine.sampling import LogitsHook
 from nanovllm.engine.scheduler import Scheduler
@@ -262,7 +263,8 @@ def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefi
                              async_scheduling=async_scheduling, device="cpu")
     resources = EngineResources()
     resources.runner = runner = FakeRunner()
-    core = runner.core = EngineCore(config, resources, resources.close, [])
+    core_class = OverlapEngineCore if async_scheduling else EngineCore
+    core = runner.core = core_class(config, resources, resources.close, [])
     seqs = []
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         sp = SamplingParams(max_tokens=m,

@@ -33,7 +33,7 @@ class EngineCore:
     def step(self) -> int:
         """One step; returns the prefill tokens launched, or minus the decodes."""
         if not self.resources.closed:
-            return self.overlap_step() if self.config.async_scheduling else self.normal_step()
+            return self.one_step()
         raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
 
     def normal_step(self) -> int:
@@ -43,15 +43,7 @@ class EngineCore:
         self.read_back()
         return self._count(batch)
 
-    def overlap_step(self) -> int:
-        batch = self._schedule()
-        if batch.seqs and self.inflight and any(h.needs_known_tokens(batch) for h in self.hooks):
-            self.read_back()  # penalties read every known token
-            batch = batch.without([seq for seq in batch.seqs if seq.is_finished])
-        output = self.launch(batch) if batch.seqs else None
-        self.read_back()
-        self.inflight = (batch, output) if output is not None else None
-        return self._count(batch)
+    one_step = normal_step  # OverlapEngineCore's: overlap_step
 
     def _schedule(self) -> SchedulerOutput:
         batch = self.scheduler.schedule()

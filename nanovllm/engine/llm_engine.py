@@ -16,6 +16,7 @@ from nanovllm.engine.core import EngineCore
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.outputs import Request, request_output
+from nanovllm.engine.overlap import OverlapEngineCore
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.worker_group import EngineResources, WorkerGroup
 from nanovllm.outputs import RequestOutput
@@ -57,7 +58,8 @@ class LLMEngine:
         runner = resources.runner
         self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks,
                                     max_model_len=runner.max_model_len)
-        self.core = EngineCore(self.config, resources, self._finalizer, [])
+        core = OverlapEngineCore if self.config.async_scheduling else EngineCore
+        self.core = core(self.config, resources, self._finalizer, [])
         self._request_ids = itertools.count()
         # add_request's requests until step() reports them finished (None while being admitted)
         self._step_requests: dict[str, Request | None] = {}
@@ -96,15 +98,6 @@ class LLMEngine:
 
     def __exit__(self, *exc):
         self.exit()
-
-    def add_request(self, prompt, sampling_params: SamplingParams, index: int = 0,
-                    stream: deque | None = None) -> Request:
-        """nano-vllm's: admits one prompt, returning its ``Request``; ``step()`` reports it."""
-        ids, text = self._parse_prompt(index, prompt)
-        params = self._admitted(sampling_params)
-        request = self._add(ids, text, params, index, stream, incremental=True)
-        self._step_requests[request.request_id] = request
-        return request
 
     def _add(self, prompt_ids: list[int], text: str | None, params: SamplingParams, index: int,
              stream: deque | None, request_id: str | None = None,

@@ -61,8 +61,17 @@ class VllmEngineMixin:
         """nano-vllm's ``add_request(prompt, sampling_params)``, returning the ``Request``, or
         vLLM's ``add_request(request_id, prompt, params)``; either way ``step()`` reports it."""
         if len(args) >= 2 and isinstance(args[1], SamplingParams) or "sampling_params" in kwargs:
-            return super().add_request(*args, **kwargs)
+            return self._add_prompt(*args, **kwargs)
         return self._add_request_by_id(*args, **kwargs)
+
+    def _add_prompt(self, prompt, sampling_params: SamplingParams, index: int = 0,
+                    stream: deque | None = None) -> Request:
+        """nano-vllm's: admits one prompt, returning its ``Request``; ``step()`` reports it."""
+        ids, text = self._parse_prompt(index, prompt)
+        params = self._admitted(sampling_params)
+        request = self._add(ids, text, params, index, stream, incremental=True)
+        self._step_requests[request.request_id] = request
+        return request
 
     def abort_request(self, request: Request | str | Iterable[str]):
         """Ends a ``Request``'s or request ids' unfinished completions (finish_reason "abort");
@@ -112,6 +121,14 @@ class VllmEngineMixin:
                 self.core.interruptible_step()
         finally:
             self.core.release(requests)
+
+    def beam_search(self, prompts, params, use_tqdm: bool = False, *, lora_request=None,
+                    concurrency_limit: int | None = None) -> list:
+        """For each prompt, its ``params.beam_width`` best sequences, best first (vLLM's
+        ``BeamSearchOutput``s; ``features.beam_search``)."""
+        refuse_unsupported(lora_request=lora_request)
+        return REGISTRY.get("method", "beam_search")(self, prompts, params, use_tqdm=use_tqdm,
+                                                    concurrency_limit=concurrency_limit)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is unfinished, or an ``add_request`` one not yet reported finished by

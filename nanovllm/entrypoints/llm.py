@@ -27,7 +27,6 @@ from nanovllm.entrypoints.arg_utils import (
 from nanovllm.entrypoints.engine_api import VllmEngineMixin
 from nanovllm.models.presets import PRESETS, preset_config
 from nanovllm.outputs import RequestOutput
-from nanovllm.plugins import REGISTRY
 from nanovllm.sampling_params import check_bool
 
 logger = logging.getLogger("nanovllm")
@@ -52,14 +51,6 @@ class LLMEngine(VllmEngineMixin, CoreEngine):
 class LLM(LLMEngine):
     """An offline engine; ``model`` is a checkpoint directory, a Hub id, ``"nanovllm:demo"`` or a
     preset such as ``"qwen3-0.6b"`` (with ``load_format="dummy"``), the keywords vLLM's."""
-
-    def beam_search(self, prompts, params, use_tqdm: bool = False, *, lora_request=None,
-                    concurrency_limit: int | None = None) -> list:
-        """For each prompt, its ``params.beam_width`` best sequences, best first (vLLM's
-        ``BeamSearchOutput``s; ``features.beam_search``)."""
-        refuse_unsupported(lora_request=lora_request)
-        return REGISTRY.get("method", "beam_search")(self, prompts, params, use_tqdm=use_tqdm,
-                                                    concurrency_limit=concurrency_limit)
 
 
 def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
