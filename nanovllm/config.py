@@ -1,5 +1,4 @@
-"""Engine configuration: one frozen dataclass, validated and resolved (every "auto", the model's
-config and class) in ``__post_init__``; ``derive`` copies it with what start-up measures."""
+"""Engine configuration: a frozen dataclass resolved in ``__post_init__``, copied by ``derive``."""
 from __future__ import annotations
 
 import copy
@@ -19,7 +18,6 @@ from nanovllm.sampling_params import check_bool, check_int
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}  # vLLM's names (torch dtypes too)
-
 logger = logging.getLogger("nanovllm")
 
 
@@ -49,8 +47,7 @@ class Config:
     enable_chunked_prefill: bool | None = None  # False: a prompt is never split
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # None: config.json's
     features: tuple[tuple[str, dict], ...] = ()  # (registered feature, its options) on every rank
-    # resolved in __post_init__
-    model_class: type | None = field(default=None, init=False, repr=False)
+    model_class: type | None = field(default=None, init=False, repr=False)  # set in __post_init__
     torch_dtype: torch.dtype | None = field(default=None, init=False)
     kv_cache_torch_dtype: torch.dtype | None = field(default=None, init=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -72,7 +69,6 @@ class Config:
                              f"{torch.cuda.device_count()} visible GPU(s)")
         if self.async_scheduling is None:
             self._set(async_scheduling=self.device == "cuda")
-        # the model: max_model_len within its positions, its class (unsupported ones fail here)
         model_len = hf.max_position_embeddings
         max_model_len = model_len if self.max_model_len in (None, -1) else self.max_model_len
         if max_model_len > model_len:
@@ -94,11 +90,9 @@ class Config:
             dtype = torch.float32
         else:  # config.json's, by name
             dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-            dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-            dtype = dtype if dtype in _DTYPES.values() else torch.bfloat16
+            dtype = _DTYPES.get(dtype, dtype if dtype in _DTYPES.values() else torch.bfloat16)
         self._set(torch_dtype=dtype, kv_cache_torch_dtype=dtype if self.kv_cache_dtype == "auto"
                   else torch.float8_e4m3fn)
-        # an unusable backend fails here; without a block size, choose with one every backend takes
         backend = resolve_backend(self.attention_backend, self.device, self.torch_dtype,
                                   self.kvcache_block_size or 256, self.model_class.head_dim(hf),
                                   self.kv_cache_torch_dtype)
@@ -111,7 +105,6 @@ class Config:
         return self
 
     def derive(self, **values) -> Config:
-        """A copy holding what start-up found (eos_token_ids, num_kvcache_blocks, max_model_len)."""
         return copy.copy(self)._set(**values)
 
     def _check_values(self):
@@ -157,9 +150,7 @@ def load_hf_config(model: str) -> PretrainedConfig:
 _CHOICES = {"device": ("auto", "cuda", "cpu"), "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),
             "attention_backend": ("auto", "flash-attn", "triton", "torch"),
             "load_format": ("auto", "safetensors", "dummy")}
-# kvcache_block_size's defaults: flash-attn's paged KV needs multiples of 256; 64: more prefix hits
-DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}
-# the fields where vLLM's None means our default (other fields resolve their None later)
+DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}  # flash-attn: multiples of 256
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
-                    "enable_prefix_caching")
+                    "enable_prefix_caching")  # where vLLM's None means our default
 VllmConfig = Config  # the name vLLM's logits processors annotate their first argument with

@@ -1,5 +1,4 @@
-"""Per-request sampling parameters with vLLM's names and meanings (nano-vllm's defaults
-``temperature=1.0``, ``max_tokens=64``), and the checks that name a bad value."""
+"""Per-request sampling parameters with vLLM's names and meanings, and checks naming a bad value."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +15,6 @@ MAX_SEED = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
 
 class RequestOutputKind(Enum):
     """vLLM's: what ``LLMEngine.step`` reports of a request (``generate``: the final output)."""
-
     CUMULATIVE = 0  # everything so far, at every report
     DELTA = 1       # only what is new since the last report
     FINAL_ONLY = 2  # only the finished output
@@ -26,7 +24,6 @@ class RequestOutputKind(Enum):
 class SamplingParams:
     """vLLM's sampling parameters (``temperature=0`` is greedy). Logprobs come from the raw model
     distribution; completion i of ``n`` with a ``seed`` uses (seed + i) mod 2**64."""
-
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -61,18 +58,15 @@ class SamplingParams:
             self.__dict__.pop(derived, None)
 
     def verify(self) -> None:
-        """Raises naming the first bad field; ``stop_token_ids`` becomes a list, ``temperature`` a
-        float."""
+        """Raises on the first bad field; makes stop_token_ids a list and temperature a float."""
         check_number("temperature", self.temperature, lo=0.0)
         check_number("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
-        check_int("n", self.n, lo=1)
-        check_int("top_k", self.top_k, lo=-1)
-        check_int("max_tokens", self.max_tokens, lo=1)
-        check_int("min_tokens", self.min_tokens, lo=0)
+        for name, lo in (("n", 1), ("top_k", -1), ("max_tokens", 1), ("min_tokens", 0)):
+            check_int(name, getattr(self, name), lo=lo)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
@@ -84,16 +78,6 @@ class SamplingParams:
             check_bool(name, getattr(self, name))
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        self._verify_stops()
-        if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise TypeError(f"extra_args must be a dict, got {self.extra_args!r:.80}")
-        self.temperature = float(self.temperature)
-        for name in features_of_params(self):  # the fields a feature serves
-            REGISTRY.get("feature", name).verify_params(self)
-
-    __post_init__ = verify  # at construction, and again when a request is admitted
-
-    def _verify_stops(self) -> None:
         stop = self.stop
         if not (stop is None or isinstance(stop, str) or
                 (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop))):
@@ -108,6 +92,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, "
                              f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise TypeError(f"extra_args must be a dict, got {self.extra_args!r:.80}")
+        self.temperature = float(self.temperature)
+        for name in features_of_params(self):  # the fields a feature serves
+            REGISTRY.get("feature", name).verify_params(self)
+
+    __post_init__ = verify  # at construction, and again when a request is admitted
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -163,8 +154,7 @@ def check_bool(name: str, value):
 
 
 def __getattr__(name: str):
-    """vLLM's names here that features define (``StructuredOutputsParams``, ``BeamSearchParams``),
-    imported when first asked for."""
+    """Names features define (``StructuredOutputsParams``, ``BeamSearchParams``), loaded lazily."""
     if name in REGISTRY.names("name"):
         return REGISTRY.get("name", name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,8 +15,8 @@ from nanovllm import LLM
 from nanovllm.engine.batch import prepare_decode, prepare_prefill
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.core import EngineCore
-from nanovllm.engine.overlap import OverlapEngineCore
 from nanovllm.engine.outputs import Request
+from nanovllm.engine.overlap import OverlapEngineCore
 from nanovllm.engine.sampling import LogitsHook
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence

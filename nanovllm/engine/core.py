@@ -16,8 +16,7 @@ logger = logging.getLogger("nanovllm")
 
 
 class EngineCore:
-    """A step: schedule -> launch (arrays, forward, hooks, sample) -> read back (tokens, stops).
-    ``overlap_step`` (async scheduling) launches step N+1 before it reads step N back."""
+    """A step: schedule -> launch (arrays, forward, hooks, sample) -> read back (tokens, stops)."""
 
     def __init__(self, config: Config, resources: EngineResources, shutdown,
                  hooks: list[LogitsHook]):
@@ -57,8 +56,7 @@ class EngineCore:
                 else -len(batch.seqs))
 
     def launch(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Builds ``batch``'s arrays, starts the forward on every rank, then the sampler. A sequence
-        whose own sampling inputs fail is ended alone; None when all of them did."""
+        """Starts ``batch``; a sequence whose sampling inputs fail ends alone (None if all do)."""
         runner, errors = self.resources.runner, {}
         try:
             sampling = runner.prepare_sample(batch)
@@ -70,7 +68,6 @@ class EngineCore:
                     errors[seq] = e
             if not errors:
                 raise
-        if errors:
             for seq, error in errors.items():
                 self.end_with_error(seq, error)
             batch = batch.without(errors)
@@ -91,8 +88,7 @@ class EngineCore:
         return self.call_or_shut_down(runner.sample, batch.step_input, logits, sampling)
 
     def read_back(self, after_accept=None) -> None:
-        """Appends the step in flight's tokens; the hooks follow them, then
-        ``after_accept(refused)`` runs, then the stopped sequences end."""
+        """Reads back the step in flight: hooks accept, ``after_accept(refused)``, then stops."""
         if self.inflight is None:
             return
         (batch, output), self.inflight = self.inflight, None
@@ -103,11 +99,10 @@ class EngineCore:
         if after_accept is not None:
             after_accept(errors.keys())
         for seq, token_id in advanced:
-            request = self.requests[seq.seq_id]
             try:
                 if (error := errors.get(seq)) is not None:
                     raise error
-                stop = self.outputs.check_stop(request, seq, token_id)
+                stop = self.outputs.check_stop(self.requests[seq.seq_id], seq, token_id)
             except Exception as e:  # its text failed to decode, or its grammar refused the token
                 self.end_with_error(seq, e)
                 continue
@@ -115,7 +110,6 @@ class EngineCore:
                 self._end(seq, *stop)
 
     def call_or_shut_down(self, fn, *args):
-        """``fn(*args)``; a failure part-way (a dead worker, Ctrl-C) shuts the engine down."""
         try:
             return fn(*args)
         except BaseException as e:
@@ -134,7 +128,6 @@ class EngineCore:
             hook.forget(seq)
 
     def end_with_error(self, seq: Sequence, error: Exception):
-        """Ends ``seq`` alone, for a failure of its own (its text, its sampling inputs)."""
         request = self.requests[seq.seq_id]
         logger.warning("request %s, completion %d failed and was ended: %s: %s", request.request_id,
                        request.seqs.index(seq), type(error).__name__, error)
@@ -154,7 +147,6 @@ class EngineCore:
             self.requests.pop(seq.seq_id, None)
 
     def release(self, requests: list[Request]):
-        """At the end of a generate/stream call: forgets its requests, aborting unfinished ones."""
         with self.lock:
             for request in requests:
                 if request.finished or self.resources.closed:
@@ -167,7 +159,6 @@ class EngineCore:
         return self.scheduler.is_finished() and self.inflight is None
 
     def interruptible_step(self) -> int:
-        """``step`` under the lock if any work is left; Ctrl-C shuts the engine down first."""
         with self.lock:
             if self.is_finished():
                 return 0
@@ -178,7 +169,6 @@ class EngineCore:
                 raise
 
     def drain_if_idle(self):
-        """Reads back the step async scheduling leaves in flight once nothing else is left."""
         with self.lock:
             if self.inflight and self.scheduler.is_finished() and not self.resources.closed:
                 self.step()

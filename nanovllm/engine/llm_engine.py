@@ -1,5 +1,4 @@
-"""nano-vllm's ``LLMEngine``: checks prompts and sampling parameters, admits them to the
-``EngineCore`` and installs features (the engine's at start-up, a request's at its admission)."""
+"""nano-vllm's ``LLMEngine``: checks prompts and sampling parameters, admits them to the core."""
 from __future__ import annotations
 
 import itertools
@@ -27,7 +26,6 @@ from nanovllm.utils.loader import eos_token_ids, load_tokenizer
 
 
 def prompt_list(prompts) -> list:
-    """``prompts`` as a list: one prompt (a string, a token-id list or a dict) is a list of one."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                             and isinstance(prompts[0], int)):
         return [prompts]
@@ -49,34 +47,29 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, resources.close)
         forget_in_forked_child(self, lambda engine: engine._finalizer.detach())  # the parent frees
         try:
-            if config.tensor_parallel_size > 1:
-                resources.workers = WorkerGroup(config)
+            resources.workers = WorkerGroup(config) if config.tensor_parallel_size > 1 else None
             group = resources.workers.connect() if resources.workers else None
             resources.runner = ModelRunner(config, 0, group)
         except BaseException as e:
             resources.shut_down_and_raise(e, self._finalizer)
-        runner = resources.runner
-        self.config = config.derive(num_kvcache_blocks=runner.num_kvcache_blocks,
-                                    max_model_len=runner.max_model_len)
+        self.config = config.derive(num_kvcache_blocks=resources.runner.num_kvcache_blocks,
+                                    max_model_len=resources.runner.max_model_len)
         core = OverlapEngineCore if self.config.async_scheduling else EngineCore
         self.core = core(self.config, resources, self._finalizer, [])
         self._request_ids = itertools.count()
-        # add_request's requests until step() reports them finished (None while being admitted)
-        self._step_requests: dict[str, Request | None] = {}
+        self._step_requests: dict[str, Request | None] = {}  # add_request's; None: admitting
         self.features: dict[str, Feature] = {}  # installed, by name
-        for (name, _), feature in zip(self.config.features, runner.features):
+        for (name, _), feature in zip(self.config.features, resources.runner.features):
             self.install(name, feature)
 
     def install(self, name: str, feature: Feature | None = None) -> Feature:
-        """Feature ``name`` on rank 0 (made now unless given); once."""
         if name not in self.features:
             feature = feature or REGISTRY.get("feature", name)(self.config, {})
             feature.setup_engine(self)
             self.features[name] = feature
         return self.features[name]
 
-    model_runner = property(lambda self: self._resources.runner,
-                            doc="Rank 0's runner (None once shut down).")
+    model_runner = property(lambda self: self._resources.runner)  # rank 0's; None once shut down
     workers = property(lambda self: self._resources.workers)
     scheduler = property(lambda self: self.core.scheduler)
     requests = property(lambda self: self.core.requests, doc="The admitted requests, by seq_id.")
@@ -102,8 +95,7 @@ class LLMEngine:
     def _add(self, prompt_ids: list[int], text: str | None, params: SamplingParams, index: int,
              stream: deque | None, request_id: str | None = None,
              incremental: bool = False) -> Request:
-        """Admits a checked prompt with ``_admitted`` params. ``incremental``: the outputs' text is
-        incremental detokenizers' (``step()`` reports it again and again)."""
+        """Admits a checked prompt (``_admitted`` params); ``incremental``: step() reports text."""
         completions = [params if params.seed is None or i == 0 else
                        replace(params, seed=(params.seed + i) % MAX_SEED) for i in range(params.n)]
         seqs = [Sequence(prompt_ids, sp, self.config.kvcache_block_size) for sp in completions]
@@ -122,7 +114,6 @@ class LLMEngine:
         return request
 
     def _admitted(self, sampling_params: SamplingParams) -> SamplingParams:
-        """A verified copy of ``sampling_params``, also checked against this engine."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got "
                             f"{type(sampling_params).__name__}")
@@ -149,32 +140,28 @@ class LLMEngine:
     def generate(self, prompts,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Completions of ``prompts`` (strings, token-id lists or vLLM's prompt dicts), in order;
-        ``sampling_params``: one for all, one per prompt, or None for the model's defaults."""
+        """Completions of ``prompts`` in order; ``sampling_params``: one, one per prompt or None."""
         return self._generate(self._add_requests(prompts, sampling_params), use_tqdm)
 
     def _generate(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
-                    disable=not use_tqdm)
         try:
-            pending, speed = requests, {"prefill": 0.0, "decode": 0.0}
-            while pending:
-                t = perf_counter()
-                num_tokens = self.core.interruptible_step()
-                rate = abs(num_tokens) / (perf_counter() - t)
-                speed["prefill" if num_tokens > 0 else "decode"] = rate
-                pbar.set_postfix({k: f"{v:.0f}tok/s" for k, v in speed.items()}, refresh=False)
-                pending, before = [r for r in pending if not r.finished], len(pending)
-                pbar.update(before - len(pending))
+            with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
+                      disable=not use_tqdm) as pbar:
+                pending, speed = requests, {"prefill": 0.0, "decode": 0.0}
+                while pending:
+                    t, num_tokens = perf_counter(), self.core.interruptible_step()
+                    rate = abs(num_tokens) / (perf_counter() - t)
+                    speed["prefill" if num_tokens > 0 else "decode"] = rate
+                    pbar.set_postfix({k: f"{v:.0f}tok/s" for k, v in speed.items()}, refresh=False)
+                    pending, before = [r for r in pending if not r.finished], len(pending)
+                    pbar.update(before - len(pending))
         finally:
-            pbar.close()
             self.core.release(requests)
         return [request_output(r, self.tokenizer) for r in requests]
 
     def _add_requests(self, prompts, sampling_params, stream: deque | None = None,
                       texts: list[str] | None = None) -> list[Request]:
-        """Checks every prompt and sampling parameter before admitting any. ``texts``: the text of
-        token-id prompts (chat's rendered conversations)."""
+        """Checks all prompts and params before admitting any; ``texts``: token-id prompts' text."""
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or self.default_sampling_params()] * len(prompts)
@@ -205,7 +192,6 @@ def require_tokenizer(tokenizer, what: str):
 
 
 def encode(tokenizer, what: str, text: str, add_special_tokens: bool = True) -> list[int]:
-    """``text``'s token ids; text UTF-8 cannot encode (a lone surrogate) is refused as ``what``."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -215,7 +201,6 @@ def encode(tokenizer, what: str, text: str, add_special_tokens: bool = True) -> 
 
 
 def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | None]:
-    """Prompt ``i``'s token ids, checked against the engine's ``config``, and its text or None."""
     if isinstance(prompt, dict):
         if unknown := sorted(set(prompt) - {"prompt", "prompt_token_ids"}):
             raise ValueError(f"prompt {i} has unsupported keys {unknown}")
@@ -237,7 +222,6 @@ def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | No
     elif not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
         raise TypeError(f"prompt {i} must be a string, a list of ints or a dict, "
                         f"got {prompt!r:.80}")
-    # vLLM's wording (which scripts match), then our values
     if not prompt:
         raise ValueError(f"prompt {i}: the decoder prompt cannot be empty")
     vocab_size = config.hf_config.vocab_size

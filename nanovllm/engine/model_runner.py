@@ -1,5 +1,4 @@
-"""One rank's model on its device: loading, the warmup that sizes the KV cache, the cache, a step's
-forward (decode through CUDA graphs) and, on rank 0, sampling."""
+"""One rank's model on its device: loading, KV-cache sizing, CUDA-graph decode, rank 0 sampling."""
 from __future__ import annotations
 
 import contextlib
@@ -38,12 +37,11 @@ class ModelRunner:
     def __init__(self, config: Config, rank: int, group: TPGroup | None = None):
         self.config, self.rank, self.group = config, rank, group
         hf_config = config.hf_config
-        self.block_size = config.kvcache_block_size
+        self.block_size, self.kv_dtype = config.kvcache_block_size, config.kv_cache_torch_dtype
         self.is_cuda = config.device == "cuda"
         self.prev_sampled: torch.Tensor | None = None  # the last step's samples (async scheduling)
         self.graphs: DecodeGraphs | None = None
-        # what features add: build contexts, functions of the built model, extensions ("x.method")
-        self.build_contexts, self.after_build, self.extensions = [], [], {}
+        self.build_contexts, self.after_build, self.extensions = [], [], {}  # features add to them
         self.worker: object = self  # what a call by name reaches (vLLM's worker; a feature's view)
         self.features = [REGISTRY.get("feature", name)(config, options)
                          for name, options in config.features]
@@ -52,7 +50,6 @@ class ModelRunner:
         if self.is_cuda:
             torch.cuda.set_device(rank)
         self.device = torch.device("cuda", rank) if self.is_cuda else torch.device("cpu")
-        self.kv_dtype = config.kv_cache_torch_dtype
         self.head_dim = config.model_class.head_dim(hf_config)
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         self.num_kv_heads = kv_heads // config.tensor_parallel_size
@@ -61,18 +58,15 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def building(self):
-        """This rank's device and the model's dtype as torch's defaults, one engine at a time."""
-        with _BUILD_LOCK:
+        with _BUILD_LOCK, torch.device(self.device):
             default_dtype = torch.get_default_dtype()
             torch.set_default_dtype(self.config.torch_dtype)
             try:
-                with torch.device(self.device):
-                    yield
+                yield
             finally:
                 torch.set_default_dtype(default_dtype)
 
     def resolve(self, method):
-        """A call's target: ``method`` of the worker or an extension ("x.method"), or a function."""
         if callable(method):
             return functools.partial(method, self)
         owner, _, name = method.rpartition(".")
@@ -114,14 +108,12 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
                                    self.config.hf_config.hidden_size)
 
-    def exit(self):
-        """Frees graphs, KV cache and weights now (unusable after), for another engine's sizing."""
+    def exit(self):  # frees graphs, KV cache, weights (unusable after) for another engine's sizing
         if self.is_cuda:  # a step may still be in flight (async scheduling)
             torch.cuda.synchronize()
-        self.graphs = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache, self.model, self.attention_layers = None, None, []
+        self.graphs, self.kv_cache, self.model, self.attention_layers = None, None, None, []
         self.extensions.clear()  # lets go of what they hold (a host copy of the weights)
         gc.collect()  # each parameter and its layer form a cycle (the bound weight_loader)
         if self.is_cuda:
@@ -136,8 +128,7 @@ class ModelRunner:
         if config.num_kvcache_blocks > 0:
             num_blocks = config.num_kvcache_blocks
         elif self.is_cuda:  # what is left under the utilization cap after the warmup's peak
-            free, total = torch.cuda.mem_get_info()
-            stats = torch.cuda.memory_stats()
+            (free, total), stats = torch.cuda.mem_get_info(), torch.cuda.memory_stats()
             peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
             budget = total * config.gpu_memory_utilization - (total - free) - peak + current
             num_blocks = int(budget) // block_bytes
@@ -172,13 +163,12 @@ class ModelRunner:
         return None if values is None else self.sampling.to_device(values)
 
     def step_tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(input ids, positions, attention context); ``prev_rows`` >= 0: tokens still on device."""
         arrays = ("slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_indices",
                   "context_lens")
         context = {name: self._to_device(getattr(step, name)) for name in arrays}
         context.update(max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k)
         input_ids = self._to_device(step.input_ids)
-        if step.prev_rows is not None:
+        if step.prev_rows is not None:  # rows >= 0: their tokens are still on the device
             rows = self._to_device(step.prev_rows)
             input_ids = torch.where(rows >= 0, self.prev_sampled[rows.clamp(min=0)], input_ids)
         return input_ids, self._to_device(step.positions), context
@@ -198,27 +188,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput, sampling: SamplingInputs | None = None) -> tuple | None:
-        """Launches the forward; rank 0 gets (the logits to sample, the prompt logprobs or None).
-        Apart from ``sample`` so that rank 0 can build a grammar bitmask while the device runs."""
+        """Rank 0 gets (logits to sample, prompt logprobs or None); ``sample`` follows: in between,
+        rank 0 can build a grammar bitmask while the device runs."""
         input_ids, positions, context = self.step_tensors(step)
         with set_context(step.is_prefill, **context):
             logits = self.run_model(input_ids, positions, step.is_prefill)
         if self.rank != 0:
             return None
-        prompt, prompt_lps = sampling.prompt, None
-        if prompt is not None:  # some sequences' logits at every position: theirs, then the last
-            prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
-            logits = logits[prompt.sample_rows]
-        return logits, prompt_lps
+        if (prompt := sampling.prompt) is None:
+            return logits, None
+        prompt_lps = prompt_logprobs(logits, prompt.rows, prompt.target_ids, prompt.num_top)
+        return logits[prompt.sample_rows], prompt_lps  # each sequence's last row
 
     @torch.inference_mode()
     def sample(self, step: StepInput, forward: tuple | None,
                sampling: SamplingInputs | None = None):
-        """Rank 0 samples; with async scheduling every rank keeps the tokens (TP: rank 0's)."""
-        token_ids = logprobs = prompt_lps = None
-        if self.rank == 0:
-            logits, prompt_lps = forward
-            token_ids, logprobs = self.sampler(logits, sampling.batch, self.generator)
+        token_ids = logprobs = None
+        if self.rank == 0:  # forward: (logits, prompt logprobs)
+            token_ids, logprobs = self.sampler(forward[0], sampling.batch, self.generator)
         if self.config.async_scheduling:
             if self.group is not None:
                 if self.rank != 0:
@@ -227,4 +214,4 @@ class ModelRunner:
             self.prev_sampled = token_ids
         if self.rank == 0:
             return ModelRunnerOutput(token_ids, logprobs, sampling.num_logprobs, sampling.prompt,
-                                     prompt_lps, sampling.host_work)
+                                     forward[1], sampling.host_work)

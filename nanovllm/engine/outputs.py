@@ -1,5 +1,4 @@
-"""Outputs: a ``Request`` (a prompt and its ``n`` completions), the stop conditions, a forward's
-sampled tokens on their way to the host, and the ``RequestOutput`` objects ``generate`` returns."""
+"""Requests, their stop checks, sampled tokens on their way to the host, and ``RequestOutput``s."""
 from __future__ import annotations
 
 from collections import deque
@@ -23,7 +22,6 @@ from nanovllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 @dataclass
 class Request:
     """One prompt and its ``n`` completions (``seqs``, ``detokenizers``, ``reported``: one each)."""
-
     index: int
     prompt_token_ids: list[int]
     seqs: list[Sequence]
@@ -52,20 +50,16 @@ class OutputProcessor:
 
     def check_stop(self, request: Request, seq: Sequence, token_id: int
                    ) -> tuple[str, int | str | None] | None:
-        """(finish reason, stop reason) if ``token_id``, just appended, ends ``seq``, in vLLM's
-        order: length, a stop token once ``min_tokens`` are out, a stop string (cutting the text).
-        Queues the text a stream may show (all but what could still begin a stop string)."""
+        """(finish reason, stop reason) if ``token_id`` ends ``seq``; queues the streamable text."""
         sp, detok = seq.sampling_params, request.detokenizers[request.seqs.index(seq)]
         num_out, stops = len(seq.token_ids) - seq.num_prompt_tokens, sp.stop_strings
         reason = stop_reason = hit = None
         if num_out >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
         elif num_out >= sp.min_tokens and not sp.ignore_eos and token_id in self.eos_token_ids:
-            # generation_config's other EOS ids are stop tokens to vLLM
             reason, stop_reason = "stop", None if token_id == self.eos_token_id else token_id
         elif num_out >= sp.min_tokens and token_id in sp.stop_token_ids:
             reason, stop_reason = "stop", token_id
-        # a stop token's text is output only with include_stop_str_in_output (vLLM's)
         counts = detok is not None and (reason != "stop" or sp.include_stop_str_in_output)
         delta = detok.add(token_id) if counts else ""
         if (stops and reason != "stop" and num_out > sp.min_tokens
@@ -73,11 +67,9 @@ class OutputProcessor:
             at, stop = hit
             detok.text = detok.text[:at + len(stop) if sp.include_stop_str_in_output else at]
             reason, stop_reason = "stop", stop
-        text = ""  # detokenize=False
-        if detok is not None:
-            if reason and not hit:
-                detok.flush()
-            text = detok.take(stop_holdback(stops, bool(reason)))
+        if detok is not None and reason and not hit:
+            detok.flush()
+        text = "" if detok is None else detok.take(stop_holdback(stops, bool(reason)))
         self.stream_piece(request, seq, text, [token_id], reason)
         return (reason, stop_reason) if reason else None
 
@@ -92,8 +84,7 @@ class OutputProcessor:
 
 
 class ModelRunnerOutput:
-    """One forward's sampled tokens (and logprobs), copied to pinned memory at once; ``result``
-    waits for them, so the host can launch the next forward first."""
+    """A forward's sampled tokens, copied to pinned memory at once; ``result`` waits for them."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs, num_logprobs: list[int | None],
                  prompt: PromptLogprobsBatch | None = None, prompt_logprobs=None, host_work=()):
@@ -126,8 +117,7 @@ class ModelRunnerOutput:
 
 def completion_output(seq: Sequence, index: int, tokenizer, detokenizer=None,
                       incremental: bool = False) -> CompletionOutput:
-    """Completion ``index`` of its request. Its text leaves out a stop token's (vLLM's) and ends at
-    a stop string; with ``incremental`` it is the detokenizer's so far."""
+    """Text: no stop token's, cut at a stop string; ``incremental``: the detokenizer's so far."""
     sp, stopped = seq.sampling_params, seq.finish_reason == "stop"
     if tokenizer is None or not sp.detokenize:
         text = ""

@@ -31,10 +31,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: Config):
-        self.max_num_seqs = config.max_num_seqs
+        self.max_num_seqs, self.max_model_len = config.max_num_seqs, config.max_model_len
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_prefix_caching = config.enable_prefix_caching
-        self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size)
         self.waiting, self.running = deque[Sequence](), deque[Sequence]()
         self.held: dict[int, list[Sequence]] = {}  # seq_id -> its siblings (see add)
@@ -52,7 +51,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """A prefill if one fits, else a decode: empty only if all running ones end in flight."""
         scheduled, budget = [], self.max_num_batched_tokens
-        # max_num_seqs caps the running sequences, so that one decode step covers them all
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:
@@ -97,8 +95,7 @@ class Scheduler:
         self.running.extendleft(reversed(visited))
         return SchedulerOutput(scheduled, False)
 
-    def _ends_in_flight(self, seq: Sequence) -> bool:
-        """Its pending token is certain to be its last (max_tokens or the length limit)."""
+    def _ends_in_flight(self, seq: Sequence) -> bool:  # its pending token is surely its last
         return seq.num_pending_tokens > 0 and (
             seq.num_completion_tokens >= seq.sampling_params.max_tokens
             or seq.num_tokens >= self.max_model_len)
@@ -145,7 +142,6 @@ class Scheduler:
         """Ends ``seq`` at its last known token (dropping one in flight); starts those it held."""
         if seq.is_finished:
             return
-        seq.num_pending_tokens = 0
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
         if seq in queue:
             queue.remove(seq)
@@ -153,8 +149,7 @@ class Scheduler:
             for held in self.held.values():
                 if seq in held:
                     held.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        seq.finish_time = time.perf_counter()
+        seq.status, seq.finish_time = SequenceStatus.FINISHED, time.perf_counter()
+        seq.finish_reason, seq.stop_reason, seq.num_pending_tokens = reason, stop_reason, 0
         self.block_manager.deallocate(seq)
         self.waiting.extend(self.held.pop(seq.seq_id, ()))

@@ -16,13 +16,11 @@ QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def dense_ops(x: torch.Tensor):
-    """Triton's dense ops for a CUDA tensor (when triton is installed), else PyTorch's reference."""
     return triton_module("triton_linear", reference) if x.is_cuda else reference
 
 
 class LinearMethod:
-    """How a linear layer stores and multiplies its weight: ``create_weights`` replaces its plain
-    ``weight`` (and adds scales) when it is built; ``apply`` is its forward."""
+    """``create_weights`` replaces a new layer's plain ``weight``; ``apply`` is its forward."""
 
     def create_weights(self, layer: LinearBase) -> None:
         pass
@@ -56,8 +54,7 @@ class ShapeChecked(Exception):
 
 @contextlib.contextmanager
 def shapes_only():
-    """A dry run of weight loaders (``update_weights`` checks every tensor before changing any):
-    each checks its tensor's dtype and whole shape before it writes, and ``check_shape`` ends it."""
+    """Weight loaders' dry run: each checks dtype and whole shape, then ``check_shape`` stops it."""
     previous, _STATE.dry_run = _STATE.dry_run, True
     try:
         yield
@@ -66,7 +63,6 @@ def shapes_only():
 
 
 def check_shape(loaded: torch.Tensor, expected: torch.Size | tuple[int, ...]):
-    """Checks a whole checkpoint tensor's shape (the loader adds its name to the error)."""
     if tuple(loaded.shape) != tuple(expected):
         raise ValueError(f"has shape {tuple(loaded.shape)} but the model expects {tuple(expected)}")
     if _STATE.dry_run:
@@ -117,12 +113,8 @@ class LinearBase(nn.Module):
         size = loaded.size(dim) // self.tp_size
         return loaded.narrow(dim, self.tp_rank * size, size)
 
-    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-        return self.quant_method.apply(self, x, bias, residual, silu_mul)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)
+        return self.quant_method.apply(self, x, self.bias, None, False)
 
 
 class ReplicatedLinear(LinearBase):
@@ -157,8 +149,7 @@ class MergedColumnParallelLinear(LinearBase):
         return f"output part {shard_id}"
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """With ``silu_mul``, SiLU(gate) * up of the two parts."""
-        return self._linear(x, self.bias, silu_mul=silu_mul)
+        return self.quant_method.apply(self, x, self.bias, None, silu_mul)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -191,6 +182,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual += x @ weight.T + bias (both on rank 0 only), then the all-reduce."""
-        first = self.tp_rank == 0
-        y = self._linear(x, self.bias if first else None, residual=residual if first else None)
-        return all_reduce(y, self.tp_group)
+        bias, residual = (self.bias, residual) if self.tp_rank == 0 else (None, None)
+        return all_reduce(self.quant_method.apply(self, x, bias, residual, False), self.tp_group)

@@ -1,5 +1,4 @@
-"""The tensor-parallel Llama decoder every dense family shares, and the families (Llama, Mistral,
-Qwen2, Qwen3), registered as models by config.json's ``architectures``."""
+"""The tensor-parallel Llama decoder and the dense families sharing it: Llama, Mistral, Qwen2/3."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,8 +31,7 @@ def sliding_windows(config: PretrainedConfig) -> list[int]:
     window, n = getattr(config, "sliding_window", None) or 0, config.num_hidden_layers
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"the model's sliding_window must be a positive int, got {window!r}")
-    types = getattr(config, "layer_types", None)
-    if types is not None:
+    if (types := getattr(config, "layer_types", None)) is not None:
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown or len(types) != n:
             raise ValueError(f"layer_types {unknown or types} are not supported (one of "
@@ -76,23 +74,19 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor) -> torch.Tensor:  # residual + the attention block
         qkv = self.qkv_proj(hidden_states)
-        norm, attn = hasattr(self, "q_norm"), self.attn
-        fused = attn.backend.qk_norm_rope_store
+        norm, attn, fused = hasattr(self, "q_norm"), self.attn, self.attn.backend.qk_norm_rope_store
         if fused is not None and self.head_dim & (self.head_dim - 1) == 0:  # norm, rotary, KV store
-            q, k, v = fused(
+            o = attn(*fused(
                 qkv, positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight if norm else None,
                 self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0,
                 attn.k_cache, attn.v_cache, get_context().slot_mapping, self.num_heads,
-                self.num_kv_heads, self.head_dim, attn.k_scale, attn.v_scale)
-            o = attn(q, k, v, kv_stored=True)
-        else:
-            q, k, v = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split(
-                [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-            if norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
-            o = attn(q, k, v)
-        return self.o_proj(o.flatten(1, -1), residual)
+                self.num_kv_heads, self.head_dim, attn.k_scale, attn.v_scale), kv_stored=True)
+            return self.o_proj(o.flatten(1, -1), residual)
+        q, k, v = qkv.view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim).split(
+            [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(attn(*self.rotary_emb(positions, q, k), v).flatten(1, -1), residual)
 
 
 class DecoderMLP(nn.Module):
@@ -118,9 +112,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(positions, self.input_layernorm(residual), residual)
-        return self.mlp(self.post_attention_layernorm(hidden_states), hidden_states)
+        residual = self.self_attn(positions, self.input_layernorm(hidden_states), hidden_states)
+        return self.mlp(self.post_attention_layernorm(residual), residual)
 
 
 class DecoderModel(nn.Module):
@@ -128,10 +121,9 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(head_dim_of(config), max_model_len, config)
-        # a window of max_model_len or more hides nothing
-        windows = [w if w < max_model_len else 0 for w in sliding_windows(config)]
-        self.layers = nn.ModuleList([DecoderLayer(config, options, self.rotary_emb, i, w)
-                                     for i, w in enumerate(windows)])
+        self.layers = nn.ModuleList([  # a window of max_model_len or more hides nothing
+            DecoderLayer(config, options, self.rotary_emb, i, w if w < max_model_len else 0)
+            for i, w in enumerate(sliding_windows(config))])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -142,8 +134,6 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama 2 / 3.x; the other families override ``options``."""
-    # checkpoint name -> (packed parameter name, shard id)
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                               "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                               "up_proj": ("gate_up_proj", 1)}
@@ -163,7 +153,6 @@ class LlamaForCausalLM(nn.Module):
 
     @staticmethod
     def sharded_sizes(config: PretrainedConfig) -> dict[str, int | None]:
-        """The dimensions that tensor-parallel ranks split (each must divide by their number)."""
         heads = config.num_attention_heads
         return {"num_attention_heads": heads,
                 "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
@@ -186,8 +175,6 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2 / Qwen2.5: biases on q, k and v only."""
-
     @staticmethod
     def options(config: PretrainedConfig) -> DecoderOptions:
         return DecoderOptions(qkv_bias=True)

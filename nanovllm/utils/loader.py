@@ -17,11 +17,9 @@ from torch import nn
 from nanovllm.layers.linear import check_shape
 
 INDEX_FILE = "model.safetensors.index.json"
-# buffers old checkpoints saved (Llama's rotary tables); the model computes its own
 SKIPPED_TENSORS = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
                    "vocab.json", "vocab.txt", "*.tiktoken")
-
 logger = logging.getLogger("nanovllm")
 KV_SCALE = re.compile(r"(?P<layer>.*\.self_attn)\.(?:[kvq]_proj\.|attn\.)?"  # fp8 KV-cache scales
                       r"(?P<which>k_scale|v_scale|kv_scale|q_scale|prob_scale)")
@@ -38,8 +36,7 @@ def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor):
 
 def checkpoint_files(path: str) -> list[str]:
     """The index's files (a repository may ship the weights twice), else every ``*.safetensors``."""
-    index = os.path.join(path, INDEX_FILE)
-    if not os.path.exists(index):
+    if not os.path.exists(index := os.path.join(path, INDEX_FILE)):
         if not (files := sorted(glob.glob(os.path.join(path, "*.safetensors")))):
             raise ValueError(f"model directory {path!r} has no *.safetensors weights")
         return files
@@ -62,8 +59,7 @@ def _packed_target(name: str, packed: dict) -> tuple[str, tuple]:
     return name, ()
 
 
-def _load_kv_scale(model: nn.Module, name: str, file) -> bool:
-    """Sets an fp8 KV-cache scale on its layer's ``Attention``; False if ``name`` is none."""
+def _load_kv_scale(model: nn.Module, name: str, file) -> bool:  # False: name is no KV-cache scale
     if (match := KV_SCALE.fullmatch(name)) is None:
         return False
     if match["which"] in ("q_scale", "prob_scale"):
@@ -92,11 +88,8 @@ def target_resolver(model: nn.Module):
 
 
 def load_model(model: nn.Module, path: str):
-    resolve = target_resolver(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[int] = set()  # ids: a tied parameter is loaded under any of its names
-    names: set[str] = set()
-    fp8_weights: dict[str, str] = {}  # an fp8 tensor's name: its file
+    resolve, params = target_resolver(model), dict(model.named_parameters(remove_duplicate=False))
+    loaded, names, fp8_weights = set(), set(), {}  # loaded ids: a tied parameter has many names
     for file in checkpoint_files(path):
         base = os.path.basename(file)
         try:
@@ -125,7 +118,6 @@ def load_model(model: nn.Module, path: str):
             raise ValueError(f"checkpoint tensor {name!r} in {base}: is float8_e4m3fn but the "
                              f"checkpoint has no {name + '_scale_inv'!r} (its block scales)")
     missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
-    # a module whose parameters take many tensors (a mixture of experts) names those it lacks
     missing += [f"{name} ({', '.join(parts[:4])}{' ...' if len(parts) > 4 else ''})"
                 for name, module in model.named_modules()
                 if (parts := getattr(module, "missing_weights", list)())]
@@ -171,7 +163,6 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
         with open(path) as f:
             eos = json.load(f).get("eos_token_id", eos)
     ids = {eos} if isinstance(eos, int) else set(eos or [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        own = tokenizer.eos_token_id
+    own = own if getattr(tokenizer, "eos_token_id", None) is None else tokenizer.eos_token_id
     own = own[0] if isinstance(own, (list, tuple)) and own else own
     return tuple(sorted(ids)) if own is None else (own, *sorted(ids - {own}))
