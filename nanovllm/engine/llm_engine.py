@@ -63,11 +63,12 @@ class LLMEngine:
             self.install(name, feature)
 
     def install(self, name: str, feature: Feature | None = None) -> Feature:
-        if name not in self.features:
-            feature = feature or REGISTRY.get("feature", name)(self.config, {})
-            feature.setup_engine(self)
-            self.features[name] = feature
-        return self.features[name]
+        with self.core.lock:  # once, between steps, whichever thread admits first
+            if name not in self.features:
+                feature = feature or REGISTRY.get("feature", name)(self.config, {})
+                feature.setup_engine(self)
+                self.features[name] = feature
+            return self.features[name]
 
     model_runner = property(lambda self: self._resources.runner)  # rank 0's; None once shut down
     workers = property(lambda self: self._resources.workers)
