@@ -1,6 +1,7 @@
-"""Run a script or module with flash-attn importable: the installed package if there is one, else the trimmed build
-of flash_attn_build.py (from the sdist in .gpu/ or FLASH_ATTN_SDIST):
-``python3 tools/gpu/with_flash_attn.py bench.py --attention-backend flash-attn`` or ``... -m pytest tests``."""
+"""Run a script or module with flash-attn importable: the installed package if there is one, else
+the trimmed build of flash_attn_build.py (from the sdist in .gpu/ or FLASH_ATTN_SDIST):
+``python3 tools/gpu/with_flash_attn.py bench.py --attention-backend flash-attn`` or
+``... -m pytest tests``."""
 import runpy
 import sys
 import time
