@@ -142,14 +142,23 @@ def train(steps: int = 20, n: int = 8, num_prompts: int = len(PROMPTS), max_toke
         torch.set_num_threads(threads_before)
 
 
+def positive(text: str) -> int:
+    """An argparse type: an int >= 1 (argparse names the flag when this refuses)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--n", type=int, default=8, help="completions per prompt (a GRPO group)")
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS),
+    parser.add_argument("--steps", type=positive, default=20)
+    parser.add_argument("--n", type=positive, default=8,
+                        help="completions per prompt (a GRPO group)")
+    parser.add_argument("--prompts", type=positive, default=len(PROMPTS),
                         help=f"how many of the {len(PROMPTS)} prompts")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=positive, default=32)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--clip", type=float, default=0.2, help="PPO's ratio clip")
     parser.add_argument("--seed", type=int, default=0)

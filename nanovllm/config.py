@@ -142,8 +142,17 @@ def load_hf_config(model: str) -> PretrainedConfig:
         raise ValueError(f"model directory {model!r} does not exist")
     if not os.path.isfile(path := os.path.join(model, "config.json")):
         raise ValueError(f"model directory {model!r} has no config.json")
-    with open(path) as f:  # before transformers divides by its fields
-        rope_parameters(json.load(f))
+    with open(path) as f:  # checked before transformers divides by its fields
+        try:
+            fields = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(fields).__name__}")
+    if not isinstance(fields.get("quantization_config", {}), dict):  # transformers' AttributeError
+        raise ValueError(f"{path}: quantization_config must be a JSON object, "
+                         f"got {fields['quantization_config']!r:.80}")
+    rope_parameters(fields)
     return AutoConfig.from_pretrained(model)
 
 

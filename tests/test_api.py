@@ -8,6 +8,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -562,6 +563,24 @@ def test_bad_model_dir(tmp_path):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path))
+
+
+def test_a_config_json_that_is_not_a_json_object_is_named(tiny, tmp_path):
+    for name, text, match in (("broken", '{"architectures": [', "is not valid JSON"),
+                              ("list", "[1, 2]", "must hold a JSON object, got a list")):
+        ckpt = tmp_path / name
+        shutil.copytree(tiny, ckpt)
+        (ckpt / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=re.escape(str(ckpt / "config.json")) + ".*" + match):
+            LLM(str(ckpt), device="cpu")
+
+
+def test_a_quantization_config_that_is_not_an_object_is_named(tiny, tmp_path):
+    from conftest import edited_checkpoint
+    for bad in ("fp8", ["fp8"], 8):
+        ckpt = edited_checkpoint(tiny, tmp_path / type(bad).__name__, quantization_config=bad)
+        with pytest.raises(ValueError, match="quantization_config must be a JSON object"):
+            LLM(ckpt, device="cpu")
 
 
 def test_attention_backend_choice_is_checked_up_front(tiny):

@@ -387,3 +387,28 @@ def test_the_fp8_kernel_path_gives_the_reference_path_tokens(float_ckpt, fp8_ckp
         "the paths parted within the first half of the tokens")
     assert (float((diffs < W8A8_TYPICAL).double().mean()) >= 0.9
             and not diffs.isnan().sum() > 1), diffs
+
+
+def test_the_quantize_tool_refuses_to_destroy_its_source_or_requantize(float_ckpt, fp8_ckpt,
+                                                                       tmp_path):
+    """SRC as DST (or inside it) is refused before anything is written; an fp8 source is refused;
+    a non-empty destination is refused; the copy appears only once complete."""
+    import shutil
+    src = str(tmp_path / "src")
+    shutil.copytree(float_ckpt, src)
+    before = {f: os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)}
+    for dst in (src, os.path.join(src, "inside")):
+        with pytest.raises(ValueError, match="is the source checkpoint or inside it"):
+            quantize_checkpoint(src, dst, BLOCK)
+    assert {f: os.path.getsize(os.path.join(src, f)) for f in os.listdir(src)} == before
+    with pytest.raises(ValueError, match="is already quantized"):
+        quantize_checkpoint(fp8_ckpt, str(tmp_path / "again"), 64)
+    assert not os.path.exists(tmp_path / "again")
+    os.makedirs(tmp_path / "full")
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(ValueError, match="is not empty"):
+        quantize_checkpoint(src, str(tmp_path / "full"), BLOCK)
+    assert quantize_checkpoint(src, str(tmp_path / "q"), BLOCK) == str(tmp_path / "q")
+    assert not os.path.exists(str(tmp_path / "q") + ".partial")
+    with LLM(str(tmp_path / "q"), **CPU_ENGINE) as llm:
+        assert "fp8" in llm.features

@@ -90,12 +90,16 @@ def test_sleep_and_wake_up_one_rank(pair, oracle):
         ptrs = [p.data_ptr() for p in llm.model_runner.model.parameters()]
         sleep_cycle(llm, weights)
         assert generate(llm) == generate(llm)  # the prefix cache (reset at sleep) refilled and hit
-        # a second level-1 sleep after a level-2 one, and level 2 over level 1 discards the host
-        # copy
+        # a second sleep while asleep changes nothing (vLLM's): level 2 over level 1 keeps the
+        # host copy, and the weights wake as they were
+        before = generate(llm)
         llm.sleep(level=1)
         assert llm.model_runner.extensions["sleep"].host is not None
         llm.sleep(level=2)
-        assert llm.model_runner.extensions["sleep"].host is None
+        assert llm.model_runner.extensions["sleep"].host is not None
+        llm.wake_up()
+        assert generate(llm) == before
+        llm.sleep(level=2)
         llm.wake_up()
         # discarded: zeros
         assert all(not p.detach().any() for p in llm.model_runner.model.parameters())

@@ -37,3 +37,14 @@ def test_short_rl_loop_raises_the_reward():
     first, last = sum(rewards[:2]) / 2, sum(rewards[-3:]) / 3
     assert last > first + 0.25, f"rewards per step: {rewards}"
     assert max(gaps) < 1e-4, f"engine vs trainer logprob gaps: {gaps}"
+
+
+def test_flags_below_one_are_refused_naming_the_flag():
+    import subprocess
+    import sys
+    for flag in ("--steps", "--n", "--prompts", "--max-tokens"):
+        for value in ("0", "-1"):
+            out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "rl_loop.py"),
+                                  flag, value], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 2 and f"argument {flag}: must be >= 1" in out.stderr, \
+                out.stderr

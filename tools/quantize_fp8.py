@@ -5,6 +5,9 @@ norms are kept; config.json gets the ``quantization_config`` that nanovllm and v
 and other files are copied.
 
     python tools/quantize_fp8.py SRC DST [--block 128]      # SRC: a directory or nanovllm:demo
+
+DST must not be SRC or inside it, and SRC must not be quantized already; the copy is written into
+DST.partial and renamed to DST once complete, so a failure leaves no half-written checkpoint.
 """
 from __future__ import annotations
 
@@ -47,7 +50,28 @@ def quantize_checkpoint(src: str, dst: str, block: int = 128) -> str:
     """``src`` (a directory or a built-in model) quantized into directory ``dst``; returns
     ``dst``."""
     src = resolve_model(src)
-    os.makedirs(dst, exist_ok=True)
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if real_dst == real_src or real_dst.startswith(real_src + os.sep):
+        raise ValueError(f"the destination {dst!r} is the source checkpoint or inside it: "
+                         "choose another directory")
+    if os.path.isdir(dst) and os.listdir(dst):
+        raise ValueError(f"the destination {dst!r} is not empty")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if config.get("quantization_config") is not None:
+        raise ValueError(f"{src!r} is already quantized (its config.json has a "
+                         "quantization_config): quantize its bf16/fp32 checkpoint")
+    work = f"{dst.rstrip(os.sep)}.partial"  # renamed into place once complete
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    _write(src, work, config, block)
+    if os.path.isdir(dst) and not os.listdir(dst):
+        os.rmdir(dst)  # an empty directory made for it
+    os.rename(work, dst)
+    return dst
+
+
+def _write(src: str, dst: str, config: dict, block: int) -> None:
     files = checkpoint_files(src)
     weight_map = {}
     for file in files:
@@ -61,14 +85,11 @@ def quantize_checkpoint(src: str, dst: str, block: int = 128) -> str:
     if os.path.exists(os.path.join(src, INDEX_FILE)):
         with open(os.path.join(dst, INDEX_FILE), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                      "activation_scheme": "dynamic",
                                      "weight_block_size": [block, block]}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    return dst
 
 
 def main():

@@ -95,6 +95,9 @@ def get_quantization_config(hf_config, quantization: str | None) -> Fp8Config | 
             logger.info("quantization='fp8' quantizes the dense projections; the MoE experts stay "
                         "unquantized")
         return None if quantization is None else Fp8Config()
+    if not (isinstance(config, dict) or hasattr(config, "to_dict")):
+        raise ValueError(f"the checkpoint's quantization_config must be a JSON object, "
+                         f"got {config!r:.80}")
     config = config if isinstance(config, dict) else config.to_dict()
     if config.get("quant_method") != "fp8":
         raise ValueError("the checkpoint's quantization_config quant_method="

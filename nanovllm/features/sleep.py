@@ -73,8 +73,6 @@ class RunnerSleep:
                 if pin:
                     torch.cuda.synchronize(runner.device)
             self._free("weights", storages)
-        elif level == 2:
-            self.host = None  # level 1's copy, now discarded too
         if "kv_cache" not in self.asleep:
             self._free("kv_cache", self.storages("kv_cache"))
         gc.collect()  # the dropped graphs and their memory pool
@@ -169,6 +167,9 @@ def sleep(engine, level: int = 1):
     the host); the prefix cache forgets everything. Refused while requests are unfinished."""
     check_int("level", level, lo=1, hi=2)
     _require_sleep_mode(engine, "sleep()")
+    if is_sleeping(engine):  # vLLM's: a second sleep changes nothing (and loses no weights)
+        logger.warning("sleep(level=%d): the engine is already sleeping; wake_up() first", level)
+        return
     engine.core.drain_if_idle()
     with engine.core.lock:
         if not engine.core.is_finished():
