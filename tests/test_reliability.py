@@ -592,3 +592,32 @@ def test_exit_frees_the_kv_cache_and_the_weights_at_once(tiny):
     assert [ref() for ref in held] == [None, None]
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(["again"], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_every_call_after_exit_is_the_one_shut_down_error(tiny):
+    """After exit() no call queues work or fails with an internal error: each raises the same
+    RuntimeError."""
+    llm = LLM(tiny, **CPU_ENGINE, enable_sleep_mode=True)
+    llm.exit()
+    sp = SamplingParams(max_tokens=1)
+    calls = {"add_request (nano-vllm's)": lambda: llm.add_request([1, 2], sp),
+             "add_request (vLLM's)": lambda: llm.add_request("r", [1, 2], sp),
+             "abort_request": lambda: llm.abort_request("r"),
+             "has_unfinished_requests": llm.has_unfinished_requests,
+             "get_num_unfinished_requests": llm.get_num_unfinished_requests,
+             "step": llm.step, "stream": lambda: next(iter(llm.stream([[1, 2]], sp))),
+             "sleep": llm.sleep, "wake_up": llm.wake_up,
+             "update_weights": lambda: llm.update_weights([]),
+             "collective_rpc": lambda: llm.collective_rpc("resolve"),
+             "reset_prefix_cache": llm.reset_prefix_cache, "get_metrics": llm.get_metrics,
+             "generate": lambda: llm.generate([[1, 2]], sp, use_tqdm=False)}
+    wrong = {}
+    for name, call in calls.items():
+        try:
+            call()
+            wrong[name] = "no error"
+        except Exception as e:
+            if not (isinstance(e, RuntimeError) and "the engine has been shut down" in str(e)):
+                wrong[name] = repr(e)
+    assert wrong == {}
+    llm.exit()  # twice is fine

@@ -486,3 +486,28 @@ def test_request_output_ignores_keywords_of_a_later_vllm(caplog):
     assert "example_arg_added_in_new_version" in caplog.text
     with pytest.raises(TypeError):  # a field it needs is still needed
         RequestOutput(request_id="x", example_arg_added_in_new_version=1)
+
+
+def test_vllms_short_flags_and_a_list_of_logits_processors_parse():
+    from nanovllm import EngineArgs
+    from nanovllm.utils.argparse_utils import FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["-tp", "2", "-q", "fp8", "--logits-processors", "m.A", "m:B",
+                              "--max_model_len=64"])
+    assert EngineArgs.from_cli_args(args).kwargs == {
+        "tensor_parallel_size": 2, "quantization": "fp8", "logits_processors": ["m.A", "m:B"],
+        "max_model_len": 64}
+
+
+def test_exit_while_the_profiler_runs_stops_it_and_writes_the_trace(tiny, tmp_path):
+    """exit() (or dropping the engine) with the profiler running used to leave torch's profiler
+    recording every later engine's work, and no trace was written."""
+    import torch
+    engine = LLM(tiny, **CPU_ENGINE,
+                 profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
+    engine.start_profile()
+    engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert torch.autograd.profiler._is_profiler_enabled
+    engine.exit()
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert trace_ranks(tmp_path) == ["rank0"]

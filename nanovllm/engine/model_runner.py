@@ -114,6 +114,8 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.graphs, self.kv_cache, self.model, self.attention_layers = None, None, None, []
+        for extension in self.extensions.values():  # a profiler stops (and writes its trace)
+            getattr(extension, "close", lambda: None)()
         self.extensions.clear()  # lets go of what they hold (a host copy of the weights)
         gc.collect()  # each parameter and its layer form a cycle (the bound weight_loader)
         if self.is_cuda:

@@ -170,8 +170,10 @@ class EngineArgs:
                             help="checkpoint directory, Hub id or preset")
         for name, type_ in _cli_fields().items():
             parse = (dict(action=argparse.BooleanOptionalAction) if type_ is bool
+                     else dict(type=type_, nargs="+") if name in _LIST_FLAGS
                      else dict(type=type_))
-            parser.add_argument("--" + name.replace("_", "-"), default=None, **parse)
+            parser.add_argument(*_SHORT_FLAGS.get(name, ()), "--" + name.replace("_", "-"),
+                                default=None, **parse)
         return parser
 
     @classmethod
@@ -192,6 +194,9 @@ def _cli_fields() -> dict[str, type]:
             for name, parts in fields.items()}
 
 
+# vLLM's short spellings, and the flags that take several values (``--logits-processors A B``)
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "quantization": ("-q",)}
+_LIST_FLAGS = ("logits_processors",)
 # a field's type name -> its flag's parser; the first in a field's type wins
 _FLAG_TYPES = {"dict": json.loads, "str": str, "bool": bool, "int": int, "float": float}
 
