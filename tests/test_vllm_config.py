@@ -511,3 +511,23 @@ def test_exit_while_the_profiler_runs_stops_it_and_writes_the_trace(tiny, tmp_pa
     engine.exit()
     assert not torch.autograd.profiler._is_profiler_enabled
     assert trace_ranks(tmp_path) == ["rank0"]
+
+
+def test_hf_overrides_of_rope_theta_and_the_layer_count_reach_the_model(tiny, tmp_path):
+    """rope_theta alone used to be dropped (config.json's theta won); num_hidden_layers left
+    layer_types at the old count (a misleading error): derived fields now follow the override."""
+    edited = shutil.copytree(tiny, tmp_path / "theta")
+    config = json.loads((edited / "config.json").read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_theta": 500.0}
+    (edited / "config.json").write_text(json.dumps(config))
+    with LLM(str(edited), **ENGINE) as from_file, \
+            LLM(tiny, **ENGINE, hf_overrides={"rope_theta": 500.0}) as overridden:
+        assert overridden.config.hf_config.rope_parameters["rope_theta"] == 500.0
+        cache = [e.model_runner.model.model.rotary_emb.cos_sin_cache
+                 for e in (from_file, overridden)]
+        assert torch.equal(*cache)
+        assert token_ids_of(overridden.generate(PROMPTS, GREEDY, use_tqdm=False)) == \
+            token_ids_of(from_file.generate(PROMPTS, GREEDY, use_tqdm=False))
+    with LLM(tiny, **ENGINE, load_format="dummy", hf_overrides={"num_hidden_layers": 1}) as one:
+        assert len(one.model_runner.model.model.layers) == 1
+        assert len(getattr(one.config.hf_config, "layer_types", None) or [0]) == 1

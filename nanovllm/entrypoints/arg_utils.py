@@ -99,10 +99,14 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConf
             and overrides.keys() & {"rope_scaling", "rope_parameters", "rope_theta"}):
         new = dict(overrides.pop("rope_parameters", None) or overrides.pop("rope_scaling", None)
                    or rope)
-        new.setdefault("rope_theta", overrides.pop("rope_theta", rope.get("rope_theta")))
+        if "rope_theta" in overrides:  # the override wins over the one rope_parameters holds
+            new["rope_theta"] = overrides.pop("rope_theta")
+        new.setdefault("rope_theta", rope.get("rope_theta"))
         overrides["rope_parameters"] = new
-    hf_config.update(overrides)
-    return hf_config
+    fields = {**hf_config.to_dict(), **overrides}
+    if "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        fields.pop("layer_types", None)  # derived from the number of layers: made again
+    return type(hf_config).from_dict(fields)  # derived fields follow, as transformers makes them
 
 
 # profiler_config's torch profiler flags: vLLM's name -> (torch.profiler's keyword, vLLM's default)
