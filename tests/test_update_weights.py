@@ -144,3 +144,26 @@ def test_online_fp8_quantizes_the_new_weights(pair, oracle):
         llm.update_weights(weights_of(oracle, b))
         assert generate(llm) == expected
         assert storage(llm) == ptrs
+
+
+def test_tensors_the_model_cannot_take_are_refused_by_name(pair, oracle):
+    """An e4m3 tensor for a layer that is not fp8 (it was cast silently), a meta or sparse tensor
+    (they failed in the copy), and the engine's own packed names (a raw TypeError): each refused
+    naming the tensor, nothing changed."""
+    a, b = pair
+    weights = dict(weights_of(oracle, b))
+    norm, embed = "model.norm.weight", "model.embed_tokens.weight"
+    with LLM(a, **CPU_ENGINE) as llm:
+        before = generate(llm)
+        with pytest.raises(ValueError, match=rf"'{norm}' is torch.float8_e4m3fn but the model "
+                                             r"expects torch.float32"):
+            llm.update_weights([(norm, weights[norm].to(torch.float8_e4m3fn))])
+        with pytest.raises(TypeError, match=rf"'{embed}' is on the meta device"):
+            llm.update_weights([(embed, torch.empty_like(weights[embed], device="meta"))])
+        with pytest.raises(TypeError, match=rf"'{embed}' is of layout torch.sparse_coo"):
+            llm.update_weights([(embed, weights[embed].detach().to_sparse())])
+        packed = "model.layers.0.self_attn.qkv_proj.weight"
+        qkv = dict(llm.model_runner.model.named_parameters())[packed]
+        with pytest.raises(ValueError, match=rf"'{packed}' is this engine's packed parameter"):
+            llm.update_weights([(packed, qkv.detach().clone())])
+        assert generate(llm) == before

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nanovllm.features.sleep import check_awake
-from nanovllm.layers.linear import ShapeChecked, shapes_only
+from nanovllm.layers.linear import QUANTIZED_DTYPES, ShapeChecked, shapes_only
 from nanovllm.utils.loader import SKIPPED_TENSORS, _load_one, target_resolver
 
 UPDATE_BATCH_BYTES = 32 * 2 ** 20  # the tensors of one call to the workers (a larger one alone)
@@ -35,6 +35,10 @@ def weight_list(weights) -> list[tuple[str, torch.Tensor]]:
         if not tensor.is_floating_point():
             raise TypeError(f"update_weights: tensor {name!r} is {tensor.dtype}: "
                             "a floating-point tensor is needed")
+        if tensor.is_meta or tensor.layout != torch.strided:
+            where = "on the meta device" if tensor.is_meta else f"of layout {tensor.layout}"
+            raise TypeError(f"update_weights: tensor {name!r} is {where}: a dense tensor with "
+                            "values is needed")
         checked.append((name, tensor.detach()))
     return checked
 
@@ -126,8 +130,9 @@ def _weight_targets(model: nn.Module,
     ``load_model`` skips it; a ValueError naming the first that matches no parameter."""
     resolve = target_resolver(model)
     params = dict(model.named_parameters(remove_duplicate=False))
+    packed_names = {packed for packed, _ in getattr(model, "packed_modules_mapping", {}).values()}
     targets = []
-    for name, _ in weights:
+    for name, tensor in weights:
         if name.endswith(SKIPPED_TENSORS):
             targets.append(None)
             continue
@@ -135,6 +140,14 @@ def _weight_targets(model: nn.Module,
         if target not in params:
             raise ValueError(f"update_weights: tensor {name!r} matches no parameter of "
                              f"{type(model).__name__}")
+        if not shard_args and any(f".{packed}." in f".{name}" for packed in packed_names):
+            raise ValueError(f"update_weights: tensor {name!r} is this engine's packed parameter: "
+                             "pass its parts under the checkpoint's names (q_proj/k_proj/v_proj, "
+                             "gate_proj/up_proj), as a transformers model's named_parameters() "
+                             "gives them")
+        if tensor.dtype in QUANTIZED_DTYPES and params[target].dtype not in QUANTIZED_DTYPES:
+            raise ValueError(f"update_weights: tensor {name!r} is {tensor.dtype} but the model "
+                             f"expects {params[target].dtype}: the model is not fp8 here")
         targets.append((params[target], shard_args))
     return targets
 
