@@ -149,7 +149,7 @@ def load_hf_config(model: str) -> PretrainedConfig:
             raise ValueError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(fields, dict):
         raise ValueError(f"{path} must hold a JSON object, got a {type(fields).__name__}")
-    if not isinstance(fields.get("quantization_config", {}), dict):  # transformers' AttributeError
+    if not isinstance(fields.get("quantization_config") or {}, dict):  # transformers' error
         raise ValueError(f"{path}: quantization_config must be a JSON object, "
                          f"got {fields['quantization_config']!r:.80}")
     rope_parameters(fields)

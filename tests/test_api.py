@@ -577,7 +577,7 @@ def test_a_config_json_that_is_not_a_json_object_is_named(tiny, tmp_path):
 
 def test_a_quantization_config_that_is_not_an_object_is_named(tiny, tmp_path):
     from conftest import edited_checkpoint
-    for bad in ("fp8", ["fp8"], 8):
+    for bad in ("fp8", ["fp8"], 8):  # (null is no quantization_config)
         ckpt = edited_checkpoint(tiny, tmp_path / type(bad).__name__, quantization_config=bad)
         with pytest.raises(ValueError, match="quantization_config must be a JSON object"):
             LLM(ckpt, device="cpu")

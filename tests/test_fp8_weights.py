@@ -412,3 +412,16 @@ def test_the_quantize_tool_refuses_to_destroy_its_source_or_requantize(float_ckp
     assert not os.path.exists(str(tmp_path / "q") + ".partial")
     with LLM(str(tmp_path / "q"), **CPU_ENGINE) as llm:
         assert "fp8" in llm.features
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_scale_that_is_not_finite_and_positive_is_named_with_its_file(fp8_ckpt, tmp_path, bad):
+    """NaN or inf block scales loaded silently: every logprob NaN, every token 0, "length"."""
+    def poison(w):
+        w[SCALE] = w[SCALE].clone()
+        w[SCALE][0, 0] = bad
+    ckpt = _edit(fp8_ckpt, tmp_path / "bad", poison)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint tensor '{SCALE}' in "
+                                                   "model.safetensors: fp8 block scales must be "
+                                                   "finite and > 0, got [")):
+        LLM(ckpt, **CPU_ENGINE)

@@ -106,6 +106,21 @@ def get_quantization_config(hf_config, quantization: str | None) -> Fp8Config | 
     return Fp8Config.from_config(config)
 
 
+def check_scales(loaded: torch.Tensor) -> None:
+    """Block scales must be finite and > 0: a NaN one makes every logprob NaN, every token 0."""
+    if not bool((torch.isfinite(loaded) & (loaded > 0)).all()):
+        bad = loaded[~(torch.isfinite(loaded) & (loaded > 0))].flatten()[:3].tolist()
+        raise ValueError(f"fp8 block scales must be finite and > 0, got {bad}")
+
+
+def checked_scales(loader):
+    """``loader`` for a scale tensor, which it checks first."""
+    def load(param, loaded, *shard):
+        check_scales(loaded)
+        return loader(param, loaded, *shard)
+    return load
+
+
 def _param(data: torch.Tensor, loader, block: tuple[int, int | None] | None = None) -> nn.Parameter:
     param = nn.Parameter(data, requires_grad=False)
     param.weight_loader = loader
@@ -130,7 +145,8 @@ class Fp8LinearMethod(LinearMethod):
             layer.weight = _param(torch.empty(n, k, dtype=FP8, device=device), layer.weight_loader)
             scales = torch.empty(math.ceil(n / self.block[0]), math.ceil(k / self.block[1]),
                                  device=device)
-            layer.weight_scale_inv = _param(scales.float(), layer.weight_loader, self.block)
+            layer.weight_scale_inv = _param(scales.float(), checked_scales(layer.weight_loader),
+                                            self.block)
         else:  # the scale is a buffer: it is loaded with the weight
             layer.weight = _param(torch.empty(n, k, dtype=FP8, device=device),
                                   lambda param, loaded, *shard: self.load_online(

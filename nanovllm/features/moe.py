@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.features.fp8 import FP8, get_quant_config
+from nanovllm.features.fp8 import FP8, check_scales, get_quant_config
 from nanovllm.kernels import moe_reference, ops_for
 from nanovllm.layers.linear import ReplicatedLinear, blocks, check_dtype, check_shape
 from nanovllm.models.llama import DecoderMLP, DecoderOptions, LlamaForCausalLM, check_silu
@@ -63,6 +63,8 @@ class FusedMoE(nn.Module):
         e = self.num_experts
         if expert_id is not None and not 0 <= expert_id < e:
             raise ValueError(f"is expert {expert_id} but the model has {e} experts")
+        if hasattr(param, "block"):  # the experts' block scales
+            check_scales(loaded)
         ip, h = self._units(param, shard_id)
         i, lo = ip * self.tp_size, self.tp_rank * ip
         check_dtype(loaded, param)
