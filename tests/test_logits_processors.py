@@ -280,3 +280,35 @@ def test_a_processor_class_that_cannot_pickle_runs_under_tensor_parallelism(tiny
     finally:
         llm.exit()
     assert out.outputs[0].token_ids == [42] * 4
+
+
+class OneRow(DummyLogitsProcessor):
+    """Returns a single row: broadcast, it gave every request one prompt's tokens."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[0]
+
+
+class ReturnsNone(DummyLogitsProcessor):
+    def apply(self, logits: torch.Tensor):
+        return None
+
+
+@pytest.mark.parametrize("cls, got", [(OneRow, r"a tensor of shape \(\d+,\)"),
+                                      (ReturnsNone, "None")])
+def test_a_processor_returning_the_wrong_shape_is_named(tiny, cls, got):
+    llm = engine(tiny, [cls])
+    try:
+        with pytest.raises(ValueError, match=rf"logits processor {cls.__qualname__}\.apply must "
+                                             rf"return the logits' shape \(\d+, \d+\), got {got}"):
+            llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    finally:
+        llm.exit()
+
+
+def test_vllms_module_paths_of_the_interface_and_the_logger():
+    from nanovllm.logger import init_logger
+    from nanovllm.v1.sample.logits_processor import BatchUpdate as B
+    from nanovllm.v1.sample.logits_processor import LogitsProcessor as L
+    assert L is LogitsProcessor and B is BatchUpdate
+    assert init_logger("vllm").name == "nanovllm" and init_logger("x").name == "nanovllm.x"

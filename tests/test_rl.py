@@ -37,6 +37,15 @@ class Clashing:
         pass
 
 
+class ClashingWithAnInstanceAttribute:
+    @property
+    def device(self):  # the runner sets self.device in __init__
+        return "mine"
+
+    def model(self):  # and self.model
+        pass
+
+
 class WithInit:
     def __init__(self):
         self.x = 1
@@ -169,6 +178,9 @@ def test_worker_extension_cls_one_rank(pair):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=Clashing)
     with pytest.raises(ValueError, match="WithInit defines __init__"):
         LLM(pair[0], **CPU_ENGINE, worker_extension_cls=WithInit)
+    with pytest.raises(ValueError, match=r"ClashingWithAnInstanceAttribute: attribute\(s\) "
+                                         r"\['device', 'model'\] conflict"):
+        LLM(pair[0], **CPU_ENGINE, worker_extension_cls=ClashingWithAnInstanceAttribute)
 
 
 def test_sampled_logprobs_match_transformers_after_update(pair, oracle):

@@ -60,8 +60,15 @@ class VllmLogitsProcessors(LogitsHook):
             sampling.batch.transforms.append(self.apply)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each processor's ``apply`` in turn; a result that is not a tensor of the logits' shape
+        (a single row would be broadcast to every request) is an error naming the processor."""
         for processor in self.processors:
-            logits = processor.apply(logits)
+            shape, logits = logits.shape, processor.apply(logits)
+            if not (isinstance(logits, torch.Tensor) and logits.shape == shape):
+                got = (f"a tensor of shape {tuple(logits.shape)}"
+                       if isinstance(logits, torch.Tensor) else f"{logits!r:.60}")
+                raise ValueError(f"logits processor {type(processor).__qualname__}.apply must "
+                                 f"return the logits' shape {tuple(shape)}, got {got}")
         return logits
 
     def _update(self, seqs: list[Sequence]) -> None:

@@ -51,3 +51,12 @@ class WorkerExtension(Feature):
     def setup_runner(self, runner) -> None:
         bases = (self.cls, WorkerView) if self.cls is not None else (WorkerView,)
         runner.worker = type(f"Worker[{bases[0].__qualname__}]", bases, {})(runner)
+        if self.cls is not None:  # the runner's instance attributes exist once it built its model
+            runner.after_build.append(lambda model: self.check_instance(runner))
+
+    def check_instance(self, runner) -> None:
+        """A ValueError naming the extension's attributes that the runner instance has."""
+        if clashes := sorted(name for name in dir(self.cls)
+                             if not name.startswith("__") and name in vars(runner)):
+            raise ValueError(f"worker_extension_cls={self.cls.__qualname__}: attribute(s) "
+                             f"{clashes} conflict with the worker's (nanovllm's ModelRunner)")
