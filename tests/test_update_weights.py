@@ -167,3 +167,23 @@ def test_tensors_the_model_cannot_take_are_refused_by_name(pair, oracle):
         with pytest.raises(ValueError, match=rf"'{packed}' is this engine's packed parameter"):
             llm.update_weights([(packed, qkv.detach().clone())])
         assert generate(llm) == before
+
+
+def test_fp8_tensors_reach_the_workers_of_two_cpu_ranks(pair, tmp_path):
+    """A block-fp8 checkpoint's (weight, scale) pairs through update_weights at TP 2 on CPU: they
+    used to kill rank 1 (float8 tensors do not survive the call channel's pickle); the engine now
+    generates what one started on those weights at TP 2 does."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    from quantize_fp8 import quantize_checkpoint
+    from safetensors.torch import load_file
+    a, b = (quantize_checkpoint(p, str(tmp_path / name), 32) for p, name in zip(pair, "ab"))
+    weights = list(load_file(os.path.join(b, "model.safetensors")).items())
+    assert any(t.dtype == torch.float8_e4m3fn for _, t in weights)
+    with LLM(b, **CPU_ENGINE, tensor_parallel_size=2) as llm:  # the same ranks' arithmetic
+        expected = generate(llm)
+    with LLM(a, **CPU_ENGINE, tensor_parallel_size=2) as llm:
+        llm.update_weights(weights)
+        assert generate(llm) == expected
+        assert generate(llm) == expected  # rank 1 alive: a second generate needs it
