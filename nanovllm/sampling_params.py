@@ -71,6 +71,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}")
         for name, hi in (("seed", MAX_SEED - 1), ("logprobs", None), ("prompt_logprobs", None)):
+            if name != "seed" and isinstance(getattr(self, name), bool):  # vLLM's: True is 1
+                setattr(self, name, int(getattr(self, name)))
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=0, hi=hi)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",

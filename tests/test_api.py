@@ -683,3 +683,11 @@ def test_build_system_supports_the_license_string():
         project = tomllib.load(f)
     assert isinstance(project["project"]["license"], str)  # PEP 639: setuptools >= 77
     assert "setuptools>=77" in project["build-system"]["requires"]
+
+
+def test_a_prompt_past_the_context_says_vllms_words_too(tiny):
+    """vLLM's tests match "maximum context length is" (a chat batch with a too-long prompt)."""
+    with LLM(tiny, **CPU_ENGINE) as llm:
+        with pytest.raises(ValueError, match=r"max_model_len=512; this model's maximum context "
+                                             r"length is 512 tokens"):
+            llm.generate([[7] * 600], SamplingParams(max_tokens=1), use_tqdm=False)

@@ -174,9 +174,12 @@ def test_invalid_sampling_params_name_field_and_value():
                           (dict(logprobs=-1), "logprobs"),
                           (dict(prompt_logprobs=-1), "prompt_logprobs must be >= 0, got -1"),
                           (dict(prompt_logprobs=1.5), "prompt_logprobs must be an int, got 1.5"),
-                          (dict(prompt_logprobs=True), "prompt_logprobs must be an int")]:
+                          (dict(seed=True), "seed must be an int")]:
         with pytest.raises((ValueError, TypeError), match=match):
             SamplingParams(**kwargs)
+    # vLLM takes a bool as the int it is (its tests pass prompt_logprobs=True)
+    assert SamplingParams(prompt_logprobs=True, logprobs=False).prompt_logprobs == 1
+    assert SamplingParams(logprobs=False).logprobs == 0
 
 
 @pytest.mark.parametrize("kwargs, match", [

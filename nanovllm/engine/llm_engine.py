@@ -229,11 +229,10 @@ def parse_prompt(i: int, prompt, tokenizer, config) -> tuple[list[int], str | No
     if bad := [t for t in prompt if not 0 <= t < vocab_size]:
         raise ValueError(f"prompt {i}: token id {bad[0]} is out of vocabulary "
                          f"(ids {bad[:5]} outside [0, {vocab_size}))")
-    if len(prompt) >= config.max_model_len:
-        capacity = config.num_kvcache_blocks * config.kvcache_block_size
-        cache = (f" (the whole KV cache holds {capacity} tokens)"
-                 if capacity == config.max_model_len else "")
+    if len(prompt) >= (limit := config.max_model_len):
+        full = config.num_kvcache_blocks * config.kvcache_block_size == limit
+        cache = f" (the whole KV cache holds {limit} tokens)" if full else ""
         raise ValueError(f"prompt {i} (length {len(prompt)}) plus at least 1 output token is "
-                         "longer than the maximum context length: "
-                         f"max_model_len={config.max_model_len}{cache}")
+                         f"longer than the maximum context length: max_model_len={limit}{cache}; "
+                         f"this model's maximum context length is {limit} tokens (vLLM's words)")
     return list(prompt), text
