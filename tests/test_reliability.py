@@ -621,3 +621,29 @@ def test_every_call_after_exit_is_the_one_shut_down_error(tiny):
                 wrong[name] = repr(e)
     assert wrong == {}
     llm.exit()  # twice is fine
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.02, 0.1, 0.3])
+def test_exit_from_another_thread_during_generate_is_the_shut_down_error(tiny, delay):
+    """A watchdog's exit() while generate runs: the step in progress ends first, then generate
+    raises the one shut-down error (it raised IndexError, out-of-bounds or NoneType errors from a
+    cache freed under a running step), or returns if it finished before."""
+    llm = LLM(tiny, **CPU_ENGINE)
+    outcome = []
+
+    def run():
+        try:
+            llm.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=200, ignore_eos=True),
+                         use_tqdm=False)
+            outcome.append("finished")
+        except Exception as e:
+            outcome.append(e)
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(delay)
+    llm.exit()
+    thread.join(60)
+    assert not thread.is_alive() and len(outcome) == 1
+    assert outcome[0] == "finished" or (isinstance(outcome[0], RuntimeError) and
+                                        "the engine has been shut down" in str(outcome[0])), \
+        repr(outcome[0])

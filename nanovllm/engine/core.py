@@ -27,7 +27,7 @@ class EngineCore:
         self.hooks: list[LogitsHook] = [Penalties(), *hooks]
         self.requests: dict[int, Request] = {}  # the unfinished requests, by seq_id
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # not read back yet
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entered by a shutdown from inside a step
 
     def step(self) -> int:
         """One step; returns the prefill tokens launched, or minus the decodes."""
@@ -174,7 +174,8 @@ class EngineCore:
                 self.step()
 
     def shutdown(self):
-        """Frees the resources, first letting go of any device wait on the host."""
+        """Frees the resources once no step uses them, first letting go of any device wait."""
         for hook in self.hooks:
             hook.shutdown()
-        self._free()
+        with self.lock:  # another thread's step ends first; its caller then gets the shut-down
+            self._free()
