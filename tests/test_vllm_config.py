@@ -531,3 +531,19 @@ def test_hf_overrides_of_rope_theta_and_the_layer_count_reach_the_model(tiny, tm
     with LLM(tiny, **ENGINE, load_format="dummy", hf_overrides={"num_hidden_layers": 1}) as one:
         assert len(one.model_runner.model.model.layers) == 1
         assert len(getattr(one.config.hf_config, "layer_types", None) or [0]) == 1
+
+
+def test_weights_loaded_after_start_through_vllms_worker_methods():
+    """vLLM's skip_loading_weights_in_engine_init.py: start with load_format="dummy", then
+    collective_rpc("update_config", ...) and collective_rpc("reload_weights") load the checkpoint
+    (the RL trainers' pattern); other overrides are refused by name."""
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    with LLM("nanovllm:demo", device="cpu") as real:
+        expected = token_ids_of(real.generate(["def add(a, b):"], sp, use_tqdm=False))
+    with LLM("nanovllm:demo", device="cpu", load_format="dummy") as llm:
+        assert token_ids_of(llm.generate(["def add(a, b):"], sp, use_tqdm=False)) != expected
+        llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
+        llm.collective_rpc("reload_weights")
+        assert token_ids_of(llm.generate(["def add(a, b):"], sp, use_tqdm=False)) == expected
+        with pytest.raises(ValueError, match="update_config takes"):
+            llm.collective_rpc("update_config", args=({"model_config": {}},))

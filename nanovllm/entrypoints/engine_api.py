@@ -18,6 +18,7 @@ from nanovllm.engine.llm_engine import encode
 from nanovllm.engine.outputs import Request, request_output
 from nanovllm.engine.worker_group import call_every_rank
 from nanovllm.entrypoints.arg_utils import _PROFILER_FLAGS, EngineArgs, refuse_unsupported
+from nanovllm.models.presets import load_dummy_weights
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.plugins import REGISTRY
 from nanovllm.sampling_params import (
@@ -26,6 +27,7 @@ from nanovllm.sampling_params import (
     check_bool,
     check_number,
 )
+from nanovllm.utils.loader import load_model
 
 if TYPE_CHECKING:
     from nanovllm.entrypoints.llm import LLMEngine
@@ -215,16 +217,20 @@ class VllmEngineMixin:
         if timeout is not None:
             check_number("timeout", timeout, lo=0, lo_open=True)
         deadline = timeout and time.monotonic() + timeout
-        runner = self._resources.runner
-        if isinstance(method, str) and runner is not None and "." not in method and \
-                not callable(getattr(runner.worker, method, None)):
-            raise ValueError(f"method={method!r} is not a method of the workers (nanovllm's "
-                             "ModelRunner, with worker_extension_cls's methods)")
+        runner, name = self._resources.runner, method
         if callable(method):
             method = functools.partial(_on_worker, method)
+        elif method in VLLM_WORKER_METHODS and not hasattr(runner.worker, method):
+            method = VLLM_WORKER_METHODS[method]  # a function of each rank's runner
+        elif "." not in method and not callable(getattr(runner.worker, method, None)):
+            raise ValueError(f"method={method!r} is not a method of the workers (nanovllm's "
+                             "ModelRunner, with worker_extension_cls's methods)")
         with self.core.lock:
             try:
-                return call_every_rank(self.core, method, args, kwargs, deadline)
+                results = call_every_rank(self.core, method, args, kwargs, deadline)
+                if name == "reload_weights":  # the cached prefixes' K/V came from the old ones
+                    self.core.scheduler.block_manager.reset_prefix_cache()
+                return results
             except TypeError as e:
                 raise TypeError(f"collective_rpc: {e}") from None
             except RuntimeError as e:
@@ -398,6 +404,33 @@ def text_message(where: str, message: dict) -> dict:
                              f"supported (nanovllm is text-only), got {part!r:.60}")
         texts.append(text)
     return {**message, "content": "\n".join(texts)}
+
+
+def update_config(runner, overrides: dict) -> None:
+    """vLLM's ``Worker.update_config``, for ``{"load_config": {"load_format": ...}}`` (what
+    ``reload_weights`` then loads); any other override is refused by name."""
+    load = overrides.get("load_config") if isinstance(overrides, dict) else None
+    if not (isinstance(load, dict) and overrides.keys() == {"load_config"}
+            and load.keys() == {"load_format"}):
+        raise ValueError("update_config takes {'load_config': {'load_format': ...}} only, "
+                         f"got {overrides!r:.80}")
+    if load["load_format"] not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', "
+                         f"got {load['load_format']!r}")
+    runner.config = runner.config.derive(load_format=load["load_format"])
+
+
+def reload_weights(runner) -> None:
+    """vLLM's ``Worker.reload_weights``: the weights again, in place, by the load format (a model
+    started with ``load_format="dummy"`` loads its checkpoint after ``update_config``)."""
+    if runner.config.load_format == "dummy":
+        load_dummy_weights(runner.model, runner.config.seed + runner.rank)
+    else:
+        load_model(runner.model, runner.config.model)
+
+
+# vLLM's worker methods that scripts call by name through collective_rpc
+VLLM_WORKER_METHODS = {"update_config": update_config, "reload_weights": reload_weights}
 
 
 def _on_worker(method, runner, *args, **kwargs):
