@@ -3,6 +3,8 @@ per-request adapter) and the built-in ``allowed_token_ids`` and ``bad_words``, o
 scheduling on and off."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import CPU_ENGINE
@@ -283,25 +285,44 @@ def test_a_processor_class_that_cannot_pickle_runs_under_tensor_parallelism(tiny
 
 
 class OneRow(DummyLogitsProcessor):
-    """Returns a single row: broadcast, it gave every request one prompt's tokens."""
+    """While a request asks for a target, returns a single row: broadcast, it gave every request
+    one prompt's tokens."""
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[0]
+        return logits[0] if self.req_info else logits
 
 
 class ReturnsNone(DummyLogitsProcessor):
     def apply(self, logits: torch.Tensor):
-        return None
+        return None if self.req_info else logits
 
 
-@pytest.mark.parametrize("cls, got", [(OneRow, r"a tensor of shape \(\d+,\)"),
-                                      (ReturnsNone, "None")])
-def test_a_processor_returning_the_wrong_shape_is_named(tiny, cls, got):
+class Raises(DummyLogitsProcessor):
+    def apply(self, logits: torch.Tensor):
+        if self.req_info:
+            raise KeyError("no such row")
+        return logits
+
+
+@pytest.mark.parametrize("cls, error", [
+    (OneRow, r"ValueError: .*apply must return the logits' shape \(\d+, \d+\), "
+             r"got a tensor of shape \(\d+,\)"),
+    (ReturnsNone, r"ValueError: .*apply must return the logits' shape \(\d+, \d+\), got None"),
+    (Raises, r"RuntimeError: .*apply raised KeyError: 'no such row'")])
+def test_a_failing_processor_ends_its_steps_requests_by_name_and_the_engine_serves_on(
+        tiny, unprocessed, cls, error):
+    """The step's requests end with "error" naming the processor and what it did (never tokens
+    of another request); later requests finish, each with its own tokens."""
     llm = engine(tiny, [cls])
     try:
-        with pytest.raises(ValueError, match=rf"logits processor {cls.__qualname__}\.apply must "
-                                             rf"return the logits' shape \(\d+, \d+\), got {got}"):
-            llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        boom = SamplingParams(temperature=0, max_tokens=3, extra_args={"target_token": 42})
+        outs = llm.generate(PROMPTS[:2], boom, use_tqdm=False)
+        for out in outs:
+            assert out.outputs[0].finish_reason == "error"
+            assert re.fullmatch(error.replace(".*", rf"logits processor {cls.__qualname__}\."),
+                                out.error)
+        params = mixed([None] * len(PROMPTS))
+        assert generate(llm, params) == generate(unprocessed, params)
     finally:
         llm.exit()
 

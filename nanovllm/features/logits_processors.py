@@ -28,6 +28,7 @@ class VllmLogitsProcessors(LogitsHook):
         # seq_id -> the live output list the processors were given
         self.outputs: dict[int, list[int]] = {}
         self.users: set[int] = set()  # the live seq_ids with allowed_token_ids or bad_words
+        self.failed: dict[int, Exception] = {}  # seq_id -> the processor error that ends it
 
     def verify(self, params, tokenizer) -> None:
         """At admission: allowed_token_ids in the vocabulary, bad_words tokenized, every
@@ -60,15 +61,25 @@ class VllmLogitsProcessors(LogitsHook):
             sampling.batch.transforms.append(self.apply)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each processor's ``apply`` in turn; a result that is not a tensor of the logits' shape
-        (a single row would be broadcast to every request) is an error naming the processor."""
+        """Each processor's ``apply`` in turn. One that raises, or returns anything but a tensor of
+        the logits' shape (a single row would be broadcast to every request), fails this step's
+        requests with an error naming it; ``accept`` ends them, and the engine serves on."""
         for processor in self.processors:
-            shape, logits = logits.shape, processor.apply(logits)
-            if not (isinstance(logits, torch.Tensor) and logits.shape == shape):
-                got = (f"a tensor of shape {tuple(logits.shape)}"
-                       if isinstance(logits, torch.Tensor) else f"{logits!r:.60}")
-                raise ValueError(f"logits processor {type(processor).__qualname__}.apply must "
-                                 f"return the logits' shape {tuple(shape)}, got {got}")
+            shape, name = logits.shape, f"logits processor {type(processor).__qualname__}.apply"
+            try:
+                out = processor.apply(logits)
+            except Exception as e:
+                error = RuntimeError(f"{name} raised {type(e).__name__}: {e}")
+            else:
+                if isinstance(out, torch.Tensor) and out.shape == shape:
+                    logits = out
+                    continue
+                got = (f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                       else f"{out!r:.60}")
+                error = ValueError(f"{name} must return the logits' shape {tuple(shape)}, "
+                                   f"got {got}")
+            self.failed.update(dict.fromkeys(self.rows, error))
+            return logits
         return logits
 
     def _update(self, seqs: list[Sequence]) -> None:
@@ -104,11 +115,13 @@ class VllmLogitsProcessors(LogitsHook):
         for seq, token_id in advanced if self.outputs else ():
             if (outputs := self.outputs.get(seq.seq_id)) is not None:
                 outputs.append(token_id)
-        return {}
+        return {seq: self.failed.pop(seq.seq_id) for seq, _ in advanced
+                if seq.seq_id in self.failed}
 
     def forget(self, seq: Sequence) -> None:
         self.outputs.pop(seq.seq_id, None)
         self.users.discard(seq.seq_id)
+        self.failed.pop(seq.seq_id, None)
 
 
 class LogitsProcessors(Feature):
