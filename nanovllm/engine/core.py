@@ -31,9 +31,9 @@ class EngineCore:
 
     def step(self) -> int:
         """One step; returns the prefill tokens launched, or minus the decodes."""
-        if not self.resources.closed:
-            return self.one_step()
-        raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
+        if self.resources.closed:
+            raise self.resources.closed_error()
+        return self.one_step()
 
     def normal_step(self) -> int:
         batch = self._schedule()

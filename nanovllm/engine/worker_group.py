@@ -318,9 +318,8 @@ def call_every_rank(core, method, args: tuple = (), kwargs: dict | None = None,
     ``core.lock``); each rank's result, rank 0's first. A worker's failure is a RuntimeError naming
     its rank; a dead or late one shuts the engine down."""
     call, kwargs = (method, tuple(args), dict(kwargs or {})), dict(kwargs or {})
+    core.resources.check_open()
     runner, workers = core.resources.runner, core.resources.workers
-    if runner is None:
-        raise RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
     if workers is not None:
         try:
             pickle.dumps(call)
@@ -404,6 +403,15 @@ class EngineResources:
         finally:
             if self.workers is not None:
                 self.workers.close(graceful=self.healthy)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise self.closed_error()
+
+    @staticmethod
+    def closed_error() -> RuntimeError:
+        """The one error of every call after exit() or a failure."""
+        return RuntimeError("the engine has been shut down (exit() or a failure); create a new LLM")
 
     def shut_down_and_raise(self, e: BaseException, shutdown):
         """Calls ``shutdown()`` and raises ``e``, or the ``WorkerDiedError`` of a worker that died

@@ -55,11 +55,6 @@ class VllmEngineMixin:
     """vLLM's engine methods, on the core ``LLMEngine``'s ``core``, ``config``, ``tokenizer`` and
     ``_step_requests``."""
 
-    def _check_open(self) -> None:
-        if self._resources.closed:
-            raise RuntimeError("the engine has been shut down (exit() or a failure); create a new "
-                               "LLM")
-
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs):
         return cls(engine_args.model, **engine_args.kwargs)
@@ -67,7 +62,7 @@ class VllmEngineMixin:
     def add_request(self, *args, **kwargs):
         """nano-vllm's ``add_request(prompt, sampling_params)``, returning the ``Request``, or
         vLLM's ``add_request(request_id, prompt, params)``; either way ``step()`` reports it."""
-        self._check_open()
+        self._resources.check_open()
         if len(args) >= 2 and isinstance(args[1], SamplingParams) or "sampling_params" in kwargs:
             return self._add_prompt(*args, **kwargs)
         return self._add_request_by_id(*args, **kwargs)
@@ -84,7 +79,7 @@ class VllmEngineMixin:
     def abort_request(self, request: Request | str | Iterable[str]):
         """Ends a ``Request``'s or request ids' unfinished completions (finish_reason "abort");
         ``step()`` does not report them."""
-        self._check_open()
+        self._resources.check_open()
         targets = [request] if isinstance(request, (str, Request)) else list(request)
         with self.core.lock:
             for target in targets:
@@ -98,7 +93,7 @@ class VllmEngineMixin:
         """One forward, if anything is left to run; a ``RequestOutput`` (by its ``output_kind``) for
         each ``add_request`` request with news since its last report, whoever ran the steps (a
         finished one once)."""
-        self._check_open()
+        self._resources.check_open()
         with self.core.lock:
             if not self.core.is_finished():
                 self.core.step()
@@ -120,7 +115,7 @@ class VllmEngineMixin:
         while it may end inside a UTF-8 character or begin a stop string), ``token_ids``, and
         ``finished`` / ``finish_reason`` on a completion's last piece. Leaving the loop early aborts
         the unfinished requests."""
-        self._check_open()
+        self._resources.check_open()
         queue: deque = deque()
         requests = self._add_requests(prompts, sampling_params, stream=queue)
         try:
@@ -137,7 +132,7 @@ class VllmEngineMixin:
                     concurrency_limit: int | None = None) -> list:
         """For each prompt, its ``params.beam_width`` best sequences, best first (vLLM's
         ``BeamSearchOutput``s; ``features.beam_search``)."""
-        self._check_open()
+        self._resources.check_open()
         refuse_unsupported(lora_request=lora_request)
         return REGISTRY.get("method", "beam_search")(self, prompts, params, use_tqdm=use_tqdm,
                                                     concurrency_limit=concurrency_limit)
@@ -145,11 +140,11 @@ class VllmEngineMixin:
     def has_unfinished_requests(self) -> bool:
         """Whether a request is unfinished, or an ``add_request`` one not yet reported finished by
         ``step()``."""
-        self._check_open()
+        self._resources.check_open()
         return not self.core.is_finished() or bool(self._step_requests)
 
     def get_num_unfinished_requests(self) -> int:
-        self._check_open()
+        self._resources.check_open()
         with self.core.lock:
             return len({id(r) for r in self.core.requests.values() if not r.finished})
 
@@ -193,7 +188,7 @@ class VllmEngineMixin:
         """Forgets every cached prefix block; refused (False) while requests hold blocks, unless
         ``reset_running_requests``: they are preempted first, to be recomputed from their known
         tokens."""
-        self._check_open()
+        self._resources.check_open()
         check_bool("reset_running_requests", reset_running_requests)
         with self.core.lock:
             scheduler = self.core.scheduler
@@ -211,7 +206,7 @@ class VllmEngineMixin:
         ``worker_extension_cls``'s methods; or a function of the worker) on every tensor-parallel
         rank at once; each rank's result, rank 0's first. A worker missing ``timeout`` shuts the
         engine down."""
-        self._check_open()
+        self._resources.check_open()
         if not (isinstance(method, str) or callable(method)):
             raise TypeError(f"method must be a method name or a callable, got {method!r:.80}")
         if timeout is not None:
@@ -243,7 +238,7 @@ class VllmEngineMixin:
         model's ``named_parameters()`` gives them (any subset); every name and shape checked first
         (a ValueError, nothing changed), storage kept (graphs stay valid), the prefix cache reset
         (``features.weight_update``)."""
-        self._check_open()
+        self._resources.check_open()
         REGISTRY.get("method", "update_weights")(self, weights)
 
     def sleep(self, level: int = 1) -> None:
@@ -251,12 +246,12 @@ class VllmEngineMixin:
         and the weights back; level 1 keeps the weights in host memory, level 2 discards them
         (reload with ``update_weights``). Refused while requests are unfinished; requests are
         refused until ``wake_up`` (``features.sleep``)."""
-        self._check_open()
+        self._resources.check_open()
         REGISTRY.get("method", "sleep")(self, level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Takes back the device memory of ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
-        self._check_open()
+        self._resources.check_open()
         REGISTRY.get("method", "wake_up")(self, tags)
 
     def is_sleeping(self) -> bool:
@@ -264,20 +259,20 @@ class VllmEngineMixin:
         return REGISTRY.get("method", "is_sleeping")(self)
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
-        self._check_open()
+        self._resources.check_open()
         if self.frontend["profiler_config"] is None:
             raise RuntimeError("start_profile() needs profiler_config={'profiler': 'torch', "
                                "'torch_profiler_dir': ...}")
         self.collective_rpc(_start_profile, args=(self.frontend["profiler_config"], profile_prefix))
 
     def stop_profile(self) -> None:
-        self._check_open()
+        self._resources.check_open()
         self.collective_rpc(_stop_profile)
 
     def get_metrics(self) -> list:
         """vLLM's metrics over the engine's life (``nanovllm.v1.metrics.reader``); they are counted
         with ``disable_log_stats=False``, as in vLLM."""
-        self._check_open()
+        self._resources.check_open()
         if "metrics" not in self.features:
             raise ValueError("get_metrics() needs the engine's statistics: create the LLM with "
                              "disable_log_stats=False (vLLM's LLM disables them by default)")
@@ -313,7 +308,7 @@ class VllmEngineMixin:
              mm_processor_kwargs=None) -> list[RequestOutput]:
         """``generate`` on a conversation (a list of {"role", "content"} messages) or a list of
         them, rendered by the tokenizer's chat template or ``chat_template``."""
-        self._check_open()
+        self._resources.check_open()
         refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string', "

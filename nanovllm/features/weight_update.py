@@ -113,10 +113,8 @@ def update_weights(engine, weights) -> None:
     weights = weight_list(weights)
     engine.core.drain_if_idle()
     with engine.core.lock:
+        engine._resources.check_open()
         runner, workers = engine._resources.runner, engine._resources.workers
-        if runner is None:
-            raise RuntimeError("the engine has been shut down (exit() or a failure); "
-                               "create a new LLM")
         check_awake(runner, "update_weights()", ("weights",))
         if not engine.core.is_finished():
             scheduler = engine.core.scheduler
