@@ -689,6 +689,28 @@ def test_triton_sampler_greedy_is_argmax():
         assert torch.equal(got, logits.float().argmax(-1))
 
 
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_triton_sampler_marks_rows_with_a_nan_or_inf_logit(temperature):
+    """A row with a NaN or +inf logit anywhere (a chunk other than the winner's too) samples -1,
+    which the engine ends with an error; -inf (a mask) is a plain logit; other rows as before."""
+    from nanovllm.kernels import triton_sampler
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(2))
+    logits[0, 17] = float("nan")
+    logits[1, 990] = float("inf")
+    logits[2] = float("nan")
+    logits[3, :500] = float("-inf")
+    logits = logits.to(DEVICE)
+    t = torch.full((5,), temperature, device=DEVICE)
+    for quarter in (16, 1024):
+        got = triton_sampler.sample(logits, t, seed=9, quarter=quarter).tolist()
+        assert got[:3] == [-1, -1, -1] and got[3] >= 500 and got[4] >= 0
+        if temperature == 0:
+            assert got[3:] == logits[3:].argmax(-1).tolist()
+    from nanovllm.layers.sampler import Sampler, SamplingBatch  # the torch path marks them too
+    got = Sampler()(logits.cpu(), SamplingBatch(temperatures=t.cpu(), top_k=torch.full((5,), 1000)))
+    assert got[0][:3].tolist() == [-1, -1, -1] and got[0][3] >= 500
+
 def test_triton_sampler_distribution_and_seeds():
     """Sampled rows follow softmax(logits / T) (within 4.5 sigma over 495 draws), greedy
     rows in the same batch stay argmax, and the seed alone decides the draw."""

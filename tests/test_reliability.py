@@ -15,6 +15,7 @@ import time
 import weakref
 
 import pytest
+import torch
 from conftest import (
     CPU_ENGINE,
     ENGINE,
@@ -647,3 +648,36 @@ def test_exit_from_another_thread_during_generate_is_the_shut_down_error(tiny, d
     assert outcome[0] == "finished" or (isinstance(outcome[0], RuntimeError) and
                                         "the engine has been shut down" in str(outcome[0])), \
         repr(outcome[0])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_whose_logits_turn_nan_ends_with_an_error_naming_it(
+        tiny, monkeypatch, async_scheduling, temperature):
+    """NaN logits at run time (a fault in the weights or their scales): that request ends with
+    finish_reason "error" naming the cause, without the failing step's token; the others finish
+    with their own tokens, and the engine serves on."""
+    llm = LLM(tiny, **ENGINE, async_scheduling=async_scheduling)
+    try:
+        sp = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=3)
+        prompts, poisoned = random_prompts(3, 5, 20, seed=75), [7] * 30
+        ref = token_ids_of(llm.generate(prompts + [poisoned], sp, use_tqdm=False))
+        runner, original = llm.model_runner, llm.model_runner.forward
+
+        def forward(step, sampling=None):
+            logits, prompt_logprobs = original(step, sampling)
+            if not step.is_prefill:  # the input at position 33: the poisoned prompt's 5th token
+                logits = logits.clone()
+                logits[torch.as_tensor(step.positions == 33)] = float("nan")
+            return logits, prompt_logprobs
+
+        monkeypatch.setattr(runner, "forward", forward)
+        out = llm.generate(prompts + [poisoned], sp, use_tqdm=False)
+        assert token_ids_of(out[:3]) == ref[:3]
+        assert out[3]["finish_reason"] == "error" and "logits were NaN" in out[3]["error"]
+        assert out[3]["token_ids"] == ref[3][:4]  # not the token sampled from NaN logits
+        assert_no_leaks(llm)
+        monkeypatch.setattr(runner, "forward", original)
+        assert token_ids_of(llm.generate(prompts + [poisoned], sp, use_tqdm=False)) == ref
+    finally:
+        llm.exit()

@@ -4,6 +4,7 @@ and None conventions; model names as users type them (Hugging Face Hub ids, reso
 cache laid out in tmp_path, never the network)."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import gzip
 import json
@@ -342,6 +343,28 @@ def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
         engine.exit()
 
 
+def test_vllms_profiler_config_class_from_vllms_module_path(tiny, tmp_path):
+    """vLLM's run_one_batch.py: ``from vllm.config import ProfilerConfig``, passed to ``LLM``."""
+    from nanovllm.config import ProfilerConfig
+    from nanovllm.entrypoints.arg_utils import _PROFILER_FLAGS
+    assert {name: default for name, (_, default) in _PROFILER_FLAGS.items()} == {
+        f.name: f.default for f in dataclasses.fields(ProfilerConfig)
+        if f.name.startswith("torch_profiler_") and f.name != "torch_profiler_dir"}
+    config = ProfilerConfig(profiler="torch", torch_profiler_dir=str(tmp_path),
+                            torch_profiler_use_gzip=False)
+    engine = LLM(tiny, **CPU_ENGINE, profiler_config=config)
+    try:
+        engine.start_profile()
+        engine.generate(PROMPTS, GREEDY, use_tqdm=False)
+        engine.stop_profile()
+        assert trace_ranks(tmp_path) == ["rank0"] \
+            and next(tmp_path.iterdir()).name.endswith(".pt.trace.json")
+    finally:
+        engine.exit()
+    assert create_engine_config(tiny, profiler_config=ProfilerConfig()).model  # None: no profiler
+    with pytest.raises(TypeError, match="delay_iterations"):  # a field nanovllm does not have
+        ProfilerConfig(profiler="torch", torch_profiler_dir="traces", delay_iterations=2)
+
 @pytest.mark.parametrize("profiler_config, error, match", [
     ({"profiler": "cuda"}, ValueError, "profiler='cuda'"),
     ({"profiler": "torch"}, ValueError, "torch_profiler_dir must be set when profiler is 'torch'"),
@@ -350,7 +373,7 @@ def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
      "delay_iterations"),
     ({"profiler": "torch", "torch_profiler_dir": "traces", "torch_profiler_with_stack": "no"},
      TypeError, "torch_profiler_with_stack"),
-    ("torch", TypeError, "profiler_config must be a dict"),
+    ("torch", TypeError, "profiler_config must be a dict or a ProfilerConfig"),
 ])
 def test_profiler_config_is_checked_by_name(tiny, profiler_config, error, match):
     with pytest.raises(error, match=match):

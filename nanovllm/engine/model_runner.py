@@ -213,7 +213,7 @@ class ModelRunner:
                 if self.rank != 0:
                     token_ids = torch.empty(step.num_seqs, dtype=torch.int64, device=self.device)
                 self.group.broadcast(token_ids, 0)
-            self.prev_sampled = token_ids
+            self.prev_sampled = token_ids.clamp(min=0)  # -1 (not finite: ended) is no input
         if self.rank == 0:
             return ModelRunnerOutput(token_ids, logprobs, sampling.num_logprobs, sampling.prompt,
                                      forward[1], sampling.host_work)

@@ -128,8 +128,9 @@ class Scheduler:
             seq = batch.seqs[row]
             if seq.is_finished:
                 continue
-            seq.resolve(token_ids[row])
-            if logprobs[row] is not None:
+            if token_ids[row] >= 0:  # -1: the logits were not finite; the core ends ``seq``
+                seq.resolve(token_ids[row])
+            if logprobs[row] is not None and token_ids[row] >= 0:
                 seq.logprobs.append(logprobs[row])
             advanced.append((seq, token_ids[row]))
             self.block_manager.hash_blocks(seq)  # before finish frees a block ending in it

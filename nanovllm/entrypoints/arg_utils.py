@@ -11,6 +11,7 @@ import os
 
 from transformers import PretrainedConfig
 
+import nanovllm.config
 from nanovllm.config import Config
 from nanovllm.sampling_params import check_bool
 
@@ -118,13 +119,31 @@ _PROFILER_FLAGS = {"torch_profiler_with_stack": ("with_stack", True),
 _PROFILER_KEYS = ("profiler", "torch_profiler_dir", *_PROFILER_FLAGS)
 
 
-def profiler_options(config: dict | None) -> dict | None:
+@dataclasses.dataclass
+class ProfilerConfig:
+    """vLLM's ``ProfilerConfig`` (``from nanovllm.config import ProfilerConfig``), the torch
+    profiler's fields; ``LLM(profiler_config=...)`` takes it or a dict of its fields."""
+    profiler: str | None = None  # "torch", or None: no profiling
+    torch_profiler_dir: str = ""
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    torch_profiler_use_gzip: bool = True
+
+
+nanovllm.config.ProfilerConfig = ProfilerConfig  # at vLLM's path, vllm.config; the core has no use
+
+
+def profiler_options(config: dict | ProfilerConfig | None) -> dict | None:
     """vLLM's ``ProfilerConfig`` for the torch profiler, checked, its directory made absolute;
     None: no profiling."""
     if config is None:
         return None
+    if isinstance(config, ProfilerConfig):
+        config = dataclasses.asdict(config)
     if not isinstance(config, dict):
-        raise TypeError(f"profiler_config must be a dict, got {config!r:.80}")
+        raise TypeError(f"profiler_config must be a dict or a ProfilerConfig, got {config!r:.80}")
     if unknown := sorted(config.keys() - set(_PROFILER_KEYS)):
         raise ValueError(f"profiler_config keys {unknown} are not supported by nanovllm; "
                          f"supported: {', '.join(_PROFILER_KEYS)}")

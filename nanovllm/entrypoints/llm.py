@@ -1,7 +1,5 @@
-"""vLLM's ``LLM`` and ``LLMEngine`` over the core's ``LLMEngine``: vLLM's engine keywords mapped
-onto the core's ``Config`` (aliases renamed, no-op keywords dropped and logged, unsupported values
-refused by name, the model name resolved, the features that keywords ask for listed), then
-vLLM's methods (``engine_api``). Features are imported when they are used."""
+"""vLLM's ``LLM`` and ``LLMEngine`` over the core's: vLLM's keywords mapped onto ``Config`` (the
+model resolved, features listed), then vLLM's methods (``engine_api``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +52,7 @@ class LLM(LLMEngine):
 
 
 def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
-    """(``Config``'s keywords, the frontend's) from vLLM's ``LLM(model, **kwargs)``; a TypeError
-    names every unknown keyword."""
+    """(``Config``'s keywords, the frontend's) from ``LLM(model, **kwargs)``; unknown: TypeError."""
     kwargs = _renamed(kwargs)
     given = {k: kwargs.pop(k) for k in FRONTEND_KEYWORDS.keys() & kwargs}
     frontend = {**FRONTEND_KEYWORDS, **{k: v for k, v in given.items() if v is not None}}
@@ -66,9 +63,8 @@ def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
 
 
 def _renamed(kwargs: dict) -> dict:
-    """``kwargs`` with vLLM's aliases renamed and its no-op keywords dropped (logged). None means
-    "not given" for an alias or a field that takes no None (``LLM(**vars(args))`` passes every
-    flag of ``EngineArgs.add_cli_args``)."""
+    """``kwargs``, vLLM's aliases renamed, no-op keywords dropped (logged), None "not given" where
+    a field takes no None (``LLM(**vars(args))`` passes every flag of ``add_cli_args``)."""
     fields = {f.name: f for f in dataclasses.fields(Config) if f.init}
     no_none = {n for n, f in fields.items() if "None" not in str(f.type).split(" | ")}
     kwargs = {k: v for k, v in kwargs.items()

@@ -11,6 +11,7 @@ import triton.language as tl
 @triton.jit
 def _chunk_score(row_ptr, offs, vocab_size, inv_t, r, SAMPLED: tl.constexpr):
     x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+    x = tl.where(x == x, x, float("inf"))  # NaN scores +inf: a row with either is marked -1
     if SAMPLED:
         # u in (0, 1) strictly, 23 random bits centred in their bucket: u = 1 would give G = +inf
         u = ((r >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
@@ -58,14 +59,16 @@ def _pick_chunk_kernel(vals_ptr, idx_ptr, out_ptr, NUM_CHUNKS: tl.constexpr, BLO
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     vals = tl.load(vals_ptr + row * NUM_CHUNKS + c, mask=c < NUM_CHUNKS, other=float("-inf"))
-    _, best = tl.max(vals, 0, return_indices=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * NUM_CHUNKS + best).to(tl.int64))
+    top, best = tl.max(vals, 0, return_indices=True)
+    token = tl.load(idx_ptr + row * NUM_CHUNKS + best).to(tl.int64)
+    tl.store(out_ptr + row, tl.where(top == float("inf"), -1, token))
 
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
            quarter: int = 1024) -> torch.Tensor:
     """Token ids [B] int64 for logits [B, V], temperatures [B] float32; ties go to the lowest id, as
-    ``torch.argmax``. ``seed`` (below 2**63) keys the noise: a new one for every draw."""
+    ``torch.argmax``; -1 for a row with a NaN or +inf logit. ``seed`` (below 2**63) keys the noise:
+    a new one for every draw."""
     batch, vocab_size = logits.shape
     assert logits.stride(1) == 1 and temperatures.numel() == batch and 0 <= seed < 2 ** 63
     quarter = min(quarter, max(16, triton.next_power_of_2(triton.cdiv(vocab_size, 4))))

@@ -51,7 +51,7 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, b: SamplingBatch,
                 generator: torch.Generator | None = None):
-        """(token ids [B], ``logprobs_of``'s tuple or None), the stages in vLLM's order."""
+        """(token ids [B], -1 for NaN/+inf logits; ``logprobs_of``'s tuple or None), vLLM's order"""
         for mask in b.masks:  # a grammar's: the logprobs see them
             logits = mask(logits)
         if b.is_plain and logits.is_cuda and (fast := _triton_sampler()) is not None:
@@ -59,6 +59,7 @@ class Sampler(torch.nn.Module):
             seed = self.seed << 32 | self.num_draws & 0xFFFFFFFF
             return fast.sample(logits, b.temperatures, seed), None
         logits = logits.float()
+        bad = (top := logits.amax(-1)).isnan() | top.isposinf()  # a NaN or +inf logit: marked -1
         noise = torch.empty_like(logits).exponential_(1, generator=generator)
         raw = torch.log_softmax(logits, dim=-1) if b.num_logprobs >= 0 else None  # raw logprobs
         for transform in b.transforms:  # logits processors: after the logprobs
@@ -77,7 +78,8 @@ class Sampler(torch.nn.Module):
                 noise[row].exponential_(1, generator=g)
         sampled = (torch.softmax(scaled, dim=-1) / noise.clamp_min(1e-20)).argmax(dim=-1)
         token_ids = torch.where(b.temperatures > 0, sampled, logits.argmax(dim=-1))
-        return token_ids, (None if raw is None else logprobs_of(raw, token_ids, b.num_logprobs))
+        logprobs = None if raw is None else logprobs_of(raw, token_ids, b.num_logprobs)
+        return token_ids.masked_fill(bad, -1), logprobs
 
 
 def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
