@@ -318,7 +318,7 @@ def test_a_failing_processor_ends_its_steps_requests_by_name_and_the_engine_serv
         boom = SamplingParams(temperature=0, max_tokens=3, extra_args={"target_token": 42})
         outs = llm.generate(PROMPTS[:2], boom, use_tqdm=False)
         for out in outs:
-            assert out.outputs[0].finish_reason == "error"
+            assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
             assert re.fullmatch(error.replace(".*", rf"logits processor {cls.__qualname__}\."),
                                 out.error)
         params = mixed([None] * len(PROMPTS))

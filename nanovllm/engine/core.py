@@ -95,9 +95,9 @@ class EngineCore:
         workers = self.resources.workers  # with NCCL ranks, poll: a dead worker would never answer
         alive = (lambda: not workers.dead()) if workers and self.config.device == "cuda" else None
         advanced = self.scheduler.postprocess(batch, *self.call_or_shut_down(output.result, alive))
-        errors = {seq: e for hook in self.hooks for seq, e in hook.accept(advanced).items()}
-        errors.update((seq, FloatingPointError("the model's logits were NaN or +inf (a fault in "
-                       "its weights, their scales or the dtype)")) for seq, t in advanced if t < 0)
+        errors = {seq: FloatingPointError("the model's logits were NaN or +inf (a fault in its "
+                  "weights, their scales or the dtype)") for seq, t in advanced if t < 0}
+        errors.update((seq, e) for hook in self.hooks for seq, e in hook.accept(advanced).items())
         if after_accept is not None:
             after_accept(errors.keys())
         for seq, token_id in advanced:

@@ -63,7 +63,8 @@ class VllmLogitsProcessors(LogitsHook):
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Each processor's ``apply`` in turn. One that raises, or returns anything but a tensor of
         the logits' shape (a single row would be broadcast to every request), fails this step's
-        requests with an error naming it; ``accept`` ends them, and the engine serves on."""
+        requests with an error naming it: their logits become NaN (the step samples no token for
+        them), ``accept`` ends them with that error, and the engine serves on."""
         for processor in self.processors:
             shape, name = logits.shape, f"logits processor {type(processor).__qualname__}.apply"
             try:
@@ -79,7 +80,7 @@ class VllmLogitsProcessors(LogitsHook):
                 error = ValueError(f"{name} must return the logits' shape {tuple(shape)}, "
                                    f"got {got}")
             self.failed.update(dict.fromkeys(self.rows, error))
-            return logits
+            return torch.full_like(logits, float("nan"))  # no token: the sampler marks the rows
         return logits
 
     def _update(self, seqs: list[Sequence]) -> None:

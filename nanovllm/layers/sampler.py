@@ -59,11 +59,11 @@ class Sampler(torch.nn.Module):
             seed = self.seed << 32 | self.num_draws & 0xFFFFFFFF
             return fast.sample(logits, b.temperatures, seed), None
         logits = logits.float()
-        bad = (top := logits.amax(-1)).isnan() | top.isposinf()  # a NaN or +inf logit: marked -1
         noise = torch.empty_like(logits).exponential_(1, generator=generator)
         raw = torch.log_softmax(logits, dim=-1) if b.num_logprobs >= 0 else None  # raw logprobs
         for transform in b.transforms:  # logits processors: after the logprobs
             logits = transform(logits)
+        bad = (top := logits.amax(-1)).isnan() | top.isposinf()  # a NaN or +inf logit: marked -1
         if b.presence_penalty is not None:
             logits = apply_penalties(logits, b)
         if (ids := b.banned_ids) is not None:  # the min_tokens ban
