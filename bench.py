@@ -96,13 +96,17 @@ def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
 
 def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float,
              flops: float, dtype_bytes: int = 2, shared_prefix: int = 0,
-             kv_dtype_bytes: int | None = None) -> Roofline:
+             kv_dtype_bytes: int | None = None, weight_bytes: float | None = None,
+             expert_bytes: float | None = None, linear_flops: float | None = None) -> Roofline:
     """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix
     that every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per
     step; K/V of ``kv_dtype_bytes`` a value, the weights' by default, 1 for an fp8 cache). A mixture
     of experts' sparse layer reads, per decode step, the experts its batch touches
     (``experts_touched`` at the step's number of running sequences) and computes top-k experts per
-    token."""
+    token. Quantized weights: ``weight_bytes`` per element of the layers' projections (fp8: 1 and
+    its share of the scales), ``expert_bytes`` of the experts' (default: ``dtype_bytes``; the
+    embeddings, the LM head and the routers stay there), multiplied at ``linear_flops`` FLOP/s
+    (default ``flops``)."""
     from nanovllm.features.moe import is_sparse_layer
     c = hf_config
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
@@ -114,10 +118,11 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     attn = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h
     # what every step reads (the routers too) and what a token multiplies by
     # (top-k experts of each sparse layer)
-    params = layers * attn + (layers - sparse) * 3 * h * c.intermediate_size \
-        + sparse * num_experts * h + vocab * h * (1 if c.tie_word_embeddings else 2)
-    params_layer = (layers * attn + (layers - sparse) * 3 * h * c.intermediate_size
-                    + sparse * (num_experts * h + top_k * expert)) / layers
+    weight_bytes = dtype_bytes if weight_bytes is None else weight_bytes
+    expert_bytes = dtype_bytes if expert_bytes is None else expert_bytes
+    projections = layers * attn + (layers - sparse) * 3 * h * c.intermediate_size
+    other = sparse * num_experts * h + vocab * h * (1 if c.tie_word_embeddings else 2)
+    params_layer = (projections + sparse * (num_experts * h + top_k * expert)) / layers
     kv_per_token = 2 * layers * kv_heads * head_dim * (dtype_bytes if kv_dtype_bytes is None
                                                        else kv_dtype_bytes)
     prefill_tokens, total_out = (sum(prompt_lens) - (len(prompt_lens) - 1) * shared_prefix,
@@ -126,9 +131,8 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     # the first token comes from prefill
     kv_reads = sum(i * (o - 1) + o * (o - 1) // 2 for i, o in zip(prompt_lens, output_lens))
     decode_steps = max(output_lens) - 1
-    flops_linear = (2 * layers * params_layer * (prefill_tokens + total_out)
-                    # LM head: last prompt token + each output
-                    + 2 * vocab * h * (len(prompt_lens) + total_out))
+    flops_linear = 2 * layers * params_layer * (prefill_tokens + total_out)
+    flops_head = 2 * vocab * h * (len(prompt_lens) + total_out)  # last prompt token + each output
     prefill_pairs = shared_prefix ** 2 / 2 + sum((i - shared_prefix) * (i + shared_prefix) / 2
                                                  for i in prompt_lens)
     flops_attn = 4 * layers * heads * head_dim * (prefill_pairs + kv_reads)
@@ -141,9 +145,10 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     running = [sum(o - 1 >= t for o in output_lens)
                for t in range(1, decode_steps + 1)] if sparse else []
     expert_reads = sparse * expert * sum(experts_touched(num_experts, top_k, b) for b in running)
-    bytes_moved = ((decode_steps * params + expert_reads) * dtype_bytes
-                   + (kv_bytes_read + prefill_tokens) * kv_per_token)
-    return Roofline(total_out, bytes_moved / bandwidth, (flops_linear + flops_attn) / flops)
+    bytes_moved = (decode_steps * (projections * weight_bytes + other * dtype_bytes)
+                   + expert_reads * expert_bytes + (kv_bytes_read + prefill_tokens) * kv_per_token)
+    seconds_compute = flops_linear / (linear_flops or flops) + (flops_head + flops_attn) / flops
+    return Roofline(total_out, bytes_moved / bandwidth, seconds_compute)
 
 
 def _median_seconds(fn, reps: int = 20) -> float:
@@ -169,6 +174,15 @@ def _matmul_rate(n: int = 8192) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     return 2 * n ** 3 / _median_seconds(lambda: a @ b)
+
+
+def fp8_matmul_rate(n: int = 8192) -> float:
+    """e4m3 x e4m3 matmul FLOP/s (cuBLASLt through ``torch._scaled_mm``, bf16 out), random data."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major (cuBLASLt's)
+    one = torch.ones((), device="cuda")
+    return 2 * n ** 3 / _median_seconds(lambda: torch._scaled_mm(a, b, one, one,
+                                                                 out_dtype=torch.bfloat16))
 
 
 def measure_ceilings() -> tuple[float, float]:
@@ -200,10 +214,14 @@ def run_nanovllm(args, prompts, params) -> float:
     args.async_scheduling = llm.config.async_scheduling
     args.attention_backend = llm.model_runner.attention_backend.name
     args.kv_cache_tokens = llm.config.num_kvcache_blocks * args.block_size  # what the cache holds
-    fp8 = llm.features.get("fp8")  # the roofline counts the weights in bf16 all the same
+    fp8 = llm.features.get("fp8")
     quant = fp8.quant_config if fp8 is not None else None
     args.weights = ("bf16" if quant is None else "fp8 block-wise" if quant.weight_block_size
                     else "fp8 per-channel")
+    if quant is not None:  # bytes per projection weight: e4m3 and its share of the float32 scales
+        bn, bk = quant.weight_block_size or (1, llm.config.hf_config.hidden_size)  # ~K per scale
+        args.weight_bytes = 1 + 4 / (bn * bk)
+        args.expert_bytes = args.weight_bytes if quant.weight_block_size else None
     if args.scenario == "default":
         llm.generate(warmup_prompts(prompts, llm.config.hf_config.vocab_size),
                      SamplingParams(max_tokens=2), use_tqdm=False)
@@ -350,11 +368,18 @@ def main():
     if getattr(args, "gpu_busy_fraction", None) is not None:
         result["gpu_busy_fraction"] = args.gpu_busy_fraction
     if ceilings:
+        weight_bytes = getattr(args, "weight_bytes", None)
+        linear_flops = fp8_matmul_rate() if weight_bytes is not None else None  # W8A8
         limit = roofline(model_config(args.model), [len(p) for p in prompts],
                          [sp.max_tokens for sp in params], *ceilings, shared_prefix=shared_prefix,
-                         kv_dtype_bytes=1 if args.kv_cache_dtype.startswith("fp8") else None)
+                         kv_dtype_bytes=1 if args.kv_cache_dtype.startswith("fp8") else None,
+                         weight_bytes=weight_bytes,
+                         expert_bytes=getattr(args, "expert_bytes", None),
+                         linear_flops=linear_flops)
         result.update(copy_tb_s=round(ceilings[0] / 1e12, 3),
                       matmul_tflop_s=round(ceilings[1] / 1e12, 1),
+                      **({} if linear_flops is None else
+                         dict(fp8_matmul_tflop_s=round(linear_flops / 1e12, 1))),
                       roofline_tok_per_s=round(limit.tok_per_s),
                       fraction_of_roofline=round(total / seconds / limit.tok_per_s, 3),
                       roofline=asdict(limit))

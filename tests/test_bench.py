@@ -39,6 +39,27 @@ def test_roofline_matches_the_reference_arithmetic():
     assert round(limit.tok_per_s) == 37_767
 
 
+
+def test_roofline_counts_fp8_weights_bytes_and_their_matmul_rate():
+    """fp8 projections are read at 1 byte and their scales' share; the embeddings and the LM head
+    stay bf16; their FLOPs run at the fp8 rate. Qwen3-8B at batch 1, 1,023 decode steps: bf16 reads
+    8.19e9 parameters a step (6.95e9 of them projections)."""
+    config = preset_config("qwen3-8b")
+    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    attn = h * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim \
+        + config.num_attention_heads * config.head_dim * h
+    projections = layers * (attn + 3 * h * inter)
+    other = 2 * config.vocab_size * h
+    args = ([512], [1024], 4e12, 8e14)
+    bf16 = bench.roofline(config, *args)
+    fp8 = bench.roofline(config, *args, weight_bytes=1 + 4 / 128 ** 2, linear_flops=16e14)
+    kv = bf16.seconds_memory * 4e12 - 1023 * (projections + other) * 2  # the same in both
+    assert fp8.seconds_memory * 4e12 - kv == pytest.approx(
+        1023 * (projections * (1 + 4 / 128 ** 2) + other * 2), rel=1e-9)
+    assert 1.7 < bf16.seconds_memory / fp8.seconds_memory < 1.75  # not 2: the LM head stays
+    assert fp8.seconds_compute < bf16.seconds_compute  # projections at twice the rate
+    assert bench.roofline(config, *args, weight_bytes=2).seconds_memory == bf16.seconds_memory
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_bench_runs_on_cpu(tmp_path, quantization):
     from tiny_model import build_tiny_qwen3

@@ -15,6 +15,7 @@ second (``*_tbs``) and TFLOP/s. ``--sweep``: the fastest other tiles for some ro
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -120,15 +121,85 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
     return rows
 
 
+SKINNY_TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+                for bn, bk, w, st in [(32, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 4, 3),
+                                      (32, 256, 4, 4), (32, 1024, 4, 2), (64, 256, 4, 3),
+                                      (64, 512, 8, 2), (128, 256, 8, 2)]]
+SPLITS = (1, 2, 3, 4, 6, 8)
+
+
+def skinny_sweep(bw: float) -> list[dict]:
+    """The skinny fp8 kernel (block-wise 128x128, 8B's projections, 1 and 16 rows) at every tile of
+    SKINNY_TILES split over K in SPLITS slices, each checked against the unsplit default's output
+    (a race would move it) and timed as the engine runs it; with bf16's skinny kernel beside."""
+    rows = []
+    for model, layer, k, n, fusion in LINEAR_SHAPES:
+        if model != "8b" or layer == "lm_head":
+            continue
+        silu = fusion == "silu"
+        n_all = (2 if silu else 1) * n
+        weights = _weights(n_all, k, max(4, triton.cdiv(200 * 2 ** 20, n_all * k * 2)))
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            residual = torch.randn(m, n, device="cuda",
+                                   dtype=torch.bfloat16) if fusion == "residual" else None
+
+            def call(w, s, cfg=None, res=None, x=x, silu=silu):  # res: added into in place
+                return tf.fp8_skinny(x, w, s, (128, 128), None, res, silu, config=cfg)
+
+            def fresh(res=residual):
+                return None if res is None else res.clone()
+            base = dict(model=model, layer=layer, k=k, n=n, m=m, fp8_mb=n_all * k / 1e6)
+            bf16 = bench_graph_each([partial(tlin.linear, x, w, silu_mul=silu, residual=residual)
+                                     for w, *_ in weights], 30)
+            ref = call(*weights[0][1:3], None, fresh()).float()
+            for tile in SKINNY_TILES:
+                for split in SPLITS:
+                    cfg = dict(tile, SPLIT_K=split)
+                    row = dict(base, **cfg, bf16_us=round(bf16 * 1e6, 2))
+                    try:
+                        errs = [float((call(*weights[0][1:3], cfg, fresh()).float() - ref).norm()
+                                      / ref.norm()) for _ in range(3)]
+                        t = bench_graph_each([partial(call, wb, sb, cfg, residual)
+                                              for _, wb, sb, _, _ in weights], 30)
+                    except Exception as e:  # too much shared memory
+                        print("skip", cfg, repr(e)[:80], file=sys.stderr)
+                        continue
+                    row.update(us=round(t * 1e6, 2), fp8_tbs=round(n_all * k / t / 1e12, 3),
+                               of_copy=round(n_all * k / t / bw, 3), max_rel_err=max(errs),
+                               speedup=round(bf16 / t, 3))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--sweep", action="store_true", help="also time other tiles")
+    parser.add_argument("--skinny-sweep", action="store_true",
+                        help="only the skinny kernel's tiles and splits over K (8B, 1 and 16 rows)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth()
     print(f"device copy: {bw / 1e12:.2f} TB/s", flush=True)
+    if args.skinny_sweep:
+        rows = skinny_sweep(bw)
+        with open(os.path.join(args.out, "fp8_skinny_sweep.json"), "w") as f:
+            json.dump(dict(copy_tbs=bw / 1e12, gpu=torch.cuda.get_device_name(), rows=rows,
+                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())), f)
+        for (layer, m), group in itertools.groupby(rows, key=lambda r: (r["layer"], r["m"])):
+            group = list(group)
+            best = min(group, key=lambda r: r["us"])
+            now = next(r for r in group if r["SPLIT_K"] == 1 and r["BLOCK_N"] == 32
+                       and r["BLOCK_K"] == 512)
+            tile = {k: best[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
+                                         "SPLIT_K")}
+            print(f"{layer:13s} m={m:2d} bf16 {best['bf16_us']:7.2f} us | now {now['us']:7.2f} | "
+                  f"best {best['us']:7.2f} ({best['of_copy']:.0%} of copy) {tile} "
+                  f"max err {max(r['max_rel_err'] for r in group):.1e}")
+        return
     rows = [row for shape in LINEAR_SHAPES if shape[1] != "lm_head"
             for row in rows_of(*shape, bw, args.sweep)]
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,

@@ -106,6 +106,21 @@ def fp8_gemm(block: bool, block_m: int = 128, block_n: int = 128):
     return _compile(tf._fp8_gemm_kernel, sig, const, warps, stages, unaligned=("m", "stride_as"))
 
 
+def fp8_skinny(split: bool, silu_mul: bool = True, block_n: int = 32, block_k: int = 512,
+               num_warps: int = 4, num_stages: int = 3):
+    """The skinny fp8 linear (decode, up to 16 rows) with block-wise scales, whole or split over K
+    (the atomics of the split's sums)."""
+    from nanovllm.kernels import triton_fp8 as tf
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
+           "res_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32", "m": "i32",
+           "k": "i32", "n": "i32", "split_k": "i32", "stride_x": "i32", "stride_w": "i32",
+           "stride_s": "i32", "stride_r": "i32", "stride_y": "i32"}
+    const = dict(SCALE_N=128, SCALE_K=128, PER_CHANNEL=False, SILU_MUL=silu_mul, BIAS=False,
+                 RESIDUAL=not silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK_K=128,
+                 SPLIT=split, FP8_DOT=True, PRECISION="ieee", ROUND_FP8=False)
+    return _compile(tf._fp8_skinny_kernel, sig, const, num_warps, num_stages,
+                    unaligned=("m", "split_k", "stride_s"))
+
 def moe(fp8: bool, block_m: int):
     """The fused MoE's gate/up GEMM (SiLU-and-mul) at Qwen3-30B-A3B's shapes, bf16 experts or
     block-wise fp8 ones (128x128 blocks, x in bf16), with ``moe_config``'s tiles for BLOCK_M
@@ -127,6 +142,9 @@ def moe(fp8: bool, block_m: int):
 KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True),
            "fp8 GEMM per-channel": lambda: fp8_gemm(False),
            "fp8 GEMM block-wise 64x64": lambda: fp8_gemm(True, 64, 64),
+           "fp8 skinny gate/up": lambda: fp8_skinny(False),
+           "fp8 skinny gate/up, split over K": lambda: fp8_skinny(True),
+           "fp8 skinny down, split over K": lambda: fp8_skinny(True, False),
            "decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
            "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64),
            "prefill paged bf16": lambda: prefill("bf16"),

@@ -63,18 +63,23 @@ def _chunk_product(x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s,
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stride_x, stride_w,
-                       stride_s, stride_r, stride_y, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, SILU_MUL: tl.constexpr, BIAS: tl.constexpr,
-                       RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr, FP8_DOT: tl.constexpr,
-                       PRECISION: tl.constexpr, ROUND_FP8: tl.constexpr):
+def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_ptr, count_ptr, m, k, n,
+                       split_k, stride_x, stride_w, stride_s, stride_r, stride_y,
+                       SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                       SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+                       BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
+                       SPLIT: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                       ROUND_FP8: tl.constexpr):
     """BLOCK_N columns of y = quantize(x) @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows,
     BLOCK_K columns of K a step in chunks of CHUNK_K. x is quantized to e4m3 here: per row
     (PER_CHANNEL: the row's amax over all of K, a first pass) or per row and chunk (block-wise:
     CHUNK_K is the weight's block in K, so a chunk is one group). SILU_MUL: w is [gate; up] (scale
-    rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual."""
-    pid = tl.program_id(0)
+    rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual. SPLIT: program (i, j) sums the
+    j-th of ``split_k`` slices of K into the fp32 workspace ``ws`` [BLOCK_M, 2n] (zero between
+    calls); the last of a column tile's programs to finish (``count`` [tiles], zero between calls)
+    takes the sums, leaves zeros behind and stores the tile."""
+    pid, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < m, cols < n
@@ -92,7 +97,8 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stri
             x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
         x_scale = _row_scale(amax)
-    for k0 in range(0, k, BLOCK_K):
+    per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), split_k) * BLOCK_K
+    for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
         for j in tl.static_range(BLOCK_K // CHUNK_K):
             kj = k0 + j * CHUNK_K
             ks = kj + tl.arange(0, CHUNK_K)
@@ -107,18 +113,53 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, m, k, n, stri
                 acc_up += _chunk_product(xq, w_ptr + n * stride_w, s_ptr, w_rows, n + safe_cols,
                                          col_mask, ks, kj, k, stride_s, x_scale[:, None], dtype,
                                          SCALE_N, SCALE_K, PER_CHANNEL, FP8_DOT, PRECISION)
-    if PER_CHANNEL:
-        acc *= tl.load(s_ptr + safe_cols * stride_s)[None, :]
+    if SPLIT:
+        sums = ws_ptr + rows[:, None] * (2 * n) + cols[None, :]
+        out_mask = row_mask[:, None] & col_mask[None, :]
+        tl.atomic_add(sums, acc, mask=out_mask, sem="release")
         if SILU_MUL:
-            acc_up *= tl.load(s_ptr + (n + safe_cols) * stride_s)[None, :]
-    skinny_epilogue(acc, acc_up, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask, n,
-                    stride_r, stride_y, SILU_MUL, BIAS, RESIDUAL)
+            tl.atomic_add(sums + n, acc_up, mask=out_mask, sem="release")
+        tl.debug_barrier()  # every thread's sums are in before the count says so
+        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == split_k - 1
+        if last:  # the sums, zeros left behind (as int32 bits: the interpreter swaps no floats)
+            bits = sums.to(tl.pointer_type(tl.int32))
+            zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+            acc = tl.atomic_xchg(bits, zeros, mask=out_mask, sem="acquire").to(tl.float32,
+                                                                                bitcast=True)
+            if SILU_MUL:
+                acc_up = tl.atomic_xchg(bits + n, zeros, mask=out_mask, sem="acquire").to(
+                    tl.float32, bitcast=True)
+            tl.store(count_ptr + pid, 0)
+    else:
+        last = True
+    if last:
+        if PER_CHANNEL:
+            acc *= tl.load(s_ptr + safe_cols * stride_s)[None, :]
+            if SILU_MUL:
+                acc_up *= tl.load(s_ptr + (n + safe_cols) * stride_s)[None, :]
+        skinny_epilogue(acc, acc_up, y_ptr, b_ptr, res_ptr, y_ptr, rows, cols, row_mask, col_mask,
+                        n, stride_r, stride_y, SILU_MUL, BIAS, RESIDUAL)
 
 
-def skinny_config(n: int) -> dict:
+def skinny_config(n: int, k: int) -> dict:
     """Columns 32 wide, or 16 where that leaves too few programs; 512 bytes of each weight row a
-    step."""
-    return dict(BLOCK_N=32 if n >= 32 * 120 else 16, BLOCK_K=512, num_warps=4, num_stages=3)
+    step; K whole."""
+    return dict(BLOCK_N=32 if n >= 32 * 120 else 16, BLOCK_K=512, SPLIT_K=1, num_warps=4,
+                num_stages=3)
+
+
+_WORKSPACE_COLUMNS = 65536  # 2n of the widest layer split over K (fp32, 16 rows: 4 MiB)
+_workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K sums [SKINNY_MAX_M, 2n] and column-tile counts of ``device``, zeros, made once
+    (a CUDA graph keeps their addresses); the kernel leaves them zero."""
+    if device not in _workspaces:
+        _workspaces[device] = (
+            torch.zeros(SKINNY_MAX_M * _WORKSPACE_COLUMNS, dtype=torch.float32, device=device),
+            torch.zeros(_WORKSPACE_COLUMNS, dtype=torch.int32, device=device))
+    return _workspaces[device]
 
 
 def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -132,18 +173,25 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n = weight.size(0) // (2 if silu_mul else 1)
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        cfg = dict(config or skinny_config(n))
+        cfg = dict(config or skinny_config(n, k))
         chunk = 128 if block is None else block[1]  # [BLOCK_N, 512] tiles spill at silu_mul
         if fp8_dot is None:
             fp8_dot = FP8_DOT and not _ROUND_FP8 and x.dtype != torch.float32
-        _fp8_skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        tiles = triton.cdiv(n, cfg["BLOCK_N"])
+        if 2 * n > _WORKSPACE_COLUMNS or "SPLIT_K" not in cfg:
+            cfg["SPLIT_K"] = 1
+        ws, count = split_workspace(x.device) if cfg["SPLIT_K"] > 1 else (y, y)
+        split_k = cfg.pop("SPLIT_K")
+        _fp8_skinny_kernel[(tiles, split_k)](
             x, weight, scale, bias if bias is not None else x,
-            residual if residual is not None else x, y, m, k, n, x.stride(0), weight.stride(0),
+            residual if residual is not None else x, y, ws, count, m, k, n, split_k, x.stride(0),
+            weight.stride(0),
             scale.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
             SCALE_N=block[0] if block is not None else 1,
             SCALE_K=block[1] if block is not None else 1, PER_CHANNEL=block is None,
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
-            BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, FP8_DOT=fp8_dot,
+            BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, SPLIT=split_k > 1,
+            FP8_DOT=fp8_dot,
             PRECISION=dot_precision(x.dtype), ROUND_FP8=_ROUND_FP8,
             **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
     return y
