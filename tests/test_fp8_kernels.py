@@ -95,17 +95,19 @@ def test_fp8_skinny_linear_matches_quantized_operands(dtype, block, fusion):
 def test_fp8_skinny_split_over_k_matches_and_leaves_its_workspace_zero(block, fusion):
     """SPLIT_K programs per column tile add their slices of K into the workspace; the last one
     stores the tile (the fusions once, on the whole sum) and leaves zeros for the next call. Uneven
-    splits too: 6 slices of 3 steps over 13 steps of K, the last one empty."""
+    splits too: 6 slices of 3 steps over 13 steps of K, the last one empty. x quantized in the
+    kernel's loop or before it, by ``quantize_activations``."""
     torch.manual_seed(3)
     dtype = torch.bfloat16 if CUDA else torch.float32
     for m, split, tiles in [(3, 6, dict(BLOCK_N=16, BLOCK_K=128)),
                             (16, 2, dict(BLOCK_N=32, BLOCK_K=256))]:
         x = torch.randn(m, 1600).to(dtype)
         x[0, :128] *= 30.0
-        config = dict(tiles, SPLIT_K=split, num_warps=4, num_stages=2)
-        for _ in range(2):  # the second call finds the workspace as the first left it
-            check_linear(x, 80, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE),
-                         config=config)
+        for x_e4m3 in (False, True):  # x quantized in the loop, or by a kernel before
+            config = dict(tiles, SPLIT_K=split, X_E4M3=x_e4m3, num_warps=4, num_stages=2)
+            for _ in range(2):  # the second call finds the workspace as the first left it
+                check_linear(x, 80, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE),
+                             config=config)
         sums, counts = triton_fp8.split_workspace(torch.device(DEVICE))
         assert not sums.any() and not counts.any()
 

@@ -121,11 +121,12 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
     return rows
 
 
-SKINNY_TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-                for bn, bk, w, st in [(32, 512, 4, 3), (16, 512, 4, 3), (16, 1024, 4, 3),
-                                      (32, 256, 4, 4), (32, 1024, 4, 2), (64, 256, 4, 3),
-                                      (64, 512, 8, 2), (128, 256, 8, 2)]]
-SPLITS = (1, 2, 3, 4, 6, 8)
+SKINNY_TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, X_E4M3=q)
+                for q in (False, True)
+                for bn, bk, w, st in [(32, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4),
+                                      (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 8, 2),
+                                      (128, 256, 8, 2)]]
+SPLITS = (1, 2, 4, 6, 8)
 
 
 def skinny_sweep(bw: float) -> list[dict]:
@@ -147,7 +148,9 @@ def skinny_sweep(bw: float) -> list[dict]:
             def call(w, s, cfg=None, res=None, x=x, silu=silu):  # res: added into in place
                 return tf.fp8_skinny(x, w, s, (128, 128), None, res, silu, config=cfg)
 
-            def fresh(res=residual):
+            pristine = None if residual is None else residual.clone()  # timings add into residual
+
+            def fresh(res=pristine):
                 return None if res is None else res.clone()
             base = dict(model=model, layer=layer, k=k, n=n, m=m, fp8_mb=n_all * k / 1e6)
             bf16 = bench_graph_each([partial(tlin.linear, x, w, silu_mul=silu, residual=residual)
@@ -193,9 +196,9 @@ def main():
             group = list(group)
             best = min(group, key=lambda r: r["us"])
             now = next(r for r in group if r["SPLIT_K"] == 1 and r["BLOCK_N"] == 32
-                       and r["BLOCK_K"] == 512)
+                       and r["BLOCK_K"] == 512 and not r["X_E4M3"])
             tile = {k: best[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
-                                         "SPLIT_K")}
+                                         "SPLIT_K", "X_E4M3")}
             print(f"{layer:13s} m={m:2d} bf16 {best['bf16_us']:7.2f} us | now {now['us']:7.2f} | "
                   f"best {best['us']:7.2f} ({best['of_copy']:.0%} of copy) {tile} "
                   f"max err {max(r['max_rel_err'] for r in group):.1e}")

@@ -63,14 +63,13 @@ def _chunk_product(x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s,
 
 
 @triton.jit(do_not_specialize=["m"])
-def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_ptr, count_ptr, m, k, n,
-                       split_k, stride_x, stride_w, stride_s, stride_r, stride_y,
+def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_ptr, count_ptr, m,
+                       k, n, split_k, stride_x, stride_xs, stride_w, stride_s, stride_r, stride_y,
                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
                        SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                       ROUND_FP8: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       CHUNK_K: tl.constexpr, SPLIT: tl.constexpr, X_E4M3: tl.constexpr,
+                       FP8_DOT: tl.constexpr, PRECISION: tl.constexpr, ROUND_FP8: tl.constexpr):
     """BLOCK_N columns of y = quantize(x) @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows,
     BLOCK_K columns of K a step in chunks of CHUNK_K. x is quantized to e4m3 here: per row
     (PER_CHANNEL: the row's amax over all of K, a first pass) or per row and chunk (block-wise:
@@ -78,7 +77,9 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_ptr, count
     rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual. SPLIT: program (i, j) sums the
     j-th of ``split_k`` slices of K into the fp32 workspace ``ws`` [BLOCK_M, 2n] (zero between
     calls); the last of a column tile's programs to finish (``count`` [tiles], zero between calls)
-    takes the sums, leaves zeros behind and stores the tile."""
+    takes the sums, leaves zeros behind and stores the tile. X_E4M3: x comes quantized, with its
+    scales ``xs`` [m, groups] (``quantize_activations``'s): the loop only loads and
+    multiplies."""
     pid, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,7 +91,10 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_ptr, count
     w_rows = safe_cols.to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + rows[:, None] * stride_x
     x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    if PER_CHANNEL:  # each row's scale over all of K (x is small and stays in L2)
+    if X_E4M3:
+        if PER_CHANNEL:
+            x_scale = tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=1.0)
+    elif PER_CHANNEL:  # each row's scale over all of K (x is small and stays in L2)
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, k, CHUNK_K):
             ks = k0 + tl.arange(0, CHUNK_K)
@@ -103,9 +107,15 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_ptr, count
             kj = k0 + j * CHUNK_K
             ks = kj + tl.arange(0, CHUNK_K)
             x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :], other=0.0)
-            if not PER_CHANNEL:
-                x_scale = _row_scale(tl.max(tl.abs(x.to(tl.float32)), 1))
-            xq = _to_e4m3(x, x_scale, ROUND_FP8)
+            if X_E4M3:
+                xq = x
+                if not PER_CHANNEL:
+                    x_scale = tl.load(xs_ptr + rows * stride_xs + kj // CHUNK_K, mask=row_mask,
+                                      other=1.0)
+            else:
+                if not PER_CHANNEL:
+                    x_scale = _row_scale(tl.max(tl.abs(x.to(tl.float32)), 1))
+                xq = _to_e4m3(x, x_scale, ROUND_FP8)
             acc += _chunk_product(xq, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k,
                                   stride_s, x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL,
                                   FP8_DOT, PRECISION)
@@ -144,8 +154,8 @@ def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_ptr, count
 def skinny_config(n: int, k: int) -> dict:
     """Columns 32 wide, or 16 where that leaves too few programs; 512 bytes of each weight row a
     step; K whole."""
-    return dict(BLOCK_N=32 if n >= 32 * 120 else 16, BLOCK_K=512, SPLIT_K=1, num_warps=4,
-                num_stages=3)
+    return dict(BLOCK_N=32 if n >= 32 * 120 else 16, BLOCK_K=512, SPLIT_K=1, X_E4M3=False,
+                num_warps=4, num_stages=3)
 
 
 _WORKSPACE_COLUMNS = 65536  # 2n of the widest layer split over K (fp32, 16 rows: 4 MiB)
@@ -181,19 +191,19 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         if 2 * n > _WORKSPACE_COLUMNS or "SPLIT_K" not in cfg:
             cfg["SPLIT_K"] = 1
         ws, count = split_workspace(x.device) if cfg["SPLIT_K"] > 1 else (y, y)
-        split_k = cfg.pop("SPLIT_K")
+        split_k, x_e4m3 = cfg.pop("SPLIT_K"), cfg.pop("X_E4M3", False)
+        xq, xs = quantize_activations(x, chunk if block else k) if x_e4m3 else (x, x)
         _fp8_skinny_kernel[(tiles, split_k)](
-            x, weight, scale, bias if bias is not None else x,
-            residual if residual is not None else x, y, ws, count, m, k, n, split_k, x.stride(0),
-            weight.stride(0),
-            scale.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+            xq, xs, weight, scale, bias if bias is not None else x,
+            residual if residual is not None else x, y, ws, count, m, k, n, split_k, xq.stride(0),
+            xs.stride(0), weight.stride(0), scale.stride(0),
+            residual.stride(0) if residual is not None else 0, y.stride(0),
             SCALE_N=block[0] if block is not None else 1,
             SCALE_K=block[1] if block is not None else 1, PER_CHANNEL=block is None,
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
             BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, SPLIT=split_k > 1,
-            FP8_DOT=fp8_dot,
-            PRECISION=dot_precision(x.dtype), ROUND_FP8=_ROUND_FP8,
-            **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
+            X_E4M3=x_e4m3, FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
+            ROUND_FP8=_ROUND_FP8, **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
     return y
 
 
