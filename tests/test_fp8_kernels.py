@@ -108,6 +108,8 @@ def test_fp8_skinny_split_over_k_matches_and_leaves_its_workspace_zero(block, fu
             for _ in range(2):  # the second call finds the workspace as the first left it
                 check_linear(x, 80, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE),
                              config=config)
+        assert triton_fp8.skinny_config(80, 1600)["SPLIT_K"] == 4  # the default splits it too
+        check_linear(x, 80, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE))
         sums, counts = triton_fp8.split_workspace(torch.device(DEVICE))
         assert not sums.any() and not counts.any()
 

@@ -2,14 +2,17 @@
 one scale per output channel ([N, 1]). Activations are quantized to e4m3 too (W8A8, as vLLM does),
 at every batch size: per token for per-channel weights, per token and group of bk columns for
 block-wise ones.
-- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once,
-  quantizes x in registers (each program its own copy: x is small) and multiplies on the fp8 MMA
-  (or, in the interpreter and for fp32, both operands converted exactly to x's dtype), the scales on
-  each chunk's product. Fusions follow ``triton_linear``'s;
+- the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once;
+  x comes quantized by ``quantize_activations`` (or is quantized in registers, each program its
+  own copy); ``tl.dot`` on e4m3 operands (on sm_90 at 16 rows: each converted exactly to fp16 in
+  registers, then mma.sync; in the interpreter and for fp32, converted to x's dtype), the scales
+  on each chunk's product; K split over several programs where the column tiles are too few to
+  fill the GPU. Fusions follow ``triton_linear``'s;
 - the GEMM, for more rows (prefill, large decode batches): x quantized by a kernel of its own, both
   operands multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -151,11 +154,20 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
                         n, stride_r, stride_y, SILU_MUL, BIAS, RESIDUAL)
 
 
-def skinny_config(n: int, k: int) -> dict:
-    """Columns 32 wide, or 16 where that leaves too few programs; 512 bytes of each weight row a
-    step; K whole."""
-    return dict(BLOCK_N=32 if n >= 32 * 120 else 16, BLOCK_K=512, SPLIT_K=1, X_E4M3=False,
-                num_warps=4, num_stages=3)
+def skinny_config(n: int, k: int, num_sms: int = 132) -> dict:
+    """x quantized by a kernel before (the loop then only loads and multiplies); columns 64 wide,
+    256 bytes of each weight row a step, three stages; K split in 4 where the column tiles are fewer
+    than the SMs (qkv_proj, o_proj, down_proj of Qwen3-8B: one wave of long programs otherwise).
+    ``tools/bench_fp8.py --skinny-sweep`` (H200, 2026-12-04): within 5% of the best of 70 tiles and
+    splits on each of the 8B's projections at 1 and 16 rows."""
+    split = 4 if triton.cdiv(n, 64) < num_sms and k >= 4 * 256 else 1
+    return dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, X_E4M3=True, num_warps=4, num_stages=3)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
+        else 132
 
 
 _WORKSPACE_COLUMNS = 65536  # 2n of the widest layer split over K (fp32, 16 rows: 4 MiB)
@@ -176,14 +188,14 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, bias: torch.Tensor | None,
                residual: torch.Tensor | None, silu_mul: bool, config: dict | None = None,
                fp8_dot: bool | None = None):
-    """``fp8_linear`` for m <= SKINNY_MAX_M rows, x quantized inside the kernel; ``config``:
-    ``skinny_config``'s keys; ``fp8_dot``: multiply on the fp8 MMA (default: FP8_DOT, off in the
-    interpreter and for fp32)."""
+    """``fp8_linear`` for m <= SKINNY_MAX_M rows, x quantized before or inside the kernel;
+    ``config``: ``skinny_config``'s keys; ``fp8_dot``: ``tl.dot`` on the e4m3 operands (default:
+    FP8_DOT, off in the interpreter and for fp32)."""
     m, k = x.shape
     n = weight.size(0) // (2 if silu_mul else 1)
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        cfg = dict(config or skinny_config(n, k))
+        cfg = dict(config or skinny_config(n, k, _num_sms(x.device)))
         chunk = 128 if block is None else block[1]  # [BLOCK_N, 512] tiles spill at silu_mul
         if fp8_dot is None:
             fp8_dot = FP8_DOT and not _ROUND_FP8 and x.dtype != torch.float32
