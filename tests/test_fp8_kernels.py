@@ -140,3 +140,23 @@ def test_fp8_gemm_matches_quantized_operands(dtype, block, m, fusion):
     out, ref = check_linear(x, n, block, fusion,
                             tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE) if CUDA else None)
     assert float((out[3] - ref[3]).abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("x_e4m3", [False, True])
+def test_fp8_skinny_reads_no_scales_past_k(x_e4m3):
+    """K = 320 in steps of 256: the second step's second chunk starts past K. Its weight block
+    scales (and x's) do not exist: read anyway, whatever follows them in memory (here NaN) made the
+    whole row NaN (0 * NaN), as uninitialized memory did on the GPU in a full test run."""
+    torch.manual_seed(4)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(5, 320).to(dtype)
+    w_fp8, scale, w_ref = quantize(torch.randn(96, 320) * 0.1, (128, 128))
+    padded = torch.full((scale.size(0), scale.size(1) + 1), float("nan"), device=DEVICE)
+    padded[:, :-1] = scale
+    config = dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, X_E4M3=x_e4m3, num_warps=4, num_stages=2)
+    out = triton_fp8.fp8_skinny(x.to(DEVICE), w_fp8, padded[:, :-1], (128, 128), None, None, False,
+                                config=config)
+    ref = quantize_groups(x, 128) @ w_ref.T
+    assert not out.isnan().any()
+    assert float((out.double().cpu() - ref).norm() / ref.norm()) < max(TOLERANCE[dtype],
+                                                                       FP8_MMA_TOLERANCE)

@@ -60,8 +60,9 @@ def _chunk_product(x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s,
     else:  # e4m3 -> dtype is exact
         part = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), input_precision=PRECISION)
     if not PER_CHANNEL:
-        scale = scale * tl.load(s_ptr + (cols // SCALE_N) * stride_s + kj // SCALE_K, mask=col_mask,
-                                other=0.0)[None, :]
+        # a chunk past K (BLOCK_K's last step) has no scales: read none (0 * NaN garbage is NaN)
+        scale = scale * tl.load(s_ptr + (cols // SCALE_N) * stride_s + kj // SCALE_K,
+                                mask=col_mask & (kj < k), other=0.0)[None, :]
     return part * scale
 
 
@@ -113,8 +114,8 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
             if X_E4M3:
                 xq = x
                 if not PER_CHANNEL:
-                    x_scale = tl.load(xs_ptr + rows * stride_xs + kj // CHUNK_K, mask=row_mask,
-                                      other=1.0)
+                    x_scale = tl.load(xs_ptr + rows * stride_xs + kj // CHUNK_K,
+                                      mask=row_mask & (kj < k), other=1.0)
             else:
                 if not PER_CHANNEL:
                     x_scale = _row_scale(tl.max(tl.abs(x.to(tl.float32)), 1))
