@@ -95,19 +95,17 @@ def test_fp8_skinny_linear_matches_quantized_operands(dtype, block, fusion):
 def test_fp8_skinny_split_over_k_matches_and_leaves_its_workspace_zero(block, fusion):
     """SPLIT_K programs per column tile add their slices of K into the workspace; the last one
     stores the tile (the fusions once, on the whole sum) and leaves zeros for the next call. Uneven
-    splits too: 6 slices of 3 steps over 13 steps of K, the last one empty. x quantized in the
-    kernel's loop or before it, by ``quantize_activations``."""
+    splits too: 6 slices of 3 steps over 13 steps of K, the last one empty."""
     torch.manual_seed(3)
     dtype = torch.bfloat16 if CUDA else torch.float32
     for m, split, tiles in [(3, 6, dict(BLOCK_N=16, BLOCK_K=128)),
                             (16, 2, dict(BLOCK_N=32, BLOCK_K=256))]:
         x = torch.randn(m, 1600).to(dtype)
         x[0, :128] *= 30.0
-        for x_e4m3 in (False, True):  # x quantized in the loop, or by a kernel before
-            config = dict(tiles, SPLIT_K=split, X_E4M3=x_e4m3, num_warps=4, num_stages=2)
-            for _ in range(2):  # the second call finds the workspace as the first left it
-                check_linear(x, 80, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE),
-                             config=config)
+        config = dict(tiles, SPLIT_K=split, num_warps=4, num_stages=2)
+        for _ in range(2):  # the second call finds the workspace as the first left it
+            check_linear(x, 80, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE),
+                         config=config)
         assert triton_fp8.skinny_config(80, 1600)["SPLIT_K"] == 4  # the default splits it too
         check_linear(x, 80, block, fusion, tol=max(TOLERANCE[dtype], FP8_MMA_TOLERANCE))
         sums, counts = triton_fp8.split_workspace(torch.device(DEVICE))
@@ -142,21 +140,22 @@ def test_fp8_gemm_matches_quantized_operands(dtype, block, m, fusion):
     assert float((out[3] - ref[3]).abs().max()) < 1e-2
 
 
-@pytest.mark.parametrize("x_e4m3", [False, True])
-def test_fp8_skinny_reads_no_scales_past_k(x_e4m3):
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_fp8_skinny_reads_no_scales_past_k(per_channel):
     """K = 320 in steps of 256: the second step's second chunk starts past K. Its weight block
     scales (and x's) do not exist: read anyway, whatever follows them in memory (here NaN) made the
     whole row NaN (0 * NaN), as uninitialized memory did on the GPU in a full test run."""
     torch.manual_seed(4)
     dtype = torch.bfloat16 if CUDA else torch.float32
     x = torch.randn(5, 320).to(dtype)
-    w_fp8, scale, w_ref = quantize(torch.randn(96, 320) * 0.1, (128, 128))
+    block = None if per_channel else (128, 128)
+    w_fp8, scale, w_ref = quantize(torch.randn(96, 320) * 0.1, block)
     padded = torch.full((scale.size(0), scale.size(1) + 1), float("nan"), device=DEVICE)
     padded[:, :-1] = scale
-    config = dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, X_E4M3=x_e4m3, num_warps=4, num_stages=2)
-    out = triton_fp8.fp8_skinny(x.to(DEVICE), w_fp8, padded[:, :-1], (128, 128), None, None, False,
+    config = dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=2)
+    out = triton_fp8.fp8_skinny(x.to(DEVICE), w_fp8, padded[:, :-1], block, None, None, False,
                                 config=config)
-    ref = quantize_groups(x, 128) @ w_ref.T
+    ref = quantize_groups(x, 320 if per_channel else 128) @ w_ref.T
     assert not out.isnan().any()
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < max(TOLERANCE[dtype],
                                                                        FP8_MMA_TOLERANCE)

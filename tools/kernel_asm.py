@@ -108,17 +108,17 @@ def fp8_gemm(block: bool, block_m: int = 128, block_n: int = 128):
 
 def fp8_skinny(split: bool, silu_mul: bool = True, block_n: int = 32, block_k: int = 512,
                num_warps: int = 4, num_stages: int = 3):
-    """The skinny fp8 linear (decode, up to 16 rows) with block-wise scales, whole or split over K
-    (the atomics of the split's sums)."""
+    """The skinny fp8 linear (decode, up to 16 rows; x quantized before it) with block-wise scales,
+    whole or split over K (the atomics of the split's sums)."""
     from nanovllm.kernels import triton_fp8 as tf
-    sig = {"x_ptr": "*bf16", "xs_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+    sig = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
            "b_ptr": "*bf16", "res_ptr": "*bf16", "y_ptr": "*bf16", "ws_ptr": "*fp32",
            "count_ptr": "*i32", "m": "i32", "k": "i32", "n": "i32", "split_k": "i32",
            "stride_x": "i32", "stride_xs": "i32", "stride_w": "i32", "stride_s": "i32",
            "stride_r": "i32", "stride_y": "i32"}
     const = dict(SCALE_N=128, SCALE_K=128, PER_CHANNEL=False, SILU_MUL=silu_mul, BIAS=False,
                  RESIDUAL=not silu_mul, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, CHUNK_K=128,
-                 SPLIT=split, X_E4M3=False, FP8_DOT=True, PRECISION="ieee", ROUND_FP8=False)
+                 SPLIT=split, FP8_DOT=True, PRECISION="ieee")
     return _compile(tf._fp8_skinny_kernel, sig, const, num_warps, num_stages,
                     unaligned=("m", "split_k", "stride_s"))
 

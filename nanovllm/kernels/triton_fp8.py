@@ -3,11 +3,11 @@ one scale per output channel ([N, 1]). Activations are quantized to e4m3 too (W8
 at every batch size: per token for per-channel weights, per token and group of bk columns for
 block-wise ones.
 - the skinny linear, for up to SKINNY_MAX_M rows (decode batches): it reads each weight byte once;
-  x comes quantized by ``quantize_activations`` (or is quantized in registers, each program its
-  own copy); ``tl.dot`` on e4m3 operands (on sm_90 at 16 rows: each converted exactly to fp16 in
-  registers, then mma.sync; in the interpreter and for fp32, converted to x's dtype), the scales
-  on each chunk's product; K split over several programs where the column tiles are too few to
-  fill the GPU. Fusions follow ``triton_linear``'s;
+  x comes quantized by ``quantize_activations`` (measured faster than quantizing it in each
+  program's loop, whose reductions serialize every chunk); ``tl.dot`` on e4m3 operands (on sm_90
+  at 16 rows: each converted exactly to fp16 in registers, then mma.sync; in the interpreter and
+  for fp32, converted to x's dtype), the scales on each chunk's product; K split over several
+  programs where the column tiles are too few to fill the GPU. Fusions follow ``triton_linear``'s;
 - the GEMM, for more rows (prefill, large decode batches): x quantized by a kernel of its own, both
   operands multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
@@ -29,22 +29,6 @@ _ROUND_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
 # tl.dot straight on e4m3 operands in the skinny kernel (sm_89+ MMA) instead of converting both to
 # x's dtype first
 FP8_DOT = os.environ.get("NANOVLLM_FP8_DOT", "1") == "1"
-
-
-@triton.jit
-def _to_e4m3(x, scale, ROUND_FP8: tl.constexpr):
-    """x [rows, cols] divided by each row's ``scale`` [rows], clamped to e4m3's range and rounded to
-    it (RNE)."""
-    q = tl.minimum(tl.maximum(x.to(tl.float32) / scale[:, None], -FP8_MAX), FP8_MAX)
-    if ROUND_FP8:
-        q = _round_to_e4m3(q)
-    return q.to(tl.float8e4nv)
-
-
-@triton.jit
-def _row_scale(amax):
-    """The e4m3 scale of rows of this absolute maximum: amax / 448, and 1 for a row of zeros."""
-    return tl.where(amax > 0, amax / FP8_MAX, 1.0)
 
 
 @triton.jit
@@ -72,18 +56,16 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
                        SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       CHUNK_K: tl.constexpr, SPLIT: tl.constexpr, X_E4M3: tl.constexpr,
-                       FP8_DOT: tl.constexpr, PRECISION: tl.constexpr, ROUND_FP8: tl.constexpr):
-    """BLOCK_N columns of y = quantize(x) @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows,
-    BLOCK_K columns of K a step in chunks of CHUNK_K. x is quantized to e4m3 here: per row
-    (PER_CHANNEL: the row's amax over all of K, a first pass) or per row and chunk (block-wise:
-    CHUNK_K is the weight's block in K, so a chunk is one group). SILU_MUL: w is [gate; up] (scale
-    rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual. SPLIT: program (i, j) sums the
-    j-th of ``split_k`` slices of K into the fp32 workspace ``ws`` [BLOCK_M, 2n] (zero between
-    calls); the last of a column tile's programs to finish (``count`` [tiles], zero between calls)
-    takes the sums, leaves zeros behind and stores the tile. X_E4M3: x comes quantized, with its
-    scales ``xs`` [m, groups] (``quantize_activations``'s): the loop only loads and
-    multiplies."""
+                       CHUNK_K: tl.constexpr, SPLIT: tl.constexpr, FP8_DOT: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """BLOCK_N columns of y = x @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows, x in e4m3
+    with its scales ``xs`` [m, groups] (``quantize_activations``'s: per row, PER_CHANNEL, or per row
+    and chunk of CHUNK_K, the weight's block in K), BLOCK_K columns of K a step in chunks of
+    CHUNK_K.
+    SILU_MUL: w is [gate; up] (scale rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual.
+    SPLIT: program (i, j) sums the j-th of ``split_k`` slices of K into the fp32 workspace ``ws``
+    [BLOCK_M, 2n] (zero between calls); the last of a column tile's programs to finish (``count``
+    [tiles], zero between calls) takes the sums, leaves zeros behind and stores the tile."""
     pid, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,31 +77,18 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
     w_rows = safe_cols.to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + rows[:, None] * stride_x
     x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    if X_E4M3:
-        if PER_CHANNEL:
-            x_scale = tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=1.0)
-    elif PER_CHANNEL:  # each row's scale over all of K (x is small and stays in L2)
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, k, CHUNK_K):
-            ks = k0 + tl.arange(0, CHUNK_K)
-            x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :], other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
-        x_scale = _row_scale(amax)
+    if PER_CHANNEL:
+        x_scale = tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=1.0)
     per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), split_k) * BLOCK_K
     for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
         for j in tl.static_range(BLOCK_K // CHUNK_K):
             kj = k0 + j * CHUNK_K
             ks = kj + tl.arange(0, CHUNK_K)
-            x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :], other=0.0)
-            if X_E4M3:
-                xq = x
-                if not PER_CHANNEL:
-                    x_scale = tl.load(xs_ptr + rows * stride_xs + kj // CHUNK_K,
-                                      mask=row_mask & (kj < k), other=1.0)
-            else:
-                if not PER_CHANNEL:
-                    x_scale = _row_scale(tl.max(tl.abs(x.to(tl.float32)), 1))
-                xq = _to_e4m3(x, x_scale, ROUND_FP8)
+            xq = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :],
+                         other=0.0)
+            if not PER_CHANNEL:  # a chunk past K (BLOCK_K's last step) has none
+                x_scale = tl.load(xs_ptr + rows * stride_xs + kj // CHUNK_K,
+                                  mask=row_mask & (kj < k), other=1.0)
             acc += _chunk_product(xq, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k,
                                   stride_s, x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL,
                                   FP8_DOT, PRECISION)
@@ -156,13 +125,12 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
 
 
 def skinny_config(n: int, k: int, num_sms: int = 132) -> dict:
-    """x quantized by a kernel before (the loop then only loads and multiplies); columns 64 wide,
-    256 bytes of each weight row a step, three stages; K split in 4 where the column tiles are fewer
-    than the SMs (qkv_proj, o_proj, down_proj of Qwen3-8B: one wave of long programs otherwise).
-    ``tools/bench_fp8.py --skinny-sweep`` (H200, 2026-12-04): within 5% of the best of 70 tiles and
-    splits on each of the 8B's projections at 1 and 16 rows."""
+    """Columns 64 wide, 256 bytes of each weight row a step, three stages; K split in 4 where the
+    column tiles are fewer than the SMs (qkv_proj, o_proj, down_proj of Qwen3-8B: one wave of long
+    programs otherwise). ``tools/bench_fp8.py --skinny-sweep`` (H200, 2026-12-04): within 5% of the
+    best of 70 tiles and splits on each of the 8B's projections at 1 and 16 rows."""
     split = 4 if triton.cdiv(n, 64) < num_sms and k >= 4 * 256 else 1
-    return dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, X_E4M3=True, num_warps=4, num_stages=3)
+    return dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
 @functools.cache
@@ -189,7 +157,7 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, bias: torch.Tensor | None,
                residual: torch.Tensor | None, silu_mul: bool, config: dict | None = None,
                fp8_dot: bool | None = None):
-    """``fp8_linear`` for m <= SKINNY_MAX_M rows, x quantized before or inside the kernel;
+    """``fp8_linear`` for m <= SKINNY_MAX_M rows, x quantized by ``quantize_activations`` first;
     ``config``: ``skinny_config``'s keys; ``fp8_dot``: ``tl.dot`` on the e4m3 operands (default:
     FP8_DOT, off in the interpreter and for fp32)."""
     m, k = x.shape
@@ -197,15 +165,15 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         cfg = dict(config or skinny_config(n, k, _num_sms(x.device)))
-        chunk = 128 if block is None else block[1]  # [BLOCK_N, 512] tiles spill at silu_mul
+        chunk = 128 if block is None else block[1]
         if fp8_dot is None:
             fp8_dot = FP8_DOT and not _ROUND_FP8 and x.dtype != torch.float32
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
         if 2 * n > _WORKSPACE_COLUMNS or "SPLIT_K" not in cfg:
             cfg["SPLIT_K"] = 1
         ws, count = split_workspace(x.device) if cfg["SPLIT_K"] > 1 else (y, y)
-        split_k, x_e4m3 = cfg.pop("SPLIT_K"), cfg.pop("X_E4M3", False)
-        xq, xs = quantize_activations(x, chunk if block else k) if x_e4m3 else (x, x)
+        split_k = cfg.pop("SPLIT_K")
+        xq, xs = quantize_activations(x, chunk if block else k)
         _fp8_skinny_kernel[(tiles, split_k)](
             xq, xs, weight, scale, bias if bias is not None else x,
             residual if residual is not None else x, y, ws, count, m, k, n, split_k, xq.stride(0),
@@ -215,8 +183,8 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             SCALE_K=block[1] if block is not None else 1, PER_CHANNEL=block is None,
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
             BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, SPLIT=split_k > 1,
-            X_E4M3=x_e4m3, FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
-            ROUND_FP8=_ROUND_FP8, **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
+            FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
+            **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
     return y
 
 
