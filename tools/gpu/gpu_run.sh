@@ -55,6 +55,8 @@
 #             into CACHE/ckpt-qwen3-0.6b, about 10 s)
 #   fp8wtests the fp8-weight kernels' and engine's GPU tests (dense, MoE), tools/bench_fp8.py and the fp8
 #             MoE microbenchmark
+#   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
+#             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
 #             ways, the 0.6B preset with a bf16 and an fp8 cache, and the demo model's perplexity with fp8 weights
 #   rl        the RL-rollout tests on CUDA, then tools/bench_rl.py on the 8B preset
@@ -272,6 +274,8 @@ for phase in "$@"; do
       step test_fp8.log "$PYTHON" -m pytest tests/test_moe.py -q -rfE -k "fp8 or cuda_graph"
       step bench_fp8_linear.log "$PYTHON" tools/bench_fp8.py --out "$OUT"
       step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe --out "$OUT" ;;
+    fp8skinny)  # the skinny fp8 kernel's tiles and splits over K (8B projections, 1 and 16 rows)
+      step bench_fp8_skinny.log "$PYTHON" tools/bench_fp8.py --skinny-sweep --out "$OUT" ;;
     fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
       step bench_fp8w.jsonl "$PYTHON" bench.py --model qwen3-8b --json
       step bench_fp8w.jsonl "$PYTHON" bench.py --model qwen3-8b-fp8 --json
