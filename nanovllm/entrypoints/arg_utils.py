@@ -119,19 +119,12 @@ _PROFILER_FLAGS = {"torch_profiler_with_stack": ("with_stack", True),
 _PROFILER_KEYS = ("profiler", "torch_profiler_dir", *_PROFILER_FLAGS)
 
 
-@dataclasses.dataclass
-class ProfilerConfig:
-    """vLLM's ``ProfilerConfig`` (``from nanovllm.config import ProfilerConfig``), the torch
-    profiler's fields; ``LLM(profiler_config=...)`` takes it or a dict of its fields."""
-    profiler: str | None = None  # "torch", or None: no profiling
-    torch_profiler_dir: str = ""
-    torch_profiler_with_stack: bool = True
-    torch_profiler_with_flops: bool = False
-    torch_profiler_record_shapes: bool = False
-    torch_profiler_with_memory: bool = False
-    torch_profiler_use_gzip: bool = True
-
-
+# vLLM's ``ProfilerConfig`` (``from nanovllm.config import ProfilerConfig``): the torch profiler's
+# fields, with vLLM's defaults; ``LLM(profiler_config=...)`` takes it or a dict of its fields
+ProfilerConfig = dataclasses.make_dataclass("ProfilerConfig", [
+    ("profiler", str | None, None), ("torch_profiler_dir", str, ""),  # "torch", or None: none
+    *((name, bool, default) for name, (_, default) in _PROFILER_FLAGS.items())])
+ProfilerConfig.__module__ = __name__  # 3.11: make_dataclass names no module (pickle needs one)
 nanovllm.config.ProfilerConfig = ProfilerConfig  # at vLLM's path, vllm.config; the core has no use
 
 
