@@ -130,8 +130,8 @@ class Scheduler:
                 continue
             if token_ids[row] >= 0:  # -1: the logits were not finite; the core ends ``seq``
                 seq.resolve(token_ids[row])
-            if logprobs[row] is not None and token_ids[row] >= 0:
-                seq.logprobs.append(logprobs[row])
+                if logprobs[row] is not None:
+                    seq.logprobs.append(logprobs[row])
             advanced.append((seq, token_ids[row]))
             self.block_manager.hash_blocks(seq)  # before finish frees a block ending in it
         for seq in batch.seqs if batch.is_prefill else ():

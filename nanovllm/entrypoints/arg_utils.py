@@ -69,10 +69,6 @@ UNSUPPORTED_KEYWORDS = {
 }
 KEYWORD_ALIASES = {"block_size": "kvcache_block_size",
                    "num_gpu_blocks_override": "num_kvcache_blocks"}
-# generation_config.json's field -> SamplingParams'
-_GENERATION_FIELDS = {name: name for name in ("temperature", "top_p", "top_k", "min_p",
-                                              "repetition_penalty")}
-_GENERATION_FIELDS["max_new_tokens"] = "max_tokens"
 
 
 # the frontend's keywords: (default, what takes it)

@@ -108,8 +108,9 @@ def get_quantization_config(hf_config, quantization: str | None) -> Fp8Config | 
 
 def check_scales(loaded: torch.Tensor) -> None:
     """Block scales must be finite and > 0: a NaN one makes every logprob NaN, every token 0."""
-    if not bool((torch.isfinite(loaded) & (loaded > 0)).all()):
-        bad = loaded[~(torch.isfinite(loaded) & (loaded > 0))].flatten()[:3].tolist()
+    ok = torch.isfinite(loaded) & (loaded > 0)
+    if not bool(ok.all()):
+        bad = loaded[~ok].flatten()[:3].tolist()
         raise ValueError(f"fp8 block scales must be finite and > 0, got {bad}")
 
 

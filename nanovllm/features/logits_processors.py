@@ -116,6 +116,8 @@ class VllmLogitsProcessors(LogitsHook):
         for seq, token_id in advanced if self.outputs else ():
             if (outputs := self.outputs.get(seq.seq_id)) is not None:
                 outputs.append(token_id)
+        if not self.failed:  # almost every step
+            return {}
         return {seq: self.failed.pop(seq.seq_id) for seq, _ in advanced
                 if seq.seq_id in self.failed}
 

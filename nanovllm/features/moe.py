@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanovllm.features.fp8 import FP8, check_scales, get_quant_config
+from nanovllm.features.fp8 import FP8, checked_scales, get_quant_config
 from nanovllm.kernels import moe_reference, ops_for
 from nanovllm.layers.linear import ReplicatedLinear, blocks, check_dtype, check_shape
 from nanovllm.models.llama import DecoderMLP, DecoderOptions, LlamaForCausalLM, check_silu
@@ -52,8 +52,9 @@ class FusedMoE(nn.Module):
             params += [self.w13_weight_scale_inv, self.w2_weight_scale_inv]
             for param in params[2:]:
                 param.block = self.block
-        for param in params:
-            param.weight_loader = self.weight_loader
+        for param in params:  # the experts' block scales are checked first
+            param.weight_loader = (checked_scales(self.weight_loader) if hasattr(param, "block")
+                                   else self.weight_loader)
         self._loaded: set[tuple[int, str]] = set()  # (expert, shard id) pairs the checkpoint gave
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int | None,
@@ -63,8 +64,6 @@ class FusedMoE(nn.Module):
         e = self.num_experts
         if expert_id is not None and not 0 <= expert_id < e:
             raise ValueError(f"is expert {expert_id} but the model has {e} experts")
-        if hasattr(param, "block"):  # the experts' block scales
-            check_scales(loaded)
         ip, h = self._units(param, shard_id)
         i, lo = ip * self.tp_size, self.tp_rank * ip
         check_dtype(loaded, param)

@@ -160,7 +160,7 @@ class StructuredOutputManager(LogitsHook):
         refused = {}
         for seq, token_id in advanced:
             matcher = self.matchers.get(seq.seq_id)
-            if matcher is None:
+            if matcher is None or token_id < 0:  # < 0: no token (non-finite logits): ended
                 continue
             if matcher.matcher.accept_token(token_id):
                 matcher.num_accepted += 1

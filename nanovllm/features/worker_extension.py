@@ -23,11 +23,15 @@ def load_worker_extension(value) -> type | None:
         raise ValueError(f"worker_extension_cls={cls.__qualname__} defines __init__, which the "
                          "worker never calls: set attributes in a method called through "
                          "collective_rpc")
-    if clashes := sorted(name for name in dir(cls)
-                         if not name.startswith("__") and hasattr(ModelRunner, name)):
+    refuse_clashes(cls, lambda name: hasattr(ModelRunner, name))
+    return cls
+
+
+def refuse_clashes(cls: type, taken) -> None:
+    """A ValueError naming ``cls``'s attributes (dunders aside) for which ``taken(name)``."""
+    if clashes := sorted(name for name in dir(cls) if not name.startswith("__") and taken(name)):
         raise ValueError(f"worker_extension_cls={cls.__qualname__}: attribute(s) {clashes} "
                          "conflict with the worker's (nanovllm's ModelRunner)")
-    return cls
 
 
 class WorkerView:
@@ -56,7 +60,4 @@ class WorkerExtension(Feature):
 
     def check_instance(self, runner) -> None:
         """A ValueError naming the extension's attributes that the runner instance has."""
-        if clashes := sorted(name for name in dir(self.cls)
-                             if not name.startswith("__") and name in vars(runner)):
-            raise ValueError(f"worker_extension_cls={self.cls.__qualname__}: attribute(s) "
-                             f"{clashes} conflict with the worker's (nanovllm's ModelRunner)")
+        refuse_clashes(self.cls, lambda name: name in vars(runner))

@@ -346,16 +346,21 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
 _NUM_SMS: dict[int, int] = {}
 
 
+def num_sms(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count, read once."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
 def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device,
                       max_splits: int = 32) -> int:
     """About two waves of programs over the SMs; depends on the batch only, so a captured graph's
     grid is fixed."""
     if device.type != "cuda":
         return 1 if batch * num_kv_heads >= 8 else 2  # the interpreter: still exercise the merge
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(max_splits, triton.cdiv(2 * _NUM_SMS[index], batch * num_kv_heads)))
+    return max(1, min(max_splits, triton.cdiv(2 * num_sms(device), batch * num_kv_heads)))
 
 
 def _decode_config(dtype: torch.dtype, batch: int) -> dict:

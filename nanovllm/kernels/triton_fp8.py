@@ -12,7 +12,6 @@ block-wise ones.
   operands multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -20,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import dot_precision
-from nanovllm.kernels.triton_attention import FP8_MAX, _round_to_e4m3
+from nanovllm.kernels.triton_attention import FP8_MAX, _round_to_e4m3, num_sms
 from nanovllm.kernels.triton_linear import SKINNY_MAX_M, silu_and_mul, skinny_epilogue
 
 # the interpreter's float -> e4m3 cast does not carry into the exponent: it rounds in fp32
@@ -133,12 +132,6 @@ def skinny_config(n: int, k: int, num_sms: int = 132) -> dict:
     return dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" \
-        else 132
-
-
 _WORKSPACE_COLUMNS = 65536  # 2n of the widest layer split over K (fp32, 16 rows: 4 MiB)
 _workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -164,15 +157,13 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n = weight.size(0) // (2 if silu_mul else 1)
     y = residual if residual is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        cfg = dict(config or skinny_config(n, k, _num_sms(x.device)))
+        cfg = dict(config or skinny_config(n, k, num_sms(x.device) if x.is_cuda else 132))
         chunk = 128 if block is None else block[1]
         if fp8_dot is None:
             fp8_dot = FP8_DOT and not _ROUND_FP8 and x.dtype != torch.float32
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
-        if 2 * n > _WORKSPACE_COLUMNS or "SPLIT_K" not in cfg:
-            cfg["SPLIT_K"] = 1
-        ws, count = split_workspace(x.device) if cfg["SPLIT_K"] > 1 else (y, y)
-        split_k = cfg.pop("SPLIT_K")
+        split_k = cfg.pop("SPLIT_K", 1) if 2 * n <= _WORKSPACE_COLUMNS else 1
+        ws, count = split_workspace(x.device) if split_k > 1 else (y, y)
         xq, xs = quantize_activations(x, chunk if block else k)
         _fp8_skinny_kernel[(tiles, split_k)](
             xq, xs, weight, scale, bias if bias is not None else x,
