@@ -309,6 +309,10 @@ def max_positions(runner):
     return runner.config.hf_config.max_position_embeddings
 
 
+def float8_sum(runner, tensor):  # float8 tensors cross the call channel (as bytes) both ways
+    return float(tensor.float().sum()), tensor
+
+
 def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
     profile = {"profiler": "torch", "torch_profiler_dir": str(tmp_path),
                "torch_profiler_use_gzip": False}
@@ -324,6 +328,10 @@ def test_collective_rpc_and_the_profiler_on_two_ranks(tiny, tmp_path):
         assert engine.collective_rpc(rank_and_scaled_blocks, args=(2,), kwargs={"offset": 1}) == \
             [(0, 2 * blocks + 1), (1, 2 * blocks + 1)]
         assert engine.collective_rpc(all_reduce_ranks) == [3.0, 3.0]
+        fp8 = torch.tensor([0.5, 1.5, -2.0, 448.0]).to(torch.float8_e4m3fn)
+        for total, back in engine.collective_rpc(float8_sum, args=(fp8,)):
+            assert total == 448.0 and back.dtype == fp8.dtype and torch.equal(back.float(),
+                                                                               fp8.float())
         with pytest.raises(RuntimeError, match="rank 1 raised ValueError: rank 1 refuses"):
             engine.collective_rpc(fails_on_rank_1)
         with pytest.raises(TypeError, match="pickle"):

@@ -4,9 +4,11 @@ pipe, ``WorkerDiedError``)."""
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import ctypes
 import datetime
 import glob
+import io
 import multiprocessing.connection
 import os
 import pickle
@@ -26,6 +28,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.layers.linear import QUANTIZED_DTYPES
 from nanovllm.plugins import REGISTRY
 from nanovllm.utils.distributed import forget_in_forked_child
 
@@ -34,6 +37,31 @@ SEGMENT_SIZE = 2 ** 20  # the first segment; a larger call moves to a larger one
 JOIN_TIMEOUT_S = 5.0  # a worker told to exit gets this long before it is killed
 MAIN_GUARD_HINT = ("workers start by 'spawn', which imports the main script again: create the LLM "
                    "under `if __name__ == \"__main__\":`")
+
+
+def _reduce_tensor(tensor: torch.Tensor):
+    """Tensors as torch pickles them, but float8 ones (which do not survive torch 2.13's own pickle
+    on CPU) as their bytes and dtype."""
+    if tensor.dtype in QUANTIZED_DTYPES:
+        return _from_bytes, (tensor.detach().contiguous().view(torch.uint8), tensor.dtype)
+    return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _from_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return data.view(dtype)
+
+
+_DISPATCH = copyreg.dispatch_table.copy()
+_DISPATCH[torch.Tensor] = _DISPATCH[torch.nn.Parameter] = _reduce_tensor
+
+
+def dumps(obj) -> bytes:
+    """The call channel's pickle: ``pickle.dumps`` with float8 tensors sent as bytes."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(obj)
+    return buffer.getvalue()
 
 
 # how long a collective waits for a peer alive but stuck (a dead one is noticed within seconds)
@@ -233,8 +261,7 @@ class WorkerGroup:
         one's result with ``replies``)."""
         if self.channel is None:
             raise RuntimeError("this engine's workers belong to the process that forked this one")
-        moved = self.channel.write(pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL),
-                                   self.death_error)
+        moved = self.channel.write(dumps((method, args)), self.death_error)
         for doorbell in self.doorbells:
             try:
                 doorbell.send_bytes(moved)
@@ -307,9 +334,9 @@ class WorkerGroup:
 def reply(runner, method, args: tuple, kwargs: dict) -> bytes:
     """A worker's pickled reply to a call: (True, the result) or (False, its error)."""
     try:
-        return pickle.dumps((True, runner.resolve(method)(*args, **kwargs)))
+        return dumps((True, runner.resolve(method)(*args, **kwargs)))
     except Exception as e:  # the method failed, or its result does not pickle
-        return pickle.dumps((False, f"{type(e).__name__}: {e}"))
+        return dumps((False, f"{type(e).__name__}: {e}"))
 
 
 def call_every_rank(core, method, args: tuple = (), kwargs: dict | None = None,
@@ -322,7 +349,7 @@ def call_every_rank(core, method, args: tuple = (), kwargs: dict | None = None,
     runner, workers = core.resources.runner, core.resources.workers
     if workers is not None:
         try:
-            pickle.dumps(call)
+            dumps(call)
         except Exception as e:
             raise TypeError(f"the method, args and kwargs of a call to every rank must pickle: "
                             f"{e}") from None

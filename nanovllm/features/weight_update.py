@@ -74,17 +74,9 @@ def send_to_workers(engine, runner, workers, batch: list[tuple[str, torch.Tensor
         call(workers.call, receive_weights, specs)
         for _, tensor in batch:
             call(runner.group.broadcast, tensor, 0)
-    else:  # float8 tensors do not survive the channel's pickle on CPU: their bytes travel
-        sent = [(name, host_copy(t.view(torch.uint8) if t.dtype in QUANTIZED_DTYPES else t),
-                 t.dtype) for name, t in batch]
-        call(workers.call, load_sent_weights, sent)
+    else:  # through the call channel (float8 tensors travel as bytes there)
+        call(workers.call, load_weights, [(name, host_copy(t)) for name, t in batch])
     return batch
-
-
-def load_sent_weights(runner, sent: list[tuple[str, torch.Tensor, torch.dtype]]):
-    """A worker's part on CPU: the tensors as they were (float8 ones arrive as bytes), loaded."""
-    load_weights(runner, [(name, t.view(dtype) if t.dtype != dtype else t)
-                          for name, t, dtype in sent])
 
 
 def load_weights(runner, weights: list[tuple[str, torch.Tensor]]):
