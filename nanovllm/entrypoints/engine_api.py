@@ -267,8 +267,7 @@ class VllmEngineMixin:
         self.collective_rpc(_start_profile, args=(self.frontend["profiler_config"], profile_prefix))
 
     def stop_profile(self) -> None:
-        self._resources.check_open()
-        self.collective_rpc(_stop_profile)
+        self.collective_rpc(_stop_profile)  # which checks the engine is open
 
     def get_metrics(self) -> list:
         """vLLM's metrics over the engine's life (``nanovllm.v1.metrics.reader``); they are counted
