@@ -34,14 +34,12 @@ FP8_DOT = os.environ.get("NANOVLLM_FP8_DOT", "1") == "1"
 def _chunk_product(x, w_ptr, s_ptr, w_rows, cols, col_mask, ks, kj, k, stride_s, scale,
                    dtype: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                    PER_CHANNEL: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """x (one chunk of K: e4m3, or fp16 for W8A16) @ w[:, ks].T times ``scale`` (x's per-row scales
-    as a column) and, block-wise, the weight block's scales (per-channel ones are applied once, at
-    the end); on the fp8 MMA, the fp16 one, or in ``dtype``."""
+    """x (e4m3, one chunk of K) @ w[:, ks].T times ``scale`` (x's per-row scales as a column) and,
+    block-wise, the weight block's scales (per-channel ones are applied once, at the end); on the
+    fp8 MMA or in ``dtype``."""
     w = tl.load(w_ptr + w_rows + ks[None, :], mask=col_mask[:, None] & (ks < k)[None, :], other=0.0)
     if FP8_DOT:
         part = tl.dot(x, tl.trans(w))
-    elif x.dtype == tl.float16:  # e4m3 -> fp16 is exact: one conversion a pair of bytes
-        part = tl.dot(x, tl.trans(w.to(tl.float16)))
     else:  # e4m3 -> dtype is exact
         part = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), input_precision=PRECISION)
     if not PER_CHANNEL:
@@ -58,7 +56,7 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
                        SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        CHUNK_K: tl.constexpr, SPLIT: tl.constexpr, X_FP8: tl.constexpr,
-                       X_BF16: tl.constexpr, FP8_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                       FP8_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """BLOCK_N columns of y = x @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows, x in e4m3
     with its scales ``xs`` [m, groups] (``quantize_activations``'s: per row, PER_CHANNEL, or per row
     and chunk of CHUNK_K, the weight's block in K), BLOCK_K columns of K a step in chunks of
@@ -67,9 +65,7 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
     SPLIT: program (i, j) sums the j-th of ``split_k`` slices of K into the fp32 workspace ``ws``
     [BLOCK_M, 2n] (zero between calls); the last of a column tile's programs to finish (``count``
     [tiles], zero between calls) takes the sums, leaves zeros behind and stores the tile. X_FP8
-    False (W8A16): x unquantized, multiplied in fp16 with the weight tile converted to fp16 (a bf16
-    x scaled by 2**-8 first: exact for |x| in [2**-6, 2**24), 2**-16 apart below), or for float32
-    in float32."""
+    False: x stays in its dtype, unscaled (W8A16), and the weight tile is converted to it."""
     pid, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,8 +77,6 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
     w_rows = safe_cols.to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + rows[:, None] * stride_x
     x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    if X_BF16:
-        x_scale *= 256.0
     if PER_CHANNEL and X_FP8:
         x_scale = tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=1.0)
     per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), split_k) * BLOCK_K
@@ -95,8 +89,6 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
             if X_FP8 and not PER_CHANNEL:  # a chunk past K (BLOCK_K's last step) has none
                 x_scale = tl.load(xs_ptr + rows * stride_xs + kj // CHUNK_K,
                                   mask=row_mask & (kj < k), other=1.0)
-            elif X_BF16:  # to fp16 below its overflow (x_scale has the 256 back)
-                xq = (xq.to(tl.float32) * 0.00390625).to(tl.float16)
             acc += _chunk_product(xq, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k,
                                   stride_s, x_scale[:, None], dtype, SCALE_N, SCALE_K, PER_CHANNEL,
                                   FP8_DOT, PRECISION)
@@ -185,8 +177,7 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             SCALE_K=block[1] if block is not None else 1, PER_CHANNEL=block is None,
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
             BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, SPLIT=split_k > 1,
-            X_FP8=x_fp8, X_BF16=not x_fp8 and x.dtype == torch.bfloat16, FP8_DOT=fp8_dot,
-            PRECISION=dot_precision(x.dtype),
+            X_FP8=x_fp8, FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
             **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
     return y
 
