@@ -159,30 +159,3 @@ def test_fp8_skinny_reads_no_scales_past_k(per_channel):
     assert not out.isnan().any()
     assert float((out.double().cpu() - ref).norm() / ref.norm()) < max(TOLERANCE[dtype],
                                                                        FP8_MMA_TOLERANCE)
-
-
-@pytest.mark.parametrize("block", [(128, 128), None])
-@pytest.mark.parametrize("fusion", ["silu_mul", "residual"])
-def test_fp8_skinny_w8a16_matches_unquantized_activations(block, fusion):
-    """X_FP8 False: x in its own dtype, the weight tile converted to it (W8A16), against x @ the
-    dequantized weight in float64; split over K too."""
-    torch.manual_seed(5)
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    m, k, n = 3, 1600, 80
-    x = torch.randn(m, k).to(dtype)
-    w = torch.randn(2 * n if fusion == "silu_mul" else n, k) * 0.1
-    w_fp8, scale, w_ref = quantize(w, block)
-    residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
-    ref = x.double() @ w_ref.T
-    if fusion == "silu_mul":
-        ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
-    else:
-        ref = ref + residual.double()
-    for split in (1, 4):
-        config = dict(BLOCK_N=16, BLOCK_K=256, SPLIT_K=split, X_FP8=False, num_warps=4,
-                      num_stages=2)
-        res = None if residual is None else residual.to(DEVICE).clone()
-        out = triton_fp8.fp8_skinny(x.to(DEVICE), w_fp8, scale, block, None, res,
-                                    fusion == "silu_mul", config=config)
-        err = float((out.double().cpu() - ref).norm() / ref.norm())
-        assert err < TOLERANCE[dtype], (split, err)

@@ -121,8 +121,7 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
     return rows
 
 
-SKINNY_TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st, X_FP8=q)
-                for q in (True, False)  # W8A8, or W8A16 (x unquantized: no quantization kernel)
+SKINNY_TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
                 for bn, bk, w, st in [(32, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4),
                                       (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 8, 2),
                                       (128, 256, 8, 2)]]
@@ -197,11 +196,10 @@ def main():
             best = min(group, key=lambda r: r["us"])
             rule = tf.skinny_config(best["n"], best["k"],
                                     torch.cuda.get_device_properties(0).multi_processor_count)
-            now = next((r["us"] for r in group if r["X_FP8"]
-                        and all(r[key] == v for key, v in rule.items())),
+            now = next((r["us"] for r in group if all(r[key] == v for key, v in rule.items())),
                        float("nan"))  # the engine's choice, when the sweep has it
             tile = {k: best[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
-                                         "SPLIT_K", "X_FP8")}
+                                         "SPLIT_K")}
             print(f"{layer:13s} m={m:2d} bf16 {best['bf16_us']:7.2f} us | rule {now:7.2f} | "
                   f"best {best['us']:7.2f} ({best['of_copy']:.0%} of copy) {tile} "
                   f"max err {max(r['max_rel_err'] for r in group):.1e}")

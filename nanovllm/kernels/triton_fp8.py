@@ -55,8 +55,8 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
                        SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, PER_CHANNEL: tl.constexpr,
                        SILU_MUL: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       CHUNK_K: tl.constexpr, SPLIT: tl.constexpr, X_FP8: tl.constexpr,
-                       FP8_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                       CHUNK_K: tl.constexpr, SPLIT: tl.constexpr, FP8_DOT: tl.constexpr,
+                       PRECISION: tl.constexpr):
     """BLOCK_N columns of y = x @ dequantize(w).T (+ bias) for all m <= BLOCK_M rows, x in e4m3
     with its scales ``xs`` [m, groups] (``quantize_activations``'s: per row, PER_CHANNEL, or per row
     and chunk of CHUNK_K, the weight's block in K), BLOCK_K columns of K a step in chunks of
@@ -64,8 +64,7 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
     SILU_MUL: w is [gate; up] (scale rows too) and y is SiLU(gate) * up; RESIDUAL: y += residual.
     SPLIT: program (i, j) sums the j-th of ``split_k`` slices of K into the fp32 workspace ``ws``
     [BLOCK_M, 2n] (zero between calls); the last of a column tile's programs to finish (``count``
-    [tiles], zero between calls) takes the sums, leaves zeros behind and stores the tile. X_FP8
-    False: x stays in its dtype, unscaled (W8A16), and the weight tile is converted to it."""
+    [tiles], zero between calls) takes the sums, leaves zeros behind and stores the tile."""
     pid, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,7 +76,7 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
     w_rows = safe_cols.to(tl.int64)[:, None] * stride_w
     x_rows = x_ptr + rows[:, None] * stride_x
     x_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    if PER_CHANNEL and X_FP8:
+    if PER_CHANNEL:
         x_scale = tl.load(xs_ptr + rows * stride_xs, mask=row_mask, other=1.0)
     per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), split_k) * BLOCK_K
     for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
@@ -86,7 +85,7 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
             ks = kj + tl.arange(0, CHUNK_K)
             xq = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < k)[None, :],
                          other=0.0)
-            if X_FP8 and not PER_CHANNEL:  # a chunk past K (BLOCK_K's last step) has none
+            if not PER_CHANNEL:  # a chunk past K (BLOCK_K's last step) has none
                 x_scale = tl.load(xs_ptr + rows * stride_xs + kj // CHUNK_K,
                                   mask=row_mask & (kj < k), other=1.0)
             acc += _chunk_product(xq, w_ptr, s_ptr, w_rows, safe_cols, col_mask, ks, kj, k,
@@ -165,9 +164,7 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         tiles = triton.cdiv(n, cfg["BLOCK_N"])
         split_k = cfg.pop("SPLIT_K", 1) if 2 * n <= _WORKSPACE_COLUMNS else 1
         ws, count = split_workspace(x.device) if split_k > 1 else (y, y)
-        x_fp8 = cfg.pop("X_FP8", True)
-        xq, xs = quantize_activations(x, chunk if block else k) if x_fp8 else (x, x)
-        fp8_dot = fp8_dot and x_fp8  # W8A16: the weight tile converted to x's dtype
+        xq, xs = quantize_activations(x, chunk if block else k)
         _fp8_skinny_kernel[(tiles, split_k)](
             xq, xs, weight, scale, bias if bias is not None else x,
             residual if residual is not None else x, y, ws, count, m, k, n, split_k, xq.stride(0),
@@ -177,7 +174,7 @@ def fp8_skinny(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             SCALE_K=block[1] if block is not None else 1, PER_CHANNEL=block is None,
             SILU_MUL=silu_mul, BIAS=bias is not None, RESIDUAL=residual is not None,
             BLOCK_M=max(16, triton.next_power_of_2(m)), CHUNK_K=chunk, SPLIT=split_k > 1,
-            X_FP8=x_fp8, FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
+            FP8_DOT=fp8_dot, PRECISION=dot_precision(x.dtype),
             **(cfg | dict(BLOCK_K=max(cfg["BLOCK_K"], chunk))))
     return y
 
