@@ -140,6 +140,25 @@ def test_fp8_gemm_matches_quantized_operands(dtype, block, m, fusion):
     assert float((out[3] - ref[3]).abs().max()) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() != (9, 0),
+                    reason="cuBLAS's block-wise fp8 scaling: sm_90")
+@pytest.mark.parametrize("block", [(128, 128), None])
+@pytest.mark.parametrize("m,fusion", [(17, "residual"), (64, "silu_mul"), (65, "bias"),
+                                      (300, "none")])
+def test_fp8_linear_through_scaled_mm_matches_quantized_operands(block, m, fusion):
+    """Rows past SKINNY_MAX_M (block-wise) or from SCALED_MM_CHANNEL_M on (per-channel) go to
+    torch._scaled_mm, with the same activation quantization as our GEMM and its fusions done after;
+    against the quantized operands in float64."""
+    torch.manual_seed(6)
+    k, n = 512, 384
+    x = torch.randn(m, k).to(torch.bfloat16)
+    w_fp8, _, _ = quantize(torch.randn(n, k), block)
+    expected = m > triton_fp8.SKINNY_MAX_M if block else m >= triton_fp8.SCALED_MM_CHANNEL_M
+    assert triton_fp8.uses_scaled_mm(x.to(DEVICE), w_fp8, block) == expected
+    check_linear(x, n, block, fusion, tol=max(TOLERANCE[torch.bfloat16], FP8_MMA_TOLERANCE))
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_fp8_skinny_reads_no_scales_past_k(per_channel):
     """K = 320 in steps of 256: the second step's second chunk starts past K. Its weight block

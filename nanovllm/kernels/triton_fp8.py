@@ -124,12 +124,16 @@ def _fp8_skinny_kernel(x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, res_ptr, y_ptr, ws_pt
 
 
 def skinny_config(n: int, k: int, num_sms: int = 132) -> dict:
-    """Columns 64 wide, 256 bytes of each weight row a step, three stages; K split in 4 where the
-    column tiles are fewer than the SMs (qkv_proj, o_proj, down_proj of Qwen3-8B: one wave of long
-    programs otherwise). ``tools/bench_fp8.py --skinny-sweep`` (H200, 2026-12-04): within 5% of the
-    best of 70 tiles and splits on each of the 8B's projections at 1 and 16 rows."""
-    split = 4 if triton.cdiv(n, 64) < num_sms and k >= 4 * 256 else 1
-    return dict(BLOCK_N=64, BLOCK_K=256, SPLIT_K=split, num_warps=4, num_stages=3)
+    """Where 64-column tiles are at least the SMs (gate_up_proj of Qwen3-8B): 32 columns, 256
+    bytes of each weight row a step, four stages. Else (qkv_proj, o_proj, down_proj: one wave of
+    long programs otherwise) 64 columns, 128 bytes a step, K split in 4 (6 from K = 8192 on).
+    ``tools/bench_fp8.py --skinny-sweep`` (H200, 2026-12-04, two calls): the best W8A8 rule of its
+    70 tiles and splits on the 8B's projections at 1 and 16 rows, within 3% of the best per layer
+    at one row (o_proj at 16 rows: 6%)."""
+    if triton.cdiv(n, 64) >= num_sms:
+        return dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=4)
+    split = 1 if k < 1024 else 6 if k >= 8192 else 4
+    return dict(BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=4)
 
 
 _WORKSPACE_COLUMNS = 65536  # 2n of the widest layer split over K (fp32, 16 rows: 4 MiB)
@@ -295,6 +299,41 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y
 
 
+# cuBLAS's fp8 GEMM (torch._scaled_mm) where it measured faster than fp8_gemm on the H200
+# (``tools/bench_fp8.py``, Qwen3-8B's projections, 2026-12-04): block-wise scales from 17 rows on
+# (1x128 activations, 128x128 weights; e.g. 4,096 rows of gate_up_proj 852 against 1,344 us),
+# per-channel ones (row-wise) from SCALED_MM_CHANNEL_M rows on (64 rows and fewer: ours is as fast
+# or faster).
+SCALED_MM_CHANNEL_M = 65
+
+
+def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether ``fp8_linear`` runs x's rows through ``scaled_mm``: on sm_90 (cuBLAS's block-wise
+    scaling is Hopper's), a 16-bit x, sizes cuBLAS takes (multiples of 16; block-wise: 128x128
+    blocks, K a multiple of 128), and rows past SKINNY_MAX_M (block-wise) or SCALED_MM_CHANNEL_M
+    (per-channel)."""
+    n, k = weight.shape
+    if block is None:
+        shapes = x.size(0) >= SCALED_MM_CHANNEL_M and n % 16 == 0 and k % 16 == 0
+    else:
+        shapes = x.size(0) > SKINNY_MAX_M and block == (128, 128) and n % 16 == 0 and k % 128 == 0
+    return (shapes and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              block: tuple[int, int] | None) -> torch.Tensor:
+    """x @ dequantize(weight).T through ``torch._scaled_mm``, x quantized as ``fp8_gemm`` does (per
+    token, or per token and 128 columns); the block-wise activation scales go in column-major, the
+    weight's [N / 128, K / 128] scales as their transpose, as cuBLAS reads them."""
+    a, a_scale = quantize_activations(x, 128 if block is not None else x.size(1))
+    if block is not None:
+        a_scale, w_scale = a_scale.t().contiguous().t(), scale.t()
+    else:
+        w_scale = scale.view(1, -1)
+    return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=x.dtype)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, bias: torch.Tensor | None = None, *,
                residual: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
@@ -302,14 +341,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     ceil(K / bk)] (``block`` = (bn, bk)) or, with ``block`` None, by one scale per row [N, 1]. x is
     quantized to e4m3 per token (per-channel weights) or per token and group of bk columns
     (block-wise), at every batch size, as vLLM does. Returns residual += y when ``residual`` is
-    given (in place). Up to SKINNY_MAX_M rows the skinny kernel, more the tensor-core GEMM."""
+    given (in place). Up to SKINNY_MAX_M rows the skinny kernel, more the tensor-core GEMM (ours
+    or, where ``uses_scaled_mm``, cuBLAS's)."""
     m, k = x.shape
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and weight.dtype == torch.float8_e4m3fn
     assert block is None or (block[1] & (block[1] - 1) == 0 and 16 <= block[1] <= 512), \
         "bk: a power of two, 16-512"
     if m <= SKINNY_MAX_M:
         return fp8_skinny(x, weight, scale, block, bias, residual, silu_mul)
-    if not silu_mul:
+    if uses_scaled_mm(x, weight, block):
+        y = scaled_mm(x, weight, scale, block)
+        if bias is not None:
+            y += bias
+    elif not silu_mul:
         return fp8_gemm(x, weight, scale, block, bias, residual)
-    y = silu_and_mul(fp8_gemm(x, weight, scale, block, bias, None))
+    else:
+        y = fp8_gemm(x, weight, scale, block, bias, None)
+    if silu_mul:
+        y = silu_and_mul(y)
     return y if residual is None else residual.add_(y)
