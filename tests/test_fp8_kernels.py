@@ -50,14 +50,19 @@ def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return out
 
 
-def check_linear(x: torch.Tensor, n: int, block, fusion: str, tol: float | None = None, **kwargs):
+def check_linear(x: torch.Tensor, n: int, block, fusion: str, tol: float | None = None,
+                 spread: bool = False, **kwargs):
     """fp8_linear of x (``fusion``: none, silu_mul, residual or bias) against x quantized as the
     kernels quantize it (per row, or per row and group of bk columns) @ the dequantized weight in
     float64, within the output dtype's tolerance (or ``tol``); returns (out, ref) in float64 on the
-    CPU. ``kwargs`` go to fp8_skinny instead."""
+    CPU. ``spread``: the weight's 128x128 blocks scaled apart by up to 2**8 (a scale read from the
+    wrong block shows). ``kwargs`` go to fp8_skinny instead."""
     m, k = x.shape
     dtype = x.dtype
     w = torch.randn(2 * n if fusion == "silu_mul" else n, k) * 0.1
+    if spread:
+        blocks = torch.exp2(torch.randint(-4, 5, (w.size(0) // 128, k // 128)).float())
+        w *= blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
     w_fp8, scale, w_ref = quantize(w, block)
     bias = torch.randn(n) if fusion == "bias" else None
     residual = torch.randn(m, n).to(dtype) if fusion == "residual" else None
@@ -149,14 +154,17 @@ def test_fp8_gemm_matches_quantized_operands(dtype, block, m, fusion):
 def test_fp8_linear_through_scaled_mm_matches_quantized_operands(block, m, fusion):
     """Rows past SKINNY_MAX_M (block-wise) or from SCALED_MM_CHANNEL_M on (per-channel) go to
     torch._scaled_mm, with the same activation quantization as our GEMM and its fusions done after;
-    against the quantized operands in float64."""
+    against the quantized operands in float64. Rows not a multiple of 4 (cuBLAS refuses those
+    scales) and 5 blocks in K (it misreads those unpadded) included; the weight's blocks differ in
+    scale by up to 2**8, so a misread scale shows."""
     torch.manual_seed(6)
-    k, n = 512, 384
+    k, n = 640, 384
     x = torch.randn(m, k).to(torch.bfloat16)
     w_fp8, _, _ = quantize(torch.randn(n, k), block)
     expected = m > triton_fp8.SKINNY_MAX_M if block else m >= triton_fp8.SCALED_MM_CHANNEL_M
     assert triton_fp8.uses_scaled_mm(x.to(DEVICE), w_fp8, block) == expected
-    check_linear(x, n, block, fusion, tol=max(TOLERANCE[torch.bfloat16], FP8_MMA_TOLERANCE))
+    check_linear(x, n, block, fusion, tol=max(TOLERANCE[torch.bfloat16], FP8_MMA_TOLERANCE),
+                 spread=True)
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

@@ -324,14 +324,20 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
               block: tuple[int, int] | None) -> torch.Tensor:
     """x @ dequantize(weight).T through ``torch._scaled_mm``, x quantized as ``fp8_gemm`` does (per
-    token, or per token and 128 columns); the block-wise activation scales go in column-major, the
-    weight's [N / 128, K / 128] scales as their transpose, as cuBLAS reads them."""
-    a, a_scale = quantize_activations(x, 128 if block is not None else x.size(1))
-    if block is not None:
-        a_scale, w_scale = a_scale.t().contiguous().t(), scale.t()
-    else:
-        w_scale = scale.view(1, -1)
-    return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=w_scale, out_dtype=x.dtype)
+    token, or per token and 128 columns). Block-wise, cuBLAS reads both scales with their long side
+    contiguous (x's [M, K / 128] M-major, the weight's [N / 128, K / 128] K-major) and that side a
+    multiple of 4 (else it refuses, or with the weight's, reads wrong ones): x gets zero rows up to
+    a multiple of 4, the weight's scales zero columns (none for Qwen3's K)."""
+    m = x.size(0)
+    if block is None:
+        a, a_scale = quantize_activations(x, x.size(1))
+        return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale.view(1, -1),
+                                out_dtype=x.dtype)
+    a, a_scale = quantize_activations(torch.nn.functional.pad(x, (0, 0, 0, -m % 4)), 128)
+    if scale.size(1) % 4:
+        scale = torch.nn.functional.pad(scale, (0, -scale.size(1) % 4))[:, :scale.size(1)]
+    return torch._scaled_mm(a, weight.t(), scale_a=a_scale.t().contiguous().t(),
+                            scale_b=scale.t(), out_dtype=x.dtype)[:m]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
