@@ -6,8 +6,9 @@ again).
 Columns: ``bf16_us`` (the skinny kernel up to 16 rows, else cuBLAS), ``block_us`` (a block-wise
 128x128 fp8 checkpoint's weight: the skinny fp8 kernel, or activation quantization plus the fp8
 tensor-core GEMM), ``channel_us`` (``quantization="fp8"``'s per-channel weight, activations
-quantized per token), ``scaled_mm_us`` (torch._scaled_mm with the same per-token and per-channel
-scales: cuBLAS's fp8 GEMM, a ceiling for ours), then weight bytes read per
+quantized per token); past 16 rows each route apart: ``block_triton_us`` / ``channel_triton_us``
+(our GEMM), ``block_scaled_mm_us`` / ``scaled_mm_us`` (cuBLAS's, ``triton_fp8.scaled_mm``, the
+same quantization), then weight bytes read per
 second (``*_tbs``) and TFLOP/s. ``--sweep``: the fastest other tiles for some rows and layers.
 
     python tools/bench_fp8.py [--out DIR] [--sweep]
@@ -54,12 +55,6 @@ def _weights(n: int, k: int, copies: int):
     return out
 
 
-def _scaled_mm(x, w_fp8, w_scale):
-    x_q, x_scale = tf.quantize_activations(x, x.size(1))
-    return torch._scaled_mm(x_q, w_fp8.t(), scale_a=x_scale, scale_b=w_scale.t(),
-                            out_dtype=torch.bfloat16)
-
-
 def _sweep(m: int, x, weights, kwargs) -> dict:
     """The fastest tiles for the block-wise weight at m rows (the skinny kernel's, or the
     GEMM's)."""
@@ -101,11 +96,20 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
             times["block_bf16mma"] = bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128),
                                                                None, residual, silu, fp8_dot=False)
                                                        for _, wb, sb, _, _ in weights])
-        if m >= 16 and not silu and residual is None:
+        if m > tlin.SKINNY_MAX_M and not silu and residual is None:
+            # each route past the skinny kernel: our GEMM and cuBLAS's, whichever fp8_linear takes
+            times["block_triton"] = bench_graph_each([
+                partial(tf.fp8_gemm, x, wb, sb, (128, 128), None, None)
+                for _, wb, sb, _, _ in weights])
+            times["channel_triton"] = bench_graph_each([partial(tf.fp8_gemm, x, wc, sc, None,
+                                                                None, None)
+                                                        for *_, wc, sc in weights])
             try:
-                times["scaled_mm"] = bench_graph_each([partial(_scaled_mm, x, wc, sc)
+                times["block_scaled_mm"] = bench_graph_each([
+                    partial(tf.scaled_mm, x, wb, sb, (128, 128)) for _, wb, sb, _, _ in weights])
+                times["scaled_mm"] = bench_graph_each([partial(tf.scaled_mm, x, wc, sc, None)
                                                        for *_, wc, sc in weights])
-            except Exception as e:  # an older torch without row-wise scales
+            except Exception as e:  # an older torch or GPU without block-wise or row-wise scales
                 print("scaled_mm:", repr(e)[:120], file=sys.stderr)
         for name, t in times.items():
             row[f"{name}_us"] = round(t * 1e6, 2)
