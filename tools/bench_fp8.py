@@ -6,7 +6,7 @@ again).
 Columns: ``bf16_us`` (the skinny kernel up to 16 rows, else cuBLAS), ``block_us`` (a block-wise
 128x128 fp8 checkpoint's weight: the skinny fp8 kernel, or activation quantization plus the fp8
 tensor-core GEMM), ``channel_us`` (``quantization="fp8"``'s per-channel weight, activations
-quantized per token); past 16 rows each route apart: ``block_triton_us`` / ``channel_triton_us``
+quantized per token); past 16 rows each route apart, unfused: ``block_triton_us`` / ``channel_triton_us``
 (our GEMM), ``block_scaled_mm_us`` / ``scaled_mm_us`` (cuBLAS's, ``triton_fp8.scaled_mm``, the
 same quantization), then weight bytes read per
 second (``*_tbs``) and TFLOP/s. ``--sweep``: the fastest other tiles for some rows and layers.
@@ -96,8 +96,8 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
             times["block_bf16mma"] = bench_graph_each([partial(tf.fp8_skinny, x, wb, sb, (128, 128),
                                                                None, residual, silu, fp8_dot=False)
                                                        for _, wb, sb, _, _ in weights])
-        if m > tlin.SKINNY_MAX_M and not silu and residual is None:
-            # each route past the skinny kernel: our GEMM and cuBLAS's, whichever fp8_linear takes
+        if m > tlin.SKINNY_MAX_M:
+            # each route past the skinny kernel, unfused: our GEMM and cuBLAS's
             times["block_triton"] = bench_graph_each([
                 partial(tf.fp8_gemm, x, wb, sb, (128, 128), None, None)
                 for _, wb, sb, _, _ in weights])
