@@ -6,9 +6,9 @@ again).
 Columns: ``bf16_us`` (the skinny kernel up to 16 rows, else cuBLAS), ``block_us`` (a block-wise
 128x128 fp8 checkpoint's weight: the skinny fp8 kernel, or activation quantization plus the fp8
 tensor-core GEMM), ``channel_us`` (``quantization="fp8"``'s per-channel weight, activations
-quantized per token); past 16 rows each route apart, unfused: ``block_triton_us`` / ``channel_triton_us``
-(our GEMM), ``block_scaled_mm_us`` / ``scaled_mm_us`` (cuBLAS's, ``triton_fp8.scaled_mm``, the
-same quantization), then weight bytes read per
+quantized per token); past 16 rows each route apart, unfused: ``block_triton_us`` /
+``channel_triton_us`` (our GEMM), ``block_scaled_mm_us`` / ``scaled_mm_us`` (cuBLAS's,
+``triton_fp8.scaled_mm``, the same quantization), then weight bytes read per
 second (``*_tbs``) and TFLOP/s. ``--sweep``: the fastest other tiles for some rows and layers.
 
     python tools/bench_fp8.py [--out DIR] [--sweep]
