@@ -301,7 +301,8 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 # cuBLAS's fp8 GEMM (torch._scaled_mm) where it measured faster than fp8_gemm on the H200
 # (``tools/bench_fp8.py``, Qwen3-8B's projections, 2026-12-04): block-wise scales from 17 rows on
-# (1x128 activations, 128x128 weights; e.g. 4,096 rows of gate_up_proj 852 against 1,344 us),
+# (1x128 activations, 128x128 weights, K a multiple of 512; e.g. 4,096 rows of gate_up_proj 852
+# against 1,344 us),
 # per-channel ones (row-wise) from SCALED_MM_CHANNEL_M rows on (64 rows and fewer: ours is as fast
 # or faster).
 SCALED_MM_CHANNEL_M = 65
@@ -310,13 +311,13 @@ SCALED_MM_CHANNEL_M = 65
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether ``fp8_linear`` runs x's rows through ``scaled_mm``: on sm_90 (cuBLAS's block-wise
     scaling is Hopper's), a 16-bit x, sizes cuBLAS takes (multiples of 16; block-wise: 128x128
-    blocks, K a multiple of 128), and rows past SKINNY_MAX_M (block-wise) or SCALED_MM_CHANNEL_M
-    (per-channel)."""
+    blocks, K a multiple of 4 x 128: see ``scaled_mm``), and rows past SKINNY_MAX_M (block-wise) or
+    SCALED_MM_CHANNEL_M (per-channel)."""
     n, k = weight.shape
     if block is None:
         shapes = x.size(0) >= SCALED_MM_CHANNEL_M and n % 16 == 0 and k % 16 == 0
     else:
-        shapes = x.size(0) > SKINNY_MAX_M and block == (128, 128) and n % 16 == 0 and k % 128 == 0
+        shapes = x.size(0) > SKINNY_MAX_M and block == (128, 128) and n % 16 == 0 and k % 512 == 0
     return (shapes and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and torch.cuda.get_device_capability(x.device) == (9, 0))
 
@@ -326,16 +327,15 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """x @ dequantize(weight).T through ``torch._scaled_mm``, x quantized as ``fp8_gemm`` does (per
     token, or per token and 128 columns). Block-wise, cuBLAS reads both scales with their long side
     contiguous (x's [M, K / 128] M-major, the weight's [N / 128, K / 128] K-major) and that side a
-    multiple of 4 (else it refuses, or with the weight's, reads wrong ones): x gets zero rows up to
-    a multiple of 4, the weight's scales zero columns (none for Qwen3's K)."""
+    multiple of 4: it refuses 17 rows, and it read 2 or 5 blocks of K wrong, without a word (the
+    H200, 2026-12-04). So x gets zero rows up to a multiple of 4, and ``uses_scaled_mm`` takes
+    only weights whose blocks of K are a multiple of 4 (Qwen3's are)."""
     m = x.size(0)
     if block is None:
         a, a_scale = quantize_activations(x, x.size(1))
         return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale.view(1, -1),
                                 out_dtype=x.dtype)
     a, a_scale = quantize_activations(torch.nn.functional.pad(x, (0, 0, 0, -m % 4)), 128)
-    if scale.size(1) % 4:
-        scale = torch.nn.functional.pad(scale, (0, -scale.size(1) % 4))[:, :scale.size(1)]
     return torch._scaled_mm(a, weight.t(), scale_a=a_scale.t().contiguous().t(),
                             scale_b=scale.t(), out_dtype=x.dtype)[:m]
 
