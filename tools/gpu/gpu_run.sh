@@ -58,7 +58,8 @@
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
-#             ways, the 0.6B preset with a bf16 and an fp8 cache, and the demo model's perplexity with fp8 weights
+#             ways, the 0.6B preset with a bf16 and an fp8 cache and with quantization=fp8, and the demo model's
+#             perplexity with fp8 weights
 #   rl        the RL-rollout tests on CUDA, then tools/bench_rl.py on the 8B preset
 #   fp8       the fp8-cache and sliding-window kernel tests, decode microbenchmarks over an fp8 cache with a tile
 #             sweep, bench.py with the model's dtype and with an fp8 cache, the presets' KL divergence
@@ -285,6 +286,7 @@ for phase in "$@"; do
       step bench_fp8w.jsonl "$PYTHON" bench.py --scenario batch1-8b --quantization fp8 --json
       step bench_fp8w.jsonl "$PYTHON" bench.py --json
       step bench_fp8w.jsonl "$PYTHON" bench.py --json --kv-cache-dtype fp8
+      step bench_fp8w.jsonl "$PYTHON" bench.py --json --quantization fp8
       step quality_fp8w.log "$PYTHON" tools/kv_quality.py --weights --device cuda ;;
     rl)  # RL rollouts: the tests on CUDA, then update_weights / sleep / wake_up on the 8B preset
       step test_rl.log "$PYTHON" -m pytest tests/test_rl.py tests/test_update_weights.py tests/test_bench_rl.py -q -rfE
