@@ -310,7 +310,8 @@ SCALED_MM_CHANNEL_M = 65
 
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether ``fp8_linear`` runs x's rows through ``scaled_mm``: on sm_90 (cuBLAS's block-wise
-    scaling is Hopper's), a 16-bit x, sizes cuBLAS takes (multiples of 16; block-wise: 128x128
+    scaling is Hopper's), a bf16 x (the output dtype measured; older PyTorch takes no other for
+    row-wise scales), sizes cuBLAS takes (multiples of 16; block-wise: 128x128
     blocks, K a multiple of 4 x 128: see ``scaled_mm``), and rows past SKINNY_MAX_M (block-wise) or
     SCALED_MM_CHANNEL_M (per-channel)."""
     n, k = weight.shape
@@ -318,7 +319,7 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
         shapes = x.size(0) >= SCALED_MM_CHANNEL_M and n % 16 == 0 and k % 16 == 0
     else:
         shapes = x.size(0) > SKINNY_MAX_M and block == (128, 128) and n % 16 == 0 and k % 512 == 0
-    return (shapes and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return (shapes and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) == (9, 0))
 
 
