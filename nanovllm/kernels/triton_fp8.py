@@ -301,19 +301,18 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 # cuBLAS's fp8 GEMM (torch._scaled_mm) where it measured faster than fp8_gemm on the H200
 # (``tools/bench_fp8.py``, Qwen3-8B's projections, 2026-12-04): block-wise scales from 17 rows on
-# (1x128 activations, 128x128 weights, K a multiple of 512; e.g. 4,096 rows of gate_up_proj 852
-# against 1,344 us),
-# per-channel ones (row-wise) from SCALED_MM_CHANNEL_M rows on (64 rows and fewer: ours is as fast
-# or faster).
+# (1x128 activations, 128x128 weights, K a multiple of 512; e.g. 4,096 rows of gate_up_proj: 852
+# against 1,344 us), per-channel ones (row-wise) from SCALED_MM_CHANNEL_M rows on (at 64 rows and
+# fewer ours is as fast or faster).
 SCALED_MM_CHANNEL_M = 65
 
 
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether ``fp8_linear`` runs x's rows through ``scaled_mm``: on sm_90 (cuBLAS's block-wise
-    scaling is Hopper's), a bf16 x (the output dtype measured; older PyTorch takes no other for
-    row-wise scales), sizes cuBLAS takes (multiples of 16; block-wise: 128x128
-    blocks, K a multiple of 4 x 128: see ``scaled_mm``), and rows past SKINNY_MAX_M (block-wise) or
-    SCALED_MM_CHANNEL_M (per-channel)."""
+    scaling is Hopper's), a bf16 x (the output dtype measured; PyTorch's row-wise path has taken no
+    other), sizes cuBLAS takes (multiples of 16; block-wise: 128x128 blocks, K a multiple of
+    4 x 128: see ``scaled_mm``), and rows past SKINNY_MAX_M (block-wise) or from
+    SCALED_MM_CHANNEL_M on (per-channel)."""
     n, k = weight.shape
     if block is None:
         shapes = x.size(0) >= SCALED_MM_CHANNEL_M and n % 16 == 0 and k % 16 == 0
