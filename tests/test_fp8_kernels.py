@@ -156,16 +156,17 @@ def test_fp8_linear_through_scaled_mm_matches_quantized_operands(block, m, fusio
     torch._scaled_mm, with the same activation quantization as our GEMM and its fusions done after;
     against the quantized operands in float64. Rows not a multiple of 4 (cuBLAS refuses those
     scales) included; the weight's blocks differ in scale by up to 2**8, so a misread scale shows.
-    Block-wise weights with 5 blocks in K (cuBLAS read those wrong) stay on our GEMM."""
+    Block-wise weights with 5 blocks in K (cuBLAS read those wrong), and per-channel ones with K
+    under SCALED_MM_CHANNEL_K, stay on our GEMM."""
     torch.manual_seed(6)
-    k, n = 512, 384
+    k, n = (512 if block else triton_fp8.SCALED_MM_CHANNEL_K), 384
     x = torch.randn(m, k).to(torch.bfloat16)
     w_fp8, _, _ = quantize(torch.randn(n, k), block)
     expected = m > triton_fp8.SKINNY_MAX_M if block else m >= triton_fp8.SCALED_MM_CHANNEL_M
     assert triton_fp8.uses_scaled_mm(x.to(DEVICE), w_fp8, block) == expected
-    five_blocks, _, _ = quantize(torch.randn(n, 640), block)
-    assert triton_fp8.uses_scaled_mm(torch.randn(m, 640, device=DEVICE, dtype=torch.bfloat16),
-                                     five_blocks, block) == (expected and block is None)
+    five_blocks, _, _ = quantize(torch.randn(n, 640), block)  # per-channel: K under 4096 too
+    assert not triton_fp8.uses_scaled_mm(torch.randn(m, 640, device=DEVICE, dtype=torch.bfloat16),
+                                         five_blocks, block)
     check_linear(x, n, block, fusion, tol=max(TOLERANCE[torch.bfloat16], FP8_MMA_TOLERANCE),
                  spread=True)
 

@@ -303,8 +303,10 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 # (``tools/bench_fp8.py``, Qwen3-8B's projections, 2026-12-04): block-wise scales from 17 rows on
 # (1x128 activations, 128x128 weights, K a multiple of 512; e.g. 4,096 rows of gate_up_proj: 852
 # against 1,344 us), per-channel ones (row-wise) from SCALED_MM_CHANNEL_M rows on (at 64 rows and
-# fewer ours is as fast or faster).
-SCALED_MM_CHANNEL_M = 65
+# fewer ours is as fast or faster) and where K is at least SCALED_MM_CHANNEL_K (the 8B's, where it
+# was measured; Qwen3-0.6B's smaller layers were not, and bench.py there ran 0.90x bf16 with them
+# on cuBLAS too).
+SCALED_MM_CHANNEL_M, SCALED_MM_CHANNEL_K = 65, 4096
 
 
 def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
@@ -312,10 +314,11 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     scaling is Hopper's), a bf16 x (the output dtype measured; PyTorch's row-wise path has taken no
     other), sizes cuBLAS takes (multiples of 16; block-wise: 128x128 blocks, K a multiple of
     4 x 128: see ``scaled_mm``), and rows past SKINNY_MAX_M (block-wise) or from
-    SCALED_MM_CHANNEL_M on (per-channel)."""
+    SCALED_MM_CHANNEL_M on with K from SCALED_MM_CHANNEL_K on (per-channel)."""
     n, k = weight.shape
     if block is None:
-        shapes = x.size(0) >= SCALED_MM_CHANNEL_M and n % 16 == 0 and k % 16 == 0
+        shapes = (x.size(0) >= SCALED_MM_CHANNEL_M and k >= SCALED_MM_CHANNEL_K and n % 16 == 0
+                  and k % 16 == 0)
     else:
         shapes = x.size(0) > SKINNY_MAX_M and block == (128, 128) and n % 16 == 0 and k % 512 == 0
     return (shapes and x.is_cuda and x.dtype == torch.bfloat16
