@@ -126,7 +126,8 @@ def rows_of(model, layer, k, n, fusion, bw: float, sweep: bool) -> list[dict]:
 
 
 SKINNY_TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-                for bn, bk, w, st in [(32, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4),
+                for bn, bk, w, st in [(16, 512, 4, 3), (16, 256, 4, 4),  # more programs, no split
+                                      (32, 512, 4, 3), (32, 256, 4, 4), (64, 128, 4, 4),
                                       (64, 256, 4, 3), (64, 256, 4, 4), (64, 512, 8, 2),
                                       (128, 256, 8, 2)]]
 SPLITS = (1, 2, 4, 6, 8)

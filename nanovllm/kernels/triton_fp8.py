@@ -12,6 +12,7 @@ block-wise ones.
   operands multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -322,7 +323,13 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
     else:
         shapes = x.size(0) > SKINNY_MAX_M and block == (128, 128) and n % 16 == 0 and k % 512 == 0
     return (shapes and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+            and _capability(x.device.index) == (9, 0))
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    """A CUDA device's compute capability, read once (each linear layer of a prefill asks)."""
+    return torch.cuda.get_device_capability(index)
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
