@@ -343,15 +343,19 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
     tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
-_NUM_SMS: dict[int, int] = {}
+_PROPERTIES: dict[int, object] = {}
+
+
+def device_properties(device: torch.device):
+    """The CUDA device's properties, read once (kernels' launches ask on every call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROPERTIES:
+        _PROPERTIES[index] = torch.cuda.get_device_properties(index)
+    return _PROPERTIES[index]
 
 
 def num_sms(device: torch.device) -> int:
-    """The CUDA device's multiprocessor count, read once."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
+    return device_properties(device).multi_processor_count
 
 
 def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device,

@@ -12,7 +12,6 @@ block-wise ones.
   operands multiplied on the sm_90 fp8 tensor cores, the scales applied to the fp32 accumulator."""
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -20,7 +19,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels import dot_precision
-from nanovllm.kernels.triton_attention import FP8_MAX, _round_to_e4m3, num_sms
+from nanovllm.kernels.triton_attention import FP8_MAX, _round_to_e4m3, device_properties, num_sms
 from nanovllm.kernels.triton_linear import SKINNY_MAX_M, silu_and_mul, skinny_epilogue
 
 # the interpreter's float -> e4m3 cast does not carry into the exponent: it rounds in fp32
@@ -322,14 +321,10 @@ def uses_scaled_mm(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
                   and k % 16 == 0)
     else:
         shapes = x.size(0) > SKINNY_MAX_M and block == (128, 128) and n % 16 == 0 and k % 512 == 0
-    return (shapes and x.is_cuda and x.dtype == torch.bfloat16
-            and _capability(x.device.index) == (9, 0))
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    """A CUDA device's compute capability, read once (each linear layer of a prefill asks)."""
-    return torch.cuda.get_device_capability(index)
+    if not (shapes and x.is_cuda and x.dtype == torch.bfloat16):
+        return False
+    properties = device_properties(x.device)
+    return (properties.major, properties.minor) == (9, 0)
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -345,7 +340,8 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         a, a_scale = quantize_activations(x, x.size(1))
         return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale.view(1, -1),
                                 out_dtype=x.dtype)
-    a, a_scale = quantize_activations(torch.nn.functional.pad(x, (0, 0, 0, -m % 4)), 128)
+    a, a_scale = quantize_activations(torch.nn.functional.pad(x, (0, 0, 0, -m % 4)) if m % 4
+                                      else x, 128)
     return torch._scaled_mm(a, weight.t(), scale_a=a_scale.t().contiguous().t(),
                             scale_b=scale.t(), out_dtype=x.dtype)[:m]
 
