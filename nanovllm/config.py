@@ -127,7 +127,7 @@ class Config:
         if not (self.dtype == "auto" or self.dtype in _DTYPES or self.dtype in _DTYPES.values()):
             raise ValueError(f"dtype must be 'auto', one of {sorted(_DTYPES)} or their torch "
                              f"dtype, got {self.dtype!r}")
-        for name, choices in _CHOICES.items():
+        for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
@@ -156,9 +156,9 @@ def load_hf_config(model: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model)
 
 
-_CHOICES = {"device": ("auto", "cuda", "cpu"), "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),
-            "attention_backend": ("auto", "flash-attn", "triton", "torch"),
-            "load_format": ("auto", "safetensors", "dummy")}
+CHOICES = {"device": ("auto", "cuda", "cpu"), "kv_cache_dtype": ("auto", "fp8", "fp8_e4m3"),
+           "attention_backend": ("auto", "flash-attn", "triton", "torch"),
+           "load_format": ("auto", "safetensors", "dummy")}  # what these fields accept
 DEFAULT_BLOCK_SIZE = {"triton": 64, "flash-attn": 256, "torch": 64}  # flash-attn: multiples of 256
 _NONE_IS_DEFAULT = ("max_num_batched_tokens", "max_num_seqs", "num_kvcache_blocks", "seed",
                     "enable_prefix_caching")  # where vLLM's None means our default

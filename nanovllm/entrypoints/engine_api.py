@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from nanovllm.config import _CHOICES
+from nanovllm.config import CHOICES
 from nanovllm.engine.detokenizer import stop_holdback
 from nanovllm.engine.llm_engine import encode
 from nanovllm.engine.outputs import Request, request_output
@@ -401,9 +401,6 @@ def text_message(where: str, message: dict) -> dict:
     return {**message, "content": "\n".join(texts)}
 
 
-LOAD_FORMATS = _CHOICES["load_format"]  # Config's
-
-
 def update_config(runner, overrides: dict) -> None:
     """vLLM's ``Worker.update_config``, for ``{"load_config": {"load_format": ...}}`` (what
     ``reload_weights`` then loads); any other override is refused by name."""
@@ -412,8 +409,8 @@ def update_config(runner, overrides: dict) -> None:
             and load.keys() == {"load_format"}):
         raise ValueError("update_config takes {'load_config': {'load_format': ...}} only, "
                          f"got {overrides!r:.80}")
-    if load["load_format"] not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load['load_format']!r}")
+    if load["load_format"] not in (formats := CHOICES["load_format"]):  # Config's
+        raise ValueError(f"load_format must be one of {formats}, got {load['load_format']!r}")
     runner.config = runner.config.derive(load_format=load["load_format"])
 
 
