@@ -333,15 +333,18 @@ def _fp8_moe_inputs(m, hidden, inter, experts, top_k, block, dtype, seed, skew=F
             dict(w13_scale=s13, w2_scale=s2, block_shape=block))
 
 
-def _fp8_error(x, w13, w2, tw, ti, fp8, residual=None, config=None, kernel_fp8=None):
-    """The kernel's relative error against the reference in float64 (the experts dequantized
-    exactly); ``kernel_fp8``: other scales for the kernel alone."""
-    ref = moe_reference.fused_moe(x.double(), w13, w2, tw, ti, **fp8)
+def _fp8_error(x, w13, w2, tw, ti, fp8, residual=None, config=None, kernel_fp8=None, w8a8=True):
+    """The kernel's relative error against the reference: W8A16 in float64 (the experts dequantized
+    exactly), W8A8 in x's dtype (the activations' e4m3 rounding depends on the intermediate's
+    rounding to x's dtype, which the reference then does as the kernel does); ``kernel_fp8``: other
+    scales for the kernel alone."""
+    ref = moe_reference.fused_moe(x if w8a8 else x.double(), w13, w2, tw, ti, w8a8=w8a8,
+                                  **fp8).double()
     if residual is not None:
         ref = ref + residual.double()
     out = triton_moe.fused_moe(x, w13, w2, tw, ti,
                                residual=None if residual is None else residual.clone(),
-                               config=config, **(kernel_fp8 or fp8))
+                               config=config, w8a8=w8a8, **(kernel_fp8 or fp8))
     assert out.shape == x.shape and out.dtype == x.dtype and not out.isnan().any()
     return float((out.double() - ref).norm() / ref.norm())
 
@@ -361,13 +364,29 @@ FP8_CASES = {"bn64_bk64_tiles32": (80, 64, (64, 64), SMALL),
                          [(1, False, False), (7, False, True), (40, True, False)],
                          ids=["decode1", "batch7_residual", "skewed40"])
 @pytest.mark.parametrize("case", list(FP8_CASES))
-def test_fp8_fused_moe_matches_dequantized_reference(case, m, skew, residual, dtype):
+@pytest.mark.parametrize("w8a8", [True, False], ids=["w8a8", "w8a16"])
+def test_fp8_fused_moe_matches_dequantized_reference(w8a8, case, m, skew, residual, dtype):
     """8 experts, top-2; skewed routing puts ~40 rows (three tiles of 16) on one expert."""
     hidden, inter, block, config = FP8_CASES[case]
     x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(m, hidden, inter, 8, 2, block, dtype, seed=m,
                                               skew=skew)
     res = torch.randn(m, hidden, device=DEVICE).to(dtype) if residual else None
-    assert _fp8_error(x, w13, w2, tw, ti, fp8, res, config) < TOL[dtype]
+    assert _fp8_error(x, w13, w2, tw, ti, fp8, res, config, w8a8=w8a8) < TOL[dtype]
+
+
+def test_fp8_fused_moe_w8a8_quantizes_the_activations():
+    """W8A8 and W8A16 differ by the activations' e4m3 rounding (~2-3%), far past float32's
+    tolerance: each route's kernel matches its own reference and not the other's."""
+    hidden, inter, block, config = FP8_CASES["bn64_bk64_tiles32"]
+    x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(7, hidden, inter, 8, 2, block, torch.float32, seed=5)
+    for w8a8 in (True, False):
+        out = triton_moe.fused_moe(x, w13, w2, tw, ti, config=config, w8a8=w8a8, **fp8).double()
+        errors = {}
+        for ref_w8a8 in (True, False):
+            ref = moe_reference.fused_moe(x, w13, w2, tw, ti, w8a8=ref_w8a8, **fp8).double()
+            errors[ref_w8a8] = float((out - ref).norm() / ref.norm())
+        assert errors[w8a8] < TOL[torch.float32], (w8a8, errors)
+        assert errors[not w8a8] > 1e-3, (w8a8, errors)
 
 
 def test_fp8_fused_moe_reads_each_blocks_own_scale():

@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8_reference import FP8, dequantize_fp8_block
+from nanovllm.kernels.fp8_reference import FP8, dequantize_fp8_block, quantize_fp8_block
 from nanovllm.kernels.reference import silu_and_mul
 
 
@@ -58,24 +58,46 @@ def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tens
     return bn, bk
 
 
+def steps_through_blocks(block: tuple[int, int] | None) -> bool:
+    """Whether fp8 experts of this block run W8A8 (and the kernel steps through their blocks of K
+    without dequantizing them first): bk a power of two >= 16, as every published checkpoint's 128.
+    Others run W8A16."""
+    return block is not None and block[1] >= 16 and block[1] & (block[1] - 1) == 0
+
+
+def _fp8_activations(a: torch.Tensor, bk: int, dtype: torch.dtype) -> torch.Tensor:
+    """a quantized to e4m3 per row and group of bk columns, dequantized to ``dtype``."""
+    return dequantize_fp8_block(*quantize_fp8_block(a, (1, bk)), (1, bk), dtype)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, residual: torch.Tensor | None = None, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block_shape=None) -> torch.Tensor:
+              block_shape=None, w8a8: bool = True) -> torch.Tensor:
     """sum over k of topk_weights[:, k] * down_e(SiLU(gate_e(x)) * up_e(x)), e = topk_ids[:, k], for
     x [M, H]; each pair's output rounded to x's dtype, summed in float32. Added in place to
-    ``residual`` when given. fp8 experts: each expert the batch routes to is dequantized to x's
-    dtype first."""
+    ``residual`` when given. fp8 experts: each expert the batch routes to is dequantized, and with
+    ``w8a8`` (where ``steps_through_blocks``) x and the intermediate go through e4m3 per row and
+    group of bk columns, the products in float32 (float64 for a float64 x) rounded to x's dtype
+    where the kernel rounds; else (W8A16) the expert is dequantized to x's dtype."""
     block = check_fp8_experts(w13, w2, w13_scale, w2_scale, block_shape)
+    w8a8 = w8a8 and steps_through_blocks(block)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = torch.zeros(x.size(0), w2.size(1), dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
         rows, slots = torch.where(topk_ids == expert)
-        w_gate_up, w_down = w13[expert], w2[expert]
+        w_gate_up, w_down, x_in = w13[expert], w2[expert], x[rows]
         if block is not None:
-            w_gate_up = dequantize_fp8_block(w_gate_up, w13_scale[expert], block, x.dtype)
-            w_down = dequantize_fp8_block(w_down, w2_scale[expert], block, x.dtype)
-        act = silu_and_mul(F.linear(x[rows], w_gate_up))
-        y = F.linear(act, w_down).float() * topk_weights[rows, slots].float().unsqueeze(1)
+            dtype = compute if w8a8 else x.dtype
+            w_gate_up = dequantize_fp8_block(w_gate_up, w13_scale[expert], block, dtype)
+            w_down = dequantize_fp8_block(w_down, w2_scale[expert], block, dtype)
+        if w8a8:
+            x_in = _fp8_activations(x_in, block[1], compute)
+        act = silu_and_mul(F.linear(x_in, w_gate_up).to(x.dtype))
+        if w8a8:
+            act = _fp8_activations(act, block[1], compute)
+        weight = topk_weights[rows, slots].float().unsqueeze(1)
+        y = F.linear(act, w_down).to(x.dtype).float() * weight
         out.index_add_(0, rows, y.to(x.dtype).float())
     out = out.to(x.dtype)
     return out if residual is None else residual.add_(out)

@@ -1,7 +1,8 @@
 """vLLM's fused MoE in Triton, with ``moe_reference``'s functions: (token, expert) pairs grouped by
 expert in runs padded to BLOCK_M, so each row tile of the two grouped GEMMs reads one expert; grids
-fixed by the shapes (graphs). Block-wise fp8 experts are read as their e4m3 bytes and block scales
-(W8A16: x stays in its dtype)."""
+fixed by the shapes (graphs). Block-wise fp8 experts are read as their e4m3 bytes and block scales;
+their activations are quantized to e4m3 per token and group of bk columns (W8A8, as the dense
+layers) or stay in their dtype (W8A16)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,7 @@ import triton.language as tl
 
 from nanovllm.kernels import dot_precision, moe_reference
 from nanovllm.kernels.fp8_reference import dequantize_fp8_block
+from nanovllm.kernels.triton_fp8 import quantize_activations
 from nanovllm.kernels.triton_linear import silu_mul_rounded
 
 
@@ -111,15 +113,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
 
 
 @triton.jit
-def _partial_product(acc, a, w_ptrs, w_mask, s_ptrs, k0, col_mask, dtype: tl.constexpr,
-                     FP8_W: tl.constexpr, SCALE_K: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ w.T of one K step; FP8_W: w's e4m3 bytes converted exactly to ``dtype`` in
-    registers and the step's product times its scale block's column scales (the step lies within one
-    block of SCALE_K)."""
+def _partial_product(acc, a, a_scale, w_ptrs, w_mask, s_ptrs, k0, col_mask, dtype: tl.constexpr,
+                     FP8_W: tl.constexpr, FP8_A: tl.constexpr, SCALE_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """acc + a @ w.T of one K step; FP8_W: the step's product times its scale block's column
+    scales (the step lies within one block of SCALE_K), w's e4m3 bytes multiplied with a's e4m3
+    ones (FP8_A; times a's row scales too) or converted exactly to ``dtype`` in registers."""
     w = tl.load(w_ptrs, mask=w_mask, other=0.0)
     if FP8_W:
         scale = tl.load(s_ptrs + k0 // SCALE_K, mask=col_mask, other=0.0)
-        acc += tl.dot(a, tl.trans(w.to(dtype)), input_precision=PRECISION) * scale[None, :]
+        if FP8_A:
+            acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * scale[None, :]
+        else:
+            acc += tl.dot(a, tl.trans(w.to(dtype)), input_precision=PRECISION) * scale[None, :]
     else:
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     return acc
@@ -127,29 +133,34 @@ def _partial_product(acc, a, w_ptrs, w_mask, s_ptrs, k0, col_mask, dtype: tl.con
 
 # one compilation for every batch size (CUDA graph buckets)
 @triton.jit(do_not_specialize=["num_pairs"])
-def _fused_moe_kernel(a_ptr, w_ptr, s_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr,
-                      num_post_padded_ptr, n, k, num_pairs, stride_a, stride_we, stride_wn,
-                      stride_se, stride_sn, stride_c, ROWS_PER_A: tl.constexpr,
-                      SILU_MUL: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, FP8_W: tl.constexpr,
+def _fused_moe_kernel(a_ptr, as_ptr, w_ptr, s_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr,
+                      expert_ids_ptr, num_post_padded_ptr, n, k, num_pairs, stride_a, stride_as,
+                      stride_we, stride_wn, stride_se, stride_sn, stride_c,
+                      ROWS_PER_A: tl.constexpr, SILU_MUL: tl.constexpr,
+                      MUL_ROUTED_WEIGHT: tl.constexpr, FP8_W: tl.constexpr, FP8_A: tl.constexpr,
                       SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """A tile of the sorted pairs, BLOCK_N columns of c[pair] = a[pair // ROWS_PER_A] @ w[expert].T;
     SILU_MUL: w is [gate; up] and c = SiLU(gate) * up; MUL_ROUTED_WEIGHT: c times the pair's routing
     weight. FP8_W: w is e4m3 with a scale per (SCALE_N x SCALE_K) block in
-    s [E, ceil(rows / SCALE_N), ceil(k / SCALE_K)] (W8A16)."""
+    s [E, ceil(rows / SCALE_N), ceil(k / SCALE_K)]; FP8_A: a is e4m3 too, with a scale per (row,
+    group of SCALE_K columns) in as [rows of a, ceil(k / SCALE_K)] (W8A8), else a in the output's
+    dtype (W8A16)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_mask = pairs < num_pairs  # padding rows hold num_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    a_rows = (pairs // ROWS_PER_A).to(tl.int64)[:, None] * stride_a
+    a_index = (pairs // ROWS_PER_A).to(tl.int64)
+    a_rows = a_index[:, None] * stride_a
+    as_rows = as_ptr + a_index * stride_as  # FP8_A only
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
     w_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + expert * stride_se + (cols // SCALE_N) * stride_sn  # FP8_W only
     s_rows_up = s_ptr + expert * stride_se + ((n + cols) // SCALE_N) * stride_sn
-    dtype = a_ptr.dtype.element_ty
+    dtype = c_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SILU_MUL:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -158,14 +169,18 @@ def _fused_moe_kernel(a_ptr, w_ptr, s_ptr, c_ptr, topk_weights_ptr, sorted_ids_p
         k_mask = ks < k
         a = tl.load(a_ptr + a_rows + ks[None, :], mask=pair_mask[:, None] & k_mask[None, :],
                     other=0.0)
+        a_scale = acc  # FP8_A only
+        if FP8_A:
+            a_scale = tl.load(as_rows + k0 // SCALE_K, mask=pair_mask, other=0.0)
         w_mask = col_mask[:, None] & k_mask[None, :]
-        acc = _partial_product(acc, a, w_rows + ks[None, :], w_mask, s_rows, k0, col_mask, dtype,
-                               FP8_W, SCALE_K, PRECISION)
+        acc = _partial_product(acc, a, a_scale, w_rows + ks[None, :], w_mask, s_rows, k0,
+                               col_mask, dtype, FP8_W, FP8_A, SCALE_K, PRECISION)
         if SILU_MUL:
-            acc_up = _partial_product(acc_up, a, w_rows + n * stride_wn + ks[None, :], w_mask,
-                                      s_rows_up, k0, col_mask, dtype, FP8_W, SCALE_K, PRECISION)
+            acc_up = _partial_product(acc_up, a, a_scale, w_rows + n * stride_wn + ks[None, :],
+                                      w_mask, s_rows_up, k0, col_mask, dtype, FP8_W, FP8_A,
+                                      SCALE_K, PRECISION)
     if SILU_MUL:
-        acc = silu_mul_rounded(acc, acc_up, a_ptr)
+        acc = silu_mul_rounded(acc, acc_up, c_ptr)
     if MUL_ROUTED_WEIGHT:
         acc = (acc.to(dtype).to(tl.float32)
                * tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)[:, None])
@@ -184,21 +199,24 @@ def moe_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
 
 
 def _grouped_gemm(a, w, scale, block, c, topk_weights, aligned, rows_per_a: int, gate_up: bool,
-                  cfg: dict):
+                  cfg: dict, w8a8: bool):
     """c [num_pairs, n]: gate/up with SiLU-and-mul, or (not gate_up) down times the routing weight;
-    ``block`` (bn, bk): w is fp8 with block scales ``scale``, and a K step stays within one block of
-    bk."""
+    ``block`` (bn, bk): w is fp8 with block scales ``scale``, a K step stays within one block of
+    bk, and with ``w8a8`` a is quantized per row and group of bk first."""
     sorted_ids, expert_ids, num_post_padded = aligned
     num_pairs, n = c.shape
     cfg = dict(cfg)
     if block is not None:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], block[1])
+    fp8_a = block is not None and w8a8
+    a_q, a_scale = quantize_activations(a, block[1]) if fp8_a else (a, a)
     grid = (expert_ids.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     s, (stride_se, stride_sn) = (w, (0, 0)) if block is None else (scale, scale.stride()[:2])
-    _fused_moe_kernel[grid](a, w, s, c, topk_weights, sorted_ids, expert_ids, num_post_padded, n,
-                            a.size(1), num_pairs, a.stride(0), w.stride(0), w.stride(1), stride_se,
-                            stride_sn, c.stride(0), ROWS_PER_A=rows_per_a, SILU_MUL=gate_up,
-                            MUL_ROUTED_WEIGHT=not gate_up, FP8_W=block is not None,
+    _fused_moe_kernel[grid](a_q, a_scale, w, s, c, topk_weights, sorted_ids, expert_ids,
+                            num_post_padded, n, a.size(1), num_pairs, a_q.stride(0),
+                            a_scale.stride(0), w.stride(0), w.stride(1), stride_se, stride_sn,
+                            c.stride(0), ROWS_PER_A=rows_per_a, SILU_MUL=gate_up,
+                            MUL_ROUTED_WEIGHT=not gate_up, FP8_W=block is not None, FP8_A=fp8_a,
                             SCALE_N=block[0] if block else 1, SCALE_K=block[1] if block else 1,
                             PRECISION=dot_precision(a.dtype), **cfg)
 
@@ -206,15 +224,18 @@ def _grouped_gemm(a, w, scale, block, c, topk_weights, aligned, rows_per_a: int,
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, residual: torch.Tensor | None = None,
               config: dict | None = None, *, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, block_shape=None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block_shape=None,
+              w8a8: bool = True) -> torch.Tensor:
     """``moe_reference.fused_moe``; ``config``: the tiles (``moe_config``'s by default). fp8 experts
-    are read as e4m3 and converted in registers (x stays in its dtype), each K step's product times
-    its block's scales; a block whose bk is not a power of two >= 16 cannot hold whole K steps:
-    those experts are dequantized first."""
+    are read as e4m3, each K step's product times its block's scales; ``w8a8``: x and the
+    intermediate quantized to e4m3 per token and group of bk columns (as ``fp8_linear`` does) and
+    multiplied in fp8, else (W8A16) the experts converted in registers to x's dtype. A block whose
+    bk is not a power of two >= 16 cannot hold whole K steps: those experts are dequantized
+    first, W8A16 (``moe_reference.steps_through_blocks``)."""
     m, top_k = topk_ids.shape
     num_experts, two_i, _ = w13.shape
     block = moe_reference.check_fp8_experts(w13, w2, w13_scale, w2_scale, block_shape)
-    if block is not None and (block[1] < 16 or block[1] & (block[1] - 1)):
+    if block is not None and not moe_reference.steps_through_blocks(block):
         w13, w2 = (dequantize_fp8_block(w, s, block, x.dtype)
                    for w, s in ((w13, w13_scale), (w2, w2_scale)))
         block = None
@@ -231,10 +252,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     aligned = moe_align_block_size(topk_ids, cfg["BLOCK_M"], num_experts)
     weights = topk_weights.float().contiguous()
     intermediate = torch.empty(m * top_k, two_i // 2, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, w13_scale, block, intermediate, weights, aligned, top_k, True, cfg)
+    _grouped_gemm(x, w13, w13_scale, block, intermediate, weights, aligned, top_k, True, cfg, w8a8)
     down = torch.empty(m, top_k, w2.size(1), dtype=x.dtype, device=x.device)
     _grouped_gemm(intermediate, w2, w2_scale, block, down.view(m * top_k, -1), weights, aligned, 1,
-                  False, cfg)
+                  False, cfg, w8a8)
     if residual is None:
         return torch.sum(down, dim=1, out=out)
     return residual.add_(down.sum(dim=1))
