@@ -223,7 +223,8 @@ MOE_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=
                                          (128, 128, 64, 8, 3)]]
 MOE_FP8_CONFIGS = MOE_CONFIGS + [
     dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
-    for bm, bn, w, st in [(16, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 3)]]
+    for bm, bn, w, st in [(16, 64, 4, 4), (32, 64, 4, 3), (64, 128, 8, 3), (64, 128, 4, 3),
+                          (64, 64, 4, 4), (128, 128, 8, 3)]]
 MOE_FP8_BLOCK = (128, 128)
 
 
@@ -247,7 +248,8 @@ def _fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor,
 
 def moe_rows(sweep: bool, bw: float, routings: int = 8):
     """The fused MoE kernel against the per-expert cuBLAS loop at Qwen3-30B-A3B's shapes (one
-    layer), and the fp8 kernel on the same experts quantized block-wise."""
+    layer), and the fp8 kernel on the same experts quantized block-wise, W8A8 (``fp8_*``) and
+    W8A16 (``w8a16_*``)."""
     from nanovllm.kernels.fp8_reference import dequantize_fp8_block
     rows = []
     e, top_k, h, i = (MOE_SHAPE[name] for name in ("experts", "top_k", "hidden", "inter"))
@@ -287,9 +289,14 @@ def moe_rows(sweep: bool, bw: float, routings: int = 8):
         t_fp8 = bench_graph_each(fused_fp8)
         # cuBLAS on the experts dequantized to bf16
         ref_fp8 = _expert_loop(x, dq13, dq2, plans[0]).float()
+        w8a16 = [partial(tmoe.fused_moe, x, q13, q2, w, ids, w8a8=False, **fp8)
+                 for w, ids in routed]
+        t_w8a16 = bench_graph_each(w8a16)
         row.update(fp8_weight_mb=fp8_bytes / 1e6, fp8_us=t_fp8 * 1e6,
                    fp8_of_copy=fp8_bytes / t_fp8 / bw, fp8_speedup=t_fused / t_fp8,
-                   fp8_rel_err=float((fused_fp8[0]().float() - ref_fp8).norm() / ref_fp8.norm()))
+                   fp8_rel_err=float((fused_fp8[0]().float() - ref_fp8).norm() / ref_fp8.norm()),
+                   w8a16_us=t_w8a16 * 1e6, w8a16_speedup=t_fused / t_w8a16,
+                   w8a16_rel_err=float((w8a16[0]().float() - ref_fp8).norm() / ref_fp8.norm()))
         if sweep and m in (1, 64, 256, 4096):
             best = fastest(t_fused, (
                 (cfg, partial(bench_graph_each,
@@ -305,6 +312,13 @@ def moe_rows(sweep: bool, bw: float, routings: int = 8):
                 for cfg in MOE_FP8_CONFIGS))
             row.update(fp8_best_us=best[0] * 1e6, fp8_best_of_copy=fp8_bytes / best[0] / bw,
                        fp8_best_config=best[1])
+            best = fastest(t_w8a16, (
+                (cfg, partial(bench_graph_each,
+                              [partial(tmoe.fused_moe, x, q13, q2, w, ids, config=cfg, w8a8=False,
+                                       **fp8)
+                               for w, ids in routed], 30))
+                for cfg in MOE_FP8_CONFIGS))
+            row.update(w8a16_best_us=best[0] * 1e6, w8a16_best_config=best[1])
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
