@@ -122,22 +122,23 @@ def fp8_skinny(split: bool, silu_mul: bool = True, block_n: int = 32, block_k: i
     return _compile(tf._fp8_skinny_kernel, sig, const, num_warps, num_stages,
                     unaligned=("m", "split_k", "stride_s"))
 
-def moe(fp8: bool, block_m: int):
+def moe(fp8: bool, block_m: int, w8a8: bool = False):
     """The fused MoE's gate/up GEMM (SiLU-and-mul) at Qwen3-30B-A3B's shapes, bf16 experts or
-    block-wise fp8 ones (128x128 blocks, x in bf16), with ``moe_config``'s tiles for BLOCK_M
-    ``block_m`` (16: decode, 64: prefill)."""
+    block-wise fp8 ones (128x128 blocks; x in bf16, or ``w8a8``: x in e4m3 with its scales), with
+    ``moe_config``'s tiles for BLOCK_M ``block_m`` (16: decode, 64: prefill)."""
     from nanovllm.kernels import triton_moe as tm
-    sig = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32",
+    sig = {"a_ptr": "*fp8e4nv" if w8a8 else "*bf16", "as_ptr": "*fp32",
+           "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32",
            "c_ptr": "*bf16", "topk_weights_ptr": "*fp32", "sorted_ids_ptr": "*i32",
            "expert_ids_ptr": "*i32", "num_post_padded_ptr": "*i32", "n": "i32", "k": "i32",
-           "num_pairs": "i32", "stride_a": "i32", "stride_we": "i32", "stride_wn": "i32",
-           "stride_se": "i32", "stride_sn": "i32", "stride_c": "i32"}
+           "num_pairs": "i32", "stride_a": "i32", "stride_as": "i32", "stride_we": "i32",
+           "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_c": "i32"}
     cfg = tm.moe_config({16: 1, 64: 1 << 20}[block_m], 128, 8)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    const = dict(ROWS_PER_A=8, SILU_MUL=True, MUL_ROUTED_WEIGHT=False, FP8_W=fp8,
+    const = dict(ROWS_PER_A=8, SILU_MUL=True, MUL_ROUTED_WEIGHT=False, FP8_W=fp8, FP8_A=w8a8,
                  SCALE_N=128 if fp8 else 1, SCALE_K=128 if fp8 else 1, PRECISION="tf32", **cfg)
     return _compile(tm._fused_moe_kernel, sig, const, warps, stages,
-                    unaligned=("num_pairs", "stride_se", "stride_sn"))
+                    unaligned=("num_pairs", "stride_as", "stride_se", "stride_sn"))
 
 
 KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True),
@@ -153,7 +154,9 @@ KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True),
            "MoE gate/up bf16, 16 rows": lambda: moe(False, 16),
            "MoE gate/up fp8, 16 rows": lambda: moe(True, 16),
            "MoE gate/up bf16, 64 rows": lambda: moe(False, 64),
-           "MoE gate/up fp8, 64 rows": lambda: moe(True, 64)}
+           "MoE gate/up fp8, 64 rows": lambda: moe(True, 64),
+           "MoE gate/up fp8 W8A8, 16 rows": lambda: moe(True, 16, True),
+           "MoE gate/up fp8 W8A8, 64 rows": lambda: moe(True, 64, True)}
 
 
 def main():
