@@ -55,6 +55,7 @@
 #             into CACHE/ckpt-qwen3-0.6b, about 10 s)
 #   fp8wtests the fp8-weight kernels' and engine's GPU tests (dense, MoE), tools/bench_fp8.py and the fp8
 #             MoE microbenchmark
+#   fp8moe    the fused MoE's fp8 GPU tests and tools/bench_kernels.py --only moe (MOE_SWEEP=1: with its tile sweep)
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
@@ -275,6 +276,9 @@ for phase in "$@"; do
       step test_fp8.log "$PYTHON" -m pytest tests/test_moe.py -q -rfE -k "fp8 or cuda_graph"
       step bench_fp8_linear.log "$PYTHON" tools/bench_fp8.py --out "$OUT"
       step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe --out "$OUT" ;;
+    fp8moe)  # fp8 experts: the fused MoE's GPU tests, then its microbenchmark (W8A8 and W8A16 beside bf16)
+      step test_fp8.log "$PYTHON" -m pytest tests/test_moe.py -q -rfE -k "fp8 or cuda_graph"
+      step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe ${MOE_SWEEP:+--sweep} --out "$OUT" ;;
     fp8skinny)  # the skinny fp8 kernel's tiles and splits over K (8B projections, 1 and 16 rows)
       step bench_fp8_skinny.log "$PYTHON" tools/bench_fp8.py --skinny-sweep --out "$OUT" ;;
     fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
