@@ -33,8 +33,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:  # fp8 as uint8: CPU indexing ops l
     return x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype,
-            kv_scale: float) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype,
+                  kv_scale: float) -> torch.Tensor:
     if cache.dtype != torch.float8_e4m3fn:
         return cache[index].to(dtype)
     return (_bytes(cache)[index].view(cache.dtype).float() * kv_scale).to(dtype)
@@ -62,7 +62,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         else:
             block_size = k_cache.size(1)
             slots = block_tables[i][pos // block_size].long() * block_size + pos % block_size
-            k_i, v_i = (_gather(c.view(-1, *c.shape[2:]), slots, q.dtype, s)
+            k_i, v_i = (gather_blocks(c.view(-1, *c.shape[2:]), slots, q.dtype, s)
                         for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         past = len_k - (q1 - q0)  # the queries are the last q1 - q0 of the len_k positions
         mask = torch.ones(q1 - q0, len_k, dtype=torch.bool, device=q.device).tril(diagonal=past)
@@ -78,7 +78,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0) -> torch.Tensor:
     """One query per sequence, q [B, H, D], over its context_lens[b] cached tokens (last window)."""
     tables = block_tables.clamp(min=0).long()
-    k, v = (_gather(c, tables, q.dtype, s).flatten(1, 2)  # [B, T, KVH, D]
+    k, v = (gather_blocks(c, tables, q.dtype, s).flatten(1, 2)  # [B, T, KVH, D]
             for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
     positions = torch.arange(k.size(1), device=q.device)
     mask = _window_mask(positions < context_lens.unsqueeze(1), context_lens - 1, positions, window)

@@ -285,17 +285,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 # ---- decode: a KV head's query heads share one tl.dot (each K/V tile read once);
 # splits merge by log-sum-exp
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, o_ptr, part_o_ptr,
                    part_lse_ptr, qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob,
                    stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
+                   WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr,
+                   CASCADE: tl.constexpr):
+    """CASCADE: keys from start[seq] on (a shared prefix before it is attended apart), partials
+    always, NUM_SPLITS + 1 of them a row (the last one the prefix's)."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     first = 0  # the first visible key
     if WINDOW > 0:
         first = tl.maximum(ctx - WINDOW, 0)
+    if CASCADE:
+        first = tl.load(start_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * per_split
     end = tl.minimum(start + per_split, ctx)
@@ -316,12 +321,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part
                                      1, PRECISION, 0, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and not CASCADE:
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=store_mask)
     else:
-        # fp32 partials [B, H, NUM_SPLITS, HEAD_DIM] and their log2-sum-exp [B, H, NUM_SPLITS]
-        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
+        # fp32 partials [B, H, NUM_PARTS, HEAD_DIM] and their log2-sum-exp [B, H, NUM_PARTS]
+        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * (NUM_SPLITS + CASCADE) + split
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
         tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)),
                  mask=offs_g < GROUP)
@@ -337,10 +342,51 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
     lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
+    # a part with no keys (lse -inf) may be unwritten: not read
     parts = tl.load(part_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=(offs_s < NUM_SPLITS)[:, None], other=0.0)
+                    mask=((offs_s < NUM_SPLITS) & (lse > float("-inf")))[:, None], other=0.0)
     out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr, num_rows_ptr,
+                          shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
+                          stride_qh, stride_bt, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr,
+                          FP8: tl.constexpr, Q_FP16: tl.constexpr):
+    """Group ``program_id(0)``'s shared keys (its first row's first shared[g] tokens) against
+    BLOCK_M of its (row, query head) pairs of KV head ``program_id(2)`` at once, tile
+    ``program_id(1)``: each pair's partial output and log2-sum-exp into its last part."""
+    g, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first_row = tl.load(first_row_ptr + g)
+    pairs = tl.load(num_rows_ptr + g) * GROUP
+    if m_tile * BLOCK_M >= pairs:
+        return
+    shared = tl.load(shared_ptr + g)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = offs_m < pairs
+    seq = first_row + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh
+                + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if Q_FP16:
+        q = q.to(tl.float16)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n in range(0, shared, BLOCK_N):  # whole blocks: a tile past them only when BLOCK_N > PAGE
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, first_row, None, shared, kv_head,
+                                     qk_scale, v_scale, None, None, k_cache_ptr, v_cache_ptr,
+                                     bt_ptr, None, None, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE,
+                                     True, BLOCK_N, 1, PRECISION, 0, FP8)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    row = (seq * (NUM_KV_HEADS * GROUP) + head) * NUM_PARTS + NUM_PARTS - 1
+    tl.store(part_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=valid[:, None])
+    tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=valid)
 
 
 _PROPERTIES: dict[int, object] = {}
@@ -381,9 +427,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
                      num_splits: int | None = None, config: dict | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, prefixes=None) -> torch.Tensor:
     """``reference.decode_attention``; ``num_splits`` defaults to ``num_decode_splits``'s,
-    ``config``: the tiles."""
+    ``config``: the tiles. ``prefixes`` (``cascade_reference.SharedPrefixes``): the cascade, each
+    group's shared blocks read once for all its rows (``_shared_prefix_kernel``), the rest of each
+    context as before from the row's ``seq_shared_len`` on, the parts merged by log-sum-exp."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
@@ -395,22 +443,51 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     if not fp8:
         k_scale = v_scale = 1.0
-    if splits > 1:
-        part_o = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32,
+    cascade = prefixes is not None
+    if cascade and window:
+        raise ValueError("cascade decode attention does not take a sliding window "
+                         f"(window={window})")
+    parts = splits + cascade
+    if parts > 1:
+        part_o = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32,
                              device=q.device)
-        part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, parts, dtype=torch.float32, device=q.device)
+        if cascade:  # rows outside every group: an empty prefix part
+            part_lse[:, :, -1] = float("-inf")
     else:
         part_o = part_lse = out  # not written
+    qk_scale = scale * k_scale * LOG2E
     _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse,
-        scale * k_scale * LOG2E, v_scale, q.stride(0), q.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"],
-        NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
-        Q_FP16=fp8 and q.dtype != torch.float32, num_warps=cfg["num_warps"],
+        q, k_cache, v_cache, block_tables, context_lens,
+        prefixes.seq_shared_len if cascade else context_lens, out, part_o, part_lse, qk_scale,
+        v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
+        PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
+        Q_FP16=fp8 and q.dtype != torch.float32, CASCADE=cascade, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
-    if splits > 1:
+    if cascade and prefixes.first_row.numel():
+        pcfg = _shared_prefix_config(prefixes.max_rows * group, q.dtype)
+        grid = (prefixes.first_row.numel(), triton.cdiv(prefixes.max_rows * group,
+                                                        pcfg["BLOCK_M"]), num_kv_heads)
+        _shared_prefix_kernel[grid](
+            q, k_cache, v_cache, block_tables, prefixes.first_row, prefixes.num_rows,
+            prefixes.shared_len, part_o, part_lse, qk_scale, v_scale, q.stride(0), q.stride(1),
+            block_tables.stride(0), GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            PAGE=page, BLOCK_M=pcfg["BLOCK_M"], BLOCK_N=pcfg["BLOCK_N"], NUM_PARTS=parts,
+            PRECISION=dot_precision(q.dtype), FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
+            num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+    if parts > 1:
         _merge_kernel[(batch, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+            HEAD_DIM=head_dim, NUM_SPLITS=parts, BLOCK_S=triton.next_power_of_2(parts))
     return out
+
+
+def _shared_prefix_config(pairs: int, dtype: torch.dtype) -> dict:
+    """Rows of (sequence, query head) pairs a tile: as many as a group has, 16 to 64 (not yet swept
+    on a GPU)."""
+    if dtype == torch.float32:
+        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=min(64, max(16, triton.next_power_of_2(pairs))), BLOCK_N=64, num_warps=4,
+                num_stages=3)

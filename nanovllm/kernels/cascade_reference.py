@@ -1,0 +1,117 @@
+"""Cascade decode attention in PyTorch (the oracle of ``triton_attention.decode_attention`` with
+``prefixes``): sequences of a decode batch that hold the same leading KV blocks attend over those
+shared blocks once, all their queries together, and over the rest of their context each alone; the
+two parts merge by their log-sum-exp. The result is ``reference.decode_attention``'s, up to
+rounding.
+
+Groups (``SharedPrefixes``) come from the block tables as they are: a run of consecutive rows whose
+tables start with the same block ids (a prefix-cache hit, the ``n`` completions of a prompt, the
+beams of a beam search).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from nanovllm.kernels.reference import gather_blocks
+
+
+class SharedPrefixes(NamedTuple):
+    """Groups of a decode batch: group g is rows [first_row[g], first_row[g] + num_rows[g]), which
+    share their first shared_len[g] tokens (whole blocks); ``seq_shared_len`` [B]: each row's shared
+    tokens (0 outside every group). int32 tensors on the batch's device; ``max_rows``: the most rows
+    a group has (the kernels' grid)."""
+    first_row: torch.Tensor
+    num_rows: torch.Tensor
+    shared_len: torch.Tensor
+    seq_shared_len: torch.Tensor
+    max_rows: int
+
+
+def shared_prefix_groups(block_tables: Sequence[Sequence[int]], context_lens: Sequence[int],
+                         block_size: int, min_rows: int = 2,
+                         min_blocks: int = 1) -> list[tuple[int, int, int]]:
+    """(first row, rows, shared blocks) of each run of at least ``min_rows`` consecutive rows whose
+    tables share at least ``min_blocks`` leading blocks; the shared blocks are those every row of
+    the run holds, each row's last cached token outside them (its block may still be written; a
+    shared block is full). Rows of one run share the longest prefix common to all of them; a row
+    that would shorten its run's prefix below ``min_blocks`` starts a new run."""
+    groups = []
+    row, n = 0, len(block_tables)
+    while row < n:
+        limit = (context_lens[row] - 1) // block_size  # full blocks before the last token's
+        common = limit
+        end = row + 1
+        while end < n:
+            shared = 0
+            cap = min(common, (context_lens[end] - 1) // block_size)
+            while shared < cap and block_tables[end][shared] == block_tables[row][shared]:
+                shared += 1
+            if shared < min_blocks:
+                break
+            common = shared
+            end += 1
+        if end - row >= min_rows and common >= min_blocks:
+            groups.append((row, end - row, common))
+        row = end
+    return groups
+
+
+def as_shared_prefixes(groups: list[tuple[int, int, int]], batch: int, block_size: int,
+                       device) -> SharedPrefixes:
+    """``shared_prefix_groups``'s list as the tensors the kernels read."""
+    seq_shared = [0] * batch
+    for first, rows, blocks in groups:
+        seq_shared[first:first + rows] = [blocks * block_size] * rows
+    columns = list(zip(*groups)) or [(), (), ()]
+
+    def ints(values):
+        return torch.tensor(list(values), dtype=torch.int32, device=device)
+    return SharedPrefixes(ints(columns[0]), ints(columns[1]),
+                          ints(b * block_size for b in columns[2]), ints(seq_shared),
+                          max(columns[1], default=0))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """q [R, H, D] against k, v [T, KVH, D] (in the dtype to compute in), all keys visible: (out
+    [R, H, D], its natural-log-sum-exp [R, H]; -inf with no keys)."""
+    group = q.size(1) // k.size(1)
+    k, v = (x.repeat_interleave(group, 1) for x in (k, v))  # [T, H, D]
+    s = torch.einsum("rhd,thd->rht", q.to(k.dtype), k) * scale
+    if s.size(-1) == 0:
+        return (torch.zeros(q.shape, dtype=k.dtype, device=q.device),
+                torch.full(q.shape[:2], float("-inf"), dtype=k.dtype, device=q.device))
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("rht,thd->rhd", torch.softmax(s, -1), v), lse
+
+
+def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                             prefixes: SharedPrefixes, k_scale: float = 1.0,
+                             v_scale: float = 1.0) -> torch.Tensor:
+    """``reference.decode_attention`` (no window) computed as the cascade: each group's queries over
+    its shared blocks at once, each row over the rest, merged by log-sum-exp."""
+    batch, num_heads, head_dim = q.shape
+    page = k_cache.size(1)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    tables = block_tables.clamp(min=0).long()
+    k_all, v_all = (gather_blocks(c, tables, compute, s).flatten(1, 2)  # [B, T, KVH, D]
+                    for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+    seq_shared = prefixes.seq_shared_len.tolist()
+    out = torch.empty(batch, num_heads, head_dim, dtype=compute, device=q.device)
+    lse = torch.empty(batch, num_heads, dtype=compute, device=q.device)
+    for b, ctx in enumerate(context_lens.tolist()):
+        out[b], lse[b] = (t[0] for t in _attend(q[b:b + 1], k_all[b, seq_shared[b]:ctx],
+                                                v_all[b, seq_shared[b]:ctx], scale))
+    for first, rows, shared in zip(*(t.tolist() for t in prefixes[:3])):
+        assert shared % page == 0 and shared <= min(seq_shared[first:first + rows])
+        o_p, lse_p = _attend(q[first:first + rows], k_all[first, :shared], v_all[first, :shared],
+                             scale)
+        o_s, lse_s = out[first:first + rows], lse[first:first + rows]
+        m = torch.maximum(lse_p, lse_s)
+        w_p, w_s = torch.exp(lse_p - m), torch.exp(lse_s - m)
+        out[first:first + rows] = ((o_p * w_p[..., None] + o_s * w_s[..., None])
+                                   / (w_p + w_s)[..., None])
+    return out.to(q.dtype)

@@ -1,0 +1,178 @@
+"""Cascade decode attention (a shared prefix read once for the rows that share it): the groups found
+from block tables, the PyTorch cascade and the Triton kernels against ``reference.decode_attention``
+(float64) on fresh random caches whose rows share leading blocks. On CPU the kernels run under
+TRITON_INTERPRET=1 (conftest)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanovllm.kernels import reference
+from nanovllm.kernels.cascade_reference import (
+    as_shared_prefixes,
+    cascade_decode_attention,
+    shared_prefix_groups,
+)
+
+triton_attention = pytest.importorskip("nanovllm.kernels.triton_attention")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+FP8 = torch.float8_e4m3fn
+
+
+def test_groups_of_a_hand_made_batch():
+    b = 4  # block size
+    tables = [[7, 8, 9], [7, 8, 3], [7, 8, 5, 6],  # three rows share blocks 7, 8
+              [1, 2], [1, 4],                       # two share block 1
+              [9, 9],                               # alone
+              [5, 6, 0], [5, 6, 2]]                 # share 5, 6
+    lens = [12, 10, 13, 8, 5, 8, 9, 12]
+    assert shared_prefix_groups(tables, lens, b) == [(0, 3, 2), (3, 2, 1), (6, 2, 2)]
+    # a row's last token stays outside the shared blocks: a context of 8 ends in the second block,
+    # so only the first is shared; of 9, two are
+    assert shared_prefix_groups([[1, 2, 3], [1, 2, 3]], [8, 12], b) == [(0, 2, 1)]
+    assert shared_prefix_groups([[1, 2, 3], [1, 2, 3]], [9, 12], b) == [(0, 2, 2)]
+    assert shared_prefix_groups([[1, 2], [1, 2]], [4, 8], b) == []  # block 1 holds row 0's last
+    assert shared_prefix_groups(tables, lens, b, min_rows=3) == [(0, 3, 2)]
+    assert shared_prefix_groups(tables, lens, b, min_blocks=2) == [(0, 3, 2), (6, 2, 2)]
+
+
+def test_groups_hold_their_invariants_on_random_tables():
+    rng = random.Random(0)
+    for _ in range(300):
+        block = rng.choice([1, 2, 4])
+        tables, lens = [], []
+        for _ in range(rng.randint(1, 12)):
+            if tables and rng.random() < 0.6:  # a sibling of the previous row
+                keep = rng.randint(0, len(tables[-1]))
+                t = tables[-1][:keep] + [rng.randint(100, 999) for _ in range(rng.randint(0, 3))]
+            else:
+                t = [rng.randint(0, 50) for _ in range(rng.randint(1, 5))]
+            if not t:
+                t = [rng.randint(100, 999)]
+            tables.append(t)
+            lens.append(rng.randint((len(t) - 1) * block + 1, len(t) * block))
+        groups = shared_prefix_groups(tables, lens, block)
+        covered = []
+        for first, rows, shared in groups:
+            assert rows >= 2 and shared >= 1
+            covered += range(first, first + rows)
+            for r in range(first, first + rows):
+                assert tables[r][:shared] == tables[first][:shared]
+                assert shared * block <= lens[r] - 1  # the last token outside
+        assert covered == sorted(set(covered))  # disjoint, in order
+        # maximal: two adjacent rows outside every group never share a usable block
+        in_group = set(covered)
+        for r in range(len(tables) - 1):
+            if r not in in_group and r + 1 not in in_group:
+                cap = min((lens[r] - 1) // block, (lens[r + 1] - 1) // block)
+                assert cap == 0 or tables[r][0] != tables[r + 1][0]
+
+
+def shared_cache(groups_spec, num_kv_heads, head_dim, block, dtype, seed):
+    """A cache and tables where each spec (rows, shared blocks, [own tokens per row]) is a run of
+    rows holding the same first blocks, then blocks of their own; rows with shared 0 stand alone."""
+    g = torch.Generator().manual_seed(seed)
+    tables, lens, next_block = [], [], 0
+    for rows, shared, own in groups_spec:
+        prefix = list(range(next_block, next_block + shared))
+        next_block += shared
+        for r in range(rows):
+            n_own = (own[r] + block - 1) // block
+            tables.append(prefix + list(range(next_block, next_block + n_own)))
+            next_block += n_own
+            lens.append(shared * block + own[r])
+    perm = torch.randperm(next_block + 2, generator=g).tolist()  # scatter the blocks
+    tables = [[perm[b] for b in t] for t in tables]
+    k_cache = torch.randn(next_block + 2, block, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(next_block + 2, block, num_kv_heads, head_dim, generator=g).to(dtype)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return k_cache.to(DEVICE), v_cache.to(DEVICE), bt.to(DEVICE), tables, lens
+
+
+CASES = {  # (heads, kv heads, head dim, block, [(rows, shared blocks, own tokens per row)])
+    "n8-one-group": (8, 2, 64, 16, [(8, 3, [1, 5, 16, 17, 2, 9, 30, 4])]),
+    "two-groups-and-loners": (4, 4, 64, 16, [(1, 0, [40]), (3, 2, [7, 1, 20]), (1, 0, [3]),
+                                             (2, 1, [16, 33])]),
+    "gqa8-big-group": (16, 2, 128, 32, [(20, 2, [1 + 3 * i for i in range(20)])]),
+}
+
+
+def _inputs(name, dtype, seed):
+    heads, kv_heads, d, block, spec = CASES[name]
+    k_cache, v_cache, bt, tables, lens = shared_cache(spec, kv_heads, d, block, dtype, seed)
+    q = torch.randn(len(lens), heads, d, device=DEVICE).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    groups = shared_prefix_groups(tables, lens, block)
+    return q, k_cache, v_cache, bt, ctx, as_shared_prefixes(groups, len(lens), block, DEVICE), d
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_groups_found_in_the_cases(name):
+    *_, prefixes, _ = _inputs(name, torch.float32, 0)
+    spec = CASES[name][4]
+    assert sum(rows for rows, shared, _ in spec if shared) == int(prefixes.num_rows.sum())
+    assert prefixes.first_row.numel() == sum(1 for rows, shared, _ in spec if shared)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_cascade_equals_plain_decode(name):
+    q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs(name, torch.float64, 1)
+    plain = reference.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5)
+    cascade = cascade_decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5, prefixes)
+    torch.testing.assert_close(cascade, plain, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_cascade_matches_reference(name, splits, dtype):
+    q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs(name, dtype, 2)
+    ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, bt,
+                                     d ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5, num_splits=splits,
+                                      out=out, prefixes=prefixes)
+    assert not out.isnan().any()
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < TOL[dtype], err
+
+
+def test_triton_cascade_reads_the_shared_blocks_once_from_the_group():
+    """The prefix part reads the group's first row's table: corrupting another row's copy of the
+    shared block ids leaves the result unchanged; corrupting the first row's changes it."""
+    q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs("n8-one-group", torch.float32, 3)
+    want = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
+                                             prefixes=prefixes)
+    spare = min(set(range(k_cache.size(0))) - set(bt.flatten().tolist()))  # no table holds it
+    other = bt.clone()
+    other[1:, 0] = spare
+    same = triton_attention.decode_attention(q, k_cache, v_cache, ctx, other, d ** -0.5,
+                                             prefixes=prefixes)
+    torch.testing.assert_close(same, want)
+    first = bt.clone()
+    first[0, 0] = spare
+    moved = triton_attention.decode_attention(q, k_cache, v_cache, ctx, first, d ** -0.5,
+                                              prefixes=prefixes)
+    assert (moved[1:] - want[1:]).abs().max() > 1e-3
+
+
+def test_triton_cascade_over_an_fp8_cache():
+    q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs("two-groups-and-loners", torch.float32, 4)
+    k8, v8 = (k_cache * 30).to(FP8), (v_cache * 0.1).to(FP8)
+    ref = reference.decode_attention(q.double(), k8, v8, ctx, bt, 0.05, 0.5, 4.0)
+    out = triton_attention.decode_attention(q, k8, v8, ctx, bt, 0.05, 0.5, 4.0, prefixes=prefixes)
+    assert float((out.double() - ref).norm() / ref.norm()) < TOL[torch.float32]
+
+
+def test_cascade_refuses_a_sliding_window():
+    q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs("n8-one-group", torch.float32, 5)
+    with pytest.raises(ValueError, match="window=32"):
+        triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, 0.1, window=32,
+                                          prefixes=prefixes)
