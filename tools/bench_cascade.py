@@ -1,0 +1,97 @@
+"""When cascade decode attention pays (issue 46's rule): one layer's decode attention over a batch
+whose rows come in groups sharing a prefix, plain (each row reads the prefix) against the cascade
+(each group's prefix read once, ``triton_attention.decode_attention(..., prefixes=...)``), at
+Qwen3-0.6B's and -8B's attention shapes, batch 1-512, shared prefixes of 64-8,192 tokens, groups of
+2 to the whole batch, each row with 128 tokens of its own. CUDA Graph replays; one JSON line a
+point, then a table of the cascade's speed-up.
+
+    python tools/bench_cascade.py [--out DIR] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from bench_kernels import bench_graph_each  # noqa: E402
+
+from nanovllm.kernels import triton_attention as ta  # noqa: E402
+from nanovllm.kernels.cascade_reference import as_shared_prefixes, shared_prefix_groups  # noqa: E402
+
+SHAPES = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}  # heads, KV heads, head dim
+PAGE = 64
+OWN = 128  # each row's tokens past the prefix
+
+
+def batch_of_groups(batch: int, group: int, shared: int, kv_heads: int, head_dim: int,
+                    dtype=torch.bfloat16):
+    """Caches and tables for ``batch`` rows in groups of ``group`` sharing ``shared`` tokens."""
+    shared_pages, own_pages = shared // PAGE, -(-(OWN + 1) // PAGE)
+    groups = -(-batch // group)
+    total = groups * shared_pages + batch * own_pages
+    k_cache = torch.randn(total, PAGE, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = torch.randperm(total).tolist()
+    tables, used = [], 0
+    for g in range(groups):
+        prefix = order[used:used + shared_pages]
+        used += shared_pages
+        for _ in range(min(group, batch - g * group)):
+            tables.append(prefix + order[used:used + own_pages])
+            used += own_pages
+    lens = [shared + OWN + 1] * batch
+    bt = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    prefixes = as_shared_prefixes(shared_prefix_groups(tables, lens, PAGE), batch, PAGE, "cuda")
+    return k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32, device="cuda"), prefixes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--quick", action="store_true", help="fewer points (a first look)")
+    args = parser.parse_args()
+    batches = (1, 8, 64, 256) if args.quick else (1, 4, 16, 64, 256, 512)
+    shareds = (256, 2048) if args.quick else (64, 256, 1024, 2048, 8192)
+    rows = []
+    for model, (heads, kv_heads, d) in SHAPES.items():
+        for batch, shared in itertools.product(batches, shareds):
+            for group in sorted({g for g in (2, 8, 64, batch) if g <= batch and g > 1}):
+                k_cache, v_cache, bt, ctx, prefixes = batch_of_groups(batch, group, shared,
+                                                                      kv_heads, d)
+                q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+                plain_fn = partial(ta.decode_attention, q, k_cache, v_cache, ctx, bt, d ** -0.5)
+                cascade_fn = partial(plain_fn, prefixes=prefixes)
+                plain = bench_graph_each([plain_fn] * 4)
+                cascade = bench_graph_each([cascade_fn] * 4)
+                ref, got = plain_fn().float(), cascade_fn().float()
+                row = dict(model=model, batch=batch, group=group, shared=shared, own=OWN,
+                           plain_us=plain * 1e6, cascade_us=cascade * 1e6,
+                           speedup=plain / cascade,
+                           rel_err=float((got - ref).norm() / ref.norm()))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(json.dumps(meta))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cascade.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f)
+    print("| model | batch | group | shared | plain µs | cascade µs | speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['batch']} | {r['group']} | {r['shared']} | "
+              f"{r['plain_us']:.1f} | {r['cascade_us']:.1f} | {r['speedup']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
