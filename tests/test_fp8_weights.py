@@ -8,9 +8,11 @@ import json
 import os
 import re
 import sys
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import CPU_ENGINE, assert_matches_oracle, random_prompts, run_engine
 from safetensors.torch import load_file, save_file
 from tiny_model import build_tiny_qwen3
@@ -160,7 +162,9 @@ def fake_quantized_activations(model, row_shards: int = 1, group: int | None = N
     """Hooks giving each dense projection of a transformers model its input quantized to e4m3 and
     back, as the fp8 forward computes: per token (online fp8; row-parallel layers, o and down,
     quantize each rank's ``row_shards`` part apart) or per token and ``group`` of columns
-    (block-wise: a rank's part is whole groups). Once a model."""
+    (block-wise: a rank's part is whole groups); Qwen3-MoE's experts (packed, no projection modules)
+    run a copy of their loop that quantizes x and the intermediate (block-wise MoE is W8A8). Once a
+    model."""
     def dequantized(x):
         x2 = x.reshape(-1, x.size(-1))
         shape = (1, group or x2.size(1))
@@ -169,6 +173,19 @@ def fake_quantized_activations(model, row_shards: int = 1, group: int | None = N
     def hook(shards):
         return lambda module, args: (
             torch.cat([dequantized(p) for p in args[0].chunk(shards, -1)], -1),)
+    def experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+        """transformers' Qwen3MoeExperts loop with the W8A8 MoE's two quantized inputs: x before
+        gate/up, the intermediate before down."""
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == expert)
+            gate, up = F.linear(dequantized(hidden_states[token]),
+                                experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            act = dequantized(experts.act_fn(gate) * up)
+            y = F.linear(act, experts.down_proj[expert]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
     if getattr(model, "fake_quantized", False):
         return model
     model.fake_quantized = True
@@ -176,6 +193,8 @@ def fake_quantized_activations(model, row_shards: int = 1, group: int | None = N
         if re.fullmatch(r".*\.(q|k|v|o|gate|up|down)_proj", name):
             module.register_forward_pre_hook(
                 hook(row_shards if name.endswith(("o_proj", "down_proj")) else 1))
+        if type(module).__name__ == "Qwen3MoeExperts":
+            module.forward = types.MethodType(experts_forward, module)
     return model
 
 
@@ -331,7 +350,7 @@ def test_block_fp8_experts_match_transformers_on_the_dequantized_weights(tmp_pat
     block = (BLOCK, BLOCK)
     ref = roundtrip_copy(src, str(tmp_path / "moe_dq"),
                          lambda w: dequantize_fp8_block(*quantize_fp8_block(w, block), block))
-    # attention's projections; experts: W8A16
+    # attention's projections and the experts: W8A8
     model = fake_quantized_activations(oracle.model(ref), group=BLOCK)
     prompts = random_prompts(6, 3, 40, seed=14)
     greedy, logprobs = generate_both(ckpt, prompts, tensor_parallel_size=tp)
