@@ -1,8 +1,6 @@
 """Data parallelism on a local Ray cluster: two CPU actors each holding a tiny model."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 from conftest import CPU_ENGINE, random_prompts
 
@@ -46,7 +44,11 @@ def test_a_killed_actor_loses_no_prompt(local_ray, tiny, reference):
     dp = DataParallelLLM(tiny, num_replicas=2, **CPU_ENGINE)
     victim = dp.actors[0]
     ray.get([a.generate.remote([[1, 2]], [SP]) for a in dp.actors])  # both engines up
-    threading.Timer(0.3, ray.kill, (victim,)).start()
+    # killed for certain before generate hands it a chunk (a timer raced the whole generate on a
+    # fast machine): its first chunk fails and must go to the other actor
+    ray.kill(victim)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.generate.remote([[1, 2]], [SP]))
     try:
         outputs = dp.generate(prompts * 4, SP, chunk_size=4, use_tqdm=False)
     finally:
