@@ -413,13 +413,10 @@ def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device,
     return max(1, min(max_splits, triton.cdiv(2 * num_sms(device), batch * num_kv_heads)))
 
 
-def _decode_config(dtype: torch.dtype, batch: int, fp8: bool = False) -> dict:
-    # tools/bench_kernels.py --sweep's choice; an fp8 cache: 128-key tiles (as many bytes in flight
-    # as bf16's 64) and two stages below batch 256 (+8-19% at batch 16-64 x 2-8k keys)
+def _decode_config(dtype: torch.dtype, batch: int) -> dict:
+    # tools/bench_kernels.py --sweep's choice
     if dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=4, num_stages=2)
-    if fp8 and batch < 256:
-        return dict(BLOCK_N=128, num_warps=4, num_stages=2)
     return dict(BLOCK_N=128 if batch >= 256 else 64, num_warps=4, num_stages=3)
 
 
@@ -436,7 +433,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
     fp8 = is_fp8(k_cache)
-    cfg = config or _decode_config(q.dtype, batch, fp8)
+    cfg = config or _decode_config(q.dtype, batch)
     splits = num_splits or num_decode_splits(batch, num_kv_heads, q.device)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
