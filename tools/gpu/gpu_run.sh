@@ -56,6 +56,7 @@
 #   fp8wtests the fp8-weight kernels' and engine's GPU tests (dense, MoE), tools/bench_fp8.py and the fp8
 #             MoE microbenchmark
 #   fp8moe    the fused MoE's fp8 GPU tests and tools/bench_kernels.py --only moe (MOE_SWEEP=1: with its tile sweep)
+#   cascade   tests/test_cascade.py on CUDA, then tools/bench_cascade.py (plain against cascade decode attention)
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
@@ -279,6 +280,9 @@ for phase in "$@"; do
     fp8moe)  # fp8 experts: the fused MoE's GPU tests, then its microbenchmark (W8A8 and W8A16 beside bf16)
       step test_fp8.log "$PYTHON" -m pytest tests/test_moe.py -q -rfE -k "fp8 or cuda_graph"
       step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe ${MOE_SWEEP:+--sweep} --out "$OUT" ;;
+    cascade)  # cascade decode attention: its GPU tests, then plain against cascade (CASCADE_QUICK=1: fewer points)
+      step test_cascade.log "$PYTHON" -m pytest tests/test_cascade.py -q -rfE
+      step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} --out "$OUT" ;;
     fp8skinny)  # the skinny fp8 kernel's tiles and splits over K (8B projections, 1 and 16 rows)
       step bench_fp8_skinny.log "$PYTHON" tools/bench_fp8.py --skinny-sweep --out "$OUT" ;;
     fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
