@@ -43,13 +43,15 @@ def workload(num_seqs: int = 256, min_len: int = 100, max_input_len: int = 1024,
 @dataclass(frozen=True)
 class Scenario:
     """A workload of equal requests: ``num_seqs`` prompts of ``shared_prefix`` common tokens and
-    ``prompt_len`` of their own, ``output_len`` tokens out each (temperature 0.6, ignore_eos)."""
+    ``prompt_len`` of their own, ``n`` completions of ``output_len`` tokens each (ignore_eos)."""
 
     num_seqs: int
     prompt_len: int
     output_len: int
     shared_prefix: int = 0
     model: str | None = None  # the preset it runs unless --model names another
+    n: int = 1
+    temperature: float = 0.6
 
 
 SCENARIOS = {
@@ -59,6 +61,8 @@ SCENARIOS = {
     "long": Scenario(32, 8192, 256),         # prefill-heavy
     # a system prompt shared by every request
     "prefix": Scenario(256, 128, 128, shared_prefix=2048),
+    # an RL trainer's rollouts: a group of 8 completions of each prompt (GRPO)
+    "rl": Scenario(64, 512, 512, n=8, temperature=1.0),
 }
 
 
@@ -71,8 +75,8 @@ def scenario_workload(s: Scenario, seed: int, scale: float = 1.0, vocab: int = 1
     prefix = [rng.randrange(vocab) for _ in range(length(s.shared_prefix))]
     prompts = [prefix + [rng.randrange(vocab) for _ in range(length(s.prompt_len))]
                for _ in range(s.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=length(s.output_len))
-              for _ in prompts]
+    params = [SamplingParams(n=s.n, temperature=s.temperature, ignore_eos=True,
+                             max_tokens=length(s.output_len)) for _ in prompts]
     return prompts, params, len(prefix)
 
 
@@ -97,10 +101,13 @@ def experts_touched(num_experts: int, top_k: int, batch: int) -> float:
 def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidth: float,
              flops: float, dtype_bytes: int = 2, shared_prefix: int = 0,
              kv_dtype_bytes: int | None = None, weight_bytes: float | None = None,
-             expert_bytes: float | None = None, linear_flops: float | None = None) -> Roofline:
+             expert_bytes: float | None = None, linear_flops: float | None = None,
+             siblings: int = 1) -> Roofline:
     """The fewest bytes and FLOPs any engine must spend on this workload with this model (a prefix
     that every prompt shares, ``shared_prefix`` tokens, is prefilled once and its K/V read once per
-    step; K/V of ``kv_dtype_bytes`` a value, the weights' by default, 1 for an fp8 cache). A mixture
+    step; ``siblings``: the sequences come in runs of that many completions of one prompt, each
+    prompt prefilled once and its K/V read once per step for its run; K/V of ``kv_dtype_bytes`` a
+    value, the weights' by default, 1 for an fp8 cache). A mixture
     of experts' sparse layer reads, per decode step, the experts its batch touches
     (``experts_touched`` at the step's number of running sequences) and computes top-k experts per
     token. Quantized weights: ``weight_bytes`` per element of the layers' projections (fp8: 1 and
@@ -108,6 +115,8 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     embeddings, the LM head and the routers stay there), multiplied at ``linear_flops`` FLOP/s
     (default ``flops``)."""
     from nanovllm.features.moe import is_sparse_layer
+    if siblings > 1 and (shared_prefix or len(prompt_lens) % siblings):
+        raise ValueError(f"siblings={siblings} needs whole runs and no shared_prefix")
     c = hf_config
     h, layers, vocab = c.hidden_size, c.num_hidden_layers, c.vocab_size
     heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -125,7 +134,8 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     params_layer = (projections + sparse * (num_experts * h + top_k * expert)) / layers
     kv_per_token = 2 * layers * kv_heads * head_dim * (dtype_bytes if kv_dtype_bytes is None
                                                        else kv_dtype_bytes)
-    prefill_tokens, total_out = (sum(prompt_lens) - (len(prompt_lens) - 1) * shared_prefix,
+    firsts = prompt_lens[::siblings]  # the prompts prefilled (each run's once)
+    prefill_tokens, total_out = (sum(firsts) - (len(firsts) - 1) * shared_prefix,
                                  sum(output_lens))
     # decode step t (1 .. out-1) of a sequence attends over prompt + t tokens;
     # the first token comes from prefill
@@ -134,12 +144,16 @@ def roofline(hf_config, prompt_lens: list[int], output_lens: list[int], bandwidt
     flops_linear = 2 * layers * params_layer * (prefill_tokens + total_out)
     flops_head = 2 * vocab * h * (len(prompt_lens) + total_out)  # last prompt token + each output
     prefill_pairs = shared_prefix ** 2 / 2 + sum((i - shared_prefix) * (i + shared_prefix) / 2
-                                                 for i in prompt_lens)
+                                                 for i in firsts)
     flops_attn = 4 * layers * heads * head_dim * (prefill_pairs + kv_reads)
     # a shared prefix's K/V need be read only once per decode step for the whole batch
     # (its blocks are shared)
     kv_bytes_read = (kv_reads - sum(shared_prefix * (o - 1) for o in output_lens)
                      + shared_prefix * decode_steps)
+    # and a run of siblings' prompt once per step for the run
+    kv_bytes_read -= sum(i * (o - 1) for i, o in zip(prompt_lens, output_lens)) - sum(
+        prompt_lens[r] * (max(output_lens[r:r + siblings]) - 1)
+        for r in range(0, len(prompt_lens), siblings))
     # decode step t (1 .. max out - 1) runs the sequences with more than t outputs;
     # its experts' weights
     running = [sum(o - 1 >= t for o in output_lens)
@@ -270,6 +284,10 @@ def gpu_busy_time(args):
 def run_hf(args, prompts, params) -> float:
     """The same workload through transformers' continuous batching, bf16, on the same GPU."""
     from transformers import AutoModelForCausalLM, GenerationConfig
+    if any(sp.n > 1 or sp.temperature != 0.6 for sp in params):
+        raise ValueError(f"--engine hf runs one completion a request at temperature 0.6; "
+                         f"--scenario {args.scenario} asks for n={params[0].n}, "
+                         f"temperature={params[0].temperature}")
     if args.model in PRESETS:
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(preset_config(args.model),
@@ -353,7 +371,7 @@ def main():
         prompts, params, shared_prefix = scenario_workload(SCENARIOS[args.scenario], 0, args.scale)
     ceilings = measure_ceilings() if torch.cuda.is_available() else None
     seconds = (run_hf if args.engine == "hf" else run_nanovllm)(args, prompts, params)
-    total = sum(sp.max_tokens for sp in params)
+    total = sum(sp.max_tokens * sp.n for sp in params)
     result = dict(engine=args.engine, model=args.model, scenario=args.scenario,
                   attention_backend=args.attention_backend, tp=args.tp, block_size=args.block_size,
                   kv_cache_dtype=args.kv_cache_dtype,
@@ -370,8 +388,10 @@ def main():
     if ceilings:
         weight_bytes = getattr(args, "weight_bytes", None)
         linear_flops = fp8_matmul_rate() if weight_bytes is not None else None  # W8A8
-        limit = roofline(model_config(args.model), [len(p) for p in prompts],
-                         [sp.max_tokens for sp in params], *ceilings, shared_prefix=shared_prefix,
+        n = params[0].n  # a scenario's requests are equal
+        limit = roofline(model_config(args.model), [len(p) for p in prompts for _ in range(n)],
+                         [sp.max_tokens for sp in params for _ in range(n)], *ceilings,
+                         shared_prefix=shared_prefix, siblings=n,
                          kv_dtype_bytes=1 if args.kv_cache_dtype.startswith("fp8") else None,
                          weight_bytes=weight_bytes,
                          expert_bytes=getattr(args, "expert_bytes", None),

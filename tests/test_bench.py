@@ -197,6 +197,42 @@ def test_roofline_reads_a_shared_prefix_once_per_step():
     assert unshared.seconds_memory - shared.seconds_memory == pytest.approx(saved, rel=1e-9)
 
 
+def test_rl_scenario_is_64_prompts_times_8_completions_at_temperature_1():
+    prompts, params, shared = bench.scenario_workload(bench.SCENARIOS["rl"], 0)
+    assert len(prompts) == 64 and shared == 0 and all(len(p) == 512 for p in prompts)
+    assert all(sp.n == 8 and sp.temperature == 1.0 and sp.max_tokens == 512 and sp.ignore_eos
+               for sp in params)
+
+
+def test_roofline_reads_a_siblings_prompt_once_per_step_for_its_run():
+    """Completions of one prompt: the same bytes and FLOPs as a prefix shared by exactly them;
+    two prompts of four completions: twice one prompt's K/V traffic, the weights read once."""
+    config = preset_config("qwen3-0.6b")
+    one = bench.roofline(config, [512] * 4, [8] * 4, 4e12, 7e14, siblings=4)
+    as_prefix = bench.roofline(config, [512] * 4, [8] * 4, 4e12, 7e14, shared_prefix=512)
+    assert one.seconds_memory == pytest.approx(as_prefix.seconds_memory, rel=1e-12)
+    assert one.seconds_compute == pytest.approx(as_prefix.seconds_compute, rel=1e-12)
+    two = bench.roofline(config, [512] * 8, [8] * 8, 4e12, 7e14, siblings=4)
+    alone = bench.roofline(config, [512] * 8, [8] * 8, 4e12, 7e14)
+    kv_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    # per prompt: three prefills fewer and 7 decode steps reading it once instead of four times
+    saved = 2 * (3 * 512 + 3 * 512 * 7) * kv_token / 4e12
+    assert alone.seconds_memory - two.seconds_memory == pytest.approx(saved, rel=1e-9)
+    with pytest.raises(ValueError, match="siblings=3"):
+        bench.roofline(config, [512] * 4, [8] * 4, 4e12, 7e14, siblings=3)
+
+
+def test_rl_scenario_runs_on_cpu(tmp_path):
+    from tiny_model import build_tiny_qwen3
+    path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path,
+                           "--scenario", "rl", "--scale", "0.01", "--block-size", "16", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["num_seqs"] == 64 and result["output_tokens"] == 64 * 8 * 5
+
+
 def test_kernel_table_counts_launches_busy_and_idle_time():
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from profile_step import kernel_table
