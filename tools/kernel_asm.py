@@ -147,7 +147,7 @@ def moe(fp8: bool, block_m: int, w8a8: bool = False):
            "expert_ids_ptr": "*i32", "num_post_padded_ptr": "*i32", "n": "i32", "k": "i32",
            "num_pairs": "i32", "stride_a": "i32", "stride_as": "i32", "stride_we": "i32",
            "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_c": "i32"}
-    cfg = tm.moe_config({16: 1, 64: 1 << 20}[block_m], 128, 8)
+    cfg = tm.moe_config({16: 1, 64: 1 << 20}[block_m], 128, 8, (128, 128) if fp8 else None)
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     const = dict(ROWS_PER_A=8, SILU_MUL=True, MUL_ROUTED_WEIGHT=False, FP8_W=fp8, FP8_A=w8a8,
                  SCALE_N=128 if fp8 else 1, SCALE_K=128 if fp8 else 1, PRECISION="tf32", **cfg)
