@@ -5,7 +5,7 @@ Qwen3-0.6B's and -8B's attention shapes, batch 1-512, shared prefixes of 64-8,19
 2 to the whole batch, each row with 128 tokens of its own. CUDA Graph replays; one JSON line a
 point, then a table of the cascade's speed-up.
 
-    python tools/bench_cascade.py [--out DIR] [--quick]
+    python tools/bench_cascade.py [--out DIR] [--quick] [--models 0.6b 8b]
 """
 from __future__ import annotations
 
@@ -59,11 +59,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--quick", action="store_true", help="fewer points (a first look)")
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     batches = (1, 8, 64, 256) if args.quick else (1, 4, 16, 64, 256, 512)
     shareds = (256, 2048) if args.quick else (64, 256, 1024, 2048, 8192)
     rows = []
-    for model, (heads, kv_heads, d) in SHAPES.items():
+    for model in args.models:
+        heads, kv_heads, d = SHAPES[model]
         for batch, shared in itertools.product(batches, shareds):
             for group in sorted({g for g in (2, 8, 64, batch) if g <= batch and g > 1}):
                 k_cache, v_cache, bt, ctx, prefixes = batch_of_groups(batch, group, shared,
