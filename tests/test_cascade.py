@@ -144,6 +144,28 @@ def test_triton_cascade_matches_reference(name, splits, dtype):
     assert err < TOL[dtype], err
 
 
+def test_a_fixed_capacity_of_groups_gives_the_same_result():
+    """Groups padded to a capacity (empty ones) and a grid sized by the batch, as a CUDA graph
+    would replay them: the same output, and the reference cascade skips the empty groups."""
+    q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs("two-groups-and-loners", torch.float32, 6)
+    spec = CASES["two-groups-and-loners"]
+    tables = [[b for b in row if b >= 0] for row in bt.tolist()]
+    groups = shared_prefix_groups(tables, ctx.tolist(), spec[3])
+    padded = as_shared_prefixes(groups, len(tables), spec[3], DEVICE, capacity=len(tables) // 2)
+    assert padded.first_row.numel() == len(tables) // 2 and padded.max_rows == len(tables)
+    want = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
+                                             prefixes=prefixes)
+    got = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
+                                            prefixes=padded)
+    torch.testing.assert_close(got, want)
+    ref = cascade_decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, bt,
+                                   d ** -0.5, padded)
+    torch.testing.assert_close(ref, reference.decode_attention(
+        q.double(), k_cache.double(), v_cache.double(), ctx, bt, d ** -0.5))
+    with pytest.raises(ValueError, match="capacity=1"):
+        as_shared_prefixes(groups, len(tables), spec[3], DEVICE, capacity=1)
+
+
 def test_triton_cascade_reads_the_shared_blocks_once_from_the_group():
     """The prefix part reads the group's first row's table: corrupting another row's copy of the
     shared block ids leaves the result unchanged; corrupting the first row's changes it."""

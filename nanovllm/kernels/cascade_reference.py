@@ -60,18 +60,24 @@ def shared_prefix_groups(block_tables: Sequence[Sequence[int]], context_lens: Se
 
 
 def as_shared_prefixes(groups: list[tuple[int, int, int]], batch: int, block_size: int,
-                       device) -> SharedPrefixes:
-    """``shared_prefix_groups``'s list as the tensors the kernels read."""
+                       device, capacity: int | None = None) -> SharedPrefixes:
+    """``shared_prefix_groups``'s list as the tensors the kernels read. ``capacity``: that many
+    groups, the missing ones empty (no rows), and ``max_rows`` the batch, so that the kernels' grids
+    depend on the batch size alone (a CUDA graph replays them for other groups)."""
     seq_shared = [0] * batch
     for first, rows, blocks in groups:
         seq_shared[first:first + rows] = [blocks * block_size] * rows
+    if capacity is not None:
+        if len(groups) > capacity:
+            raise ValueError(f"{len(groups)} groups, capacity={capacity}")
+        groups = groups + [(0, 0, 0)] * (capacity - len(groups))
     columns = list(zip(*groups)) or [(), (), ()]
 
     def ints(values):
         return torch.tensor(list(values), dtype=torch.int32, device=device)
     return SharedPrefixes(ints(columns[0]), ints(columns[1]),
                           ints(b * block_size for b in columns[2]), ints(seq_shared),
-                          max(columns[1], default=0))
+                          batch if capacity is not None else max(columns[1], default=0))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -106,6 +112,8 @@ def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         out[b], lse[b] = (t[0] for t in _attend(q[b:b + 1], k_all[b, seq_shared[b]:ctx],
                                                 v_all[b, seq_shared[b]:ctx], scale))
     for first, rows, shared in zip(*(t.tolist() for t in prefixes[:3])):
+        if not rows:  # an empty group of a fixed capacity
+            continue
         assert shared % page == 0 and shared <= min(seq_shared[first:first + rows])
         o_p, lse_p = _attend(q[first:first + rows], k_all[first, :shared], v_all[first, :shared],
                              scale)
