@@ -374,6 +374,16 @@ def test_fp8_fused_moe_matches_dequantized_reference(w8a8, case, m, skew, residu
     assert _fp8_error(x, w13, w2, tw, ti, fp8, res, config, w8a8=w8a8) < TOL[dtype]
 
 
+@pytest.mark.parametrize("w8a8", [True, False], ids=["w8a8", "w8a16"])
+def test_fp8_fused_moe_default_tiles_step_through_whole_128_blocks(w8a8):
+    """config=None with 128x128 blocks: ``moe_config`` gives K steps of 128 (the tiles the H200
+    sweep chose), through two blocks of K and two of N."""
+    assert triton_moe.moe_config(5, 8, 2, (128, 128))["BLOCK_K"] == 128
+    x, w13, w2, tw, ti, fp8 = _fp8_moe_inputs(5, 256, 128, 8, 2, (128, 128), torch.float32,
+                                              seed=21)
+    assert _fp8_error(x, w13, w2, tw, ti, fp8, w8a8=w8a8) < TOL[torch.float32]
+
+
 def test_fp8_fused_moe_w8a8_quantizes_the_activations():
     """W8A8 and W8A16 differ by the activations' e4m3 rounding (~2-3%), far past float32's
     tolerance: each route's kernel matches its own reference and not the other's."""
