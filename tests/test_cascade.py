@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,6 +43,25 @@ def test_groups_of_a_hand_made_batch():
     assert shared_prefix_groups(tables, lens, b, min_blocks=2) == [(0, 3, 2), (6, 2, 2)]
 
 
+def _groups_one_by_one(tables, lens, block, min_blocks=1):
+    """The definition, row by row: a run grows while the next row shares at least min_blocks
+    leading blocks with its first row, within every row's full blocks before its last token."""
+    groups, row = [], 0
+    while row < len(tables):
+        common, end = (lens[row] - 1) // block, row + 1
+        while end < len(tables):
+            shared, cap = 0, min(common, (lens[end] - 1) // block)
+            while shared < cap and tables[end][shared] == tables[row][shared]:
+                shared += 1
+            if shared < min_blocks:
+                break
+            common, end = shared, end + 1
+        if end - row >= 2 and common >= min_blocks:
+            groups.append((row, end - row, common))
+        row = end
+    return groups
+
+
 def test_groups_hold_their_invariants_on_random_tables():
     rng = random.Random(0)
     for _ in range(300):
@@ -58,6 +78,13 @@ def test_groups_hold_their_invariants_on_random_tables():
             tables.append(t)
             lens.append(rng.randint((len(t) - 1) * block + 1, len(t) * block))
         groups = shared_prefix_groups(tables, lens, block)
+        assert groups == _groups_one_by_one(tables, lens, block)
+        padded = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
+        for r, t in enumerate(tables):
+            padded[r, :len(t)] = t
+        assert shared_prefix_groups(padded, lens, block) == groups
+        assert (shared_prefix_groups(tables, lens, block, min_blocks=2)
+                == _groups_one_by_one(tables, lens, block, min_blocks=2))
         covered = []
         for first, rows, shared in groups:
             assert rows >= 2 and shared >= 1
