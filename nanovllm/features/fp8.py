@@ -22,6 +22,7 @@ from nanovllm.kernels.fp8_reference import (  # noqa: F401 (re-exported: the qua
     FP8,
     FP8_MAX,
     dequantize_fp8_block,
+    fake_quantize_activations,
     quantize_fp8_block,
     quantize_fp8_per_channel,
 )
@@ -181,8 +182,7 @@ class Fp8LinearMethod(LinearMethod):
             return fp8.fp8_linear(x, layer.weight, scale, block, bias, residual=residual,
                                   silu_mul=silu_mul)
         x2 = x.reshape(-1, x.size(-1))
-        group = (1, x2.size(1) if block is None else block[1])
-        x_dq = dequantize_fp8_block(*quantize_fp8_block(x2, group), group)
+        x_dq = fake_quantize_activations(x2, x2.size(1) if block is None else block[1])
         w = dequantize_fp8_block(layer.weight, scale, block or (1, layer.weight.size(1)))
         y = reference.linear(x_dq, w, None if bias is None else bias.float(), silu_mul=silu_mul)
         y = y.to(x.dtype).view(*x.shape[:-1], y.size(-1))

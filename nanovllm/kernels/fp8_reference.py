@@ -35,6 +35,13 @@ def dequantize_fp8_block(w_fp8: torch.Tensor, scale_inv: torch.Tensor,
     return (w_fp8.float() * scales).to(dtype)
 
 
+def fake_quantize_activations(x: torch.Tensor, group: int,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [M, K] as W8A8 kernels multiply it: quantized to e4m3 per row and group of ``group``
+    columns, then dequantized to ``dtype`` (the CPU references' emulation)."""
+    return dequantize_fp8_block(*quantize_fp8_block(x, (1, group)), (1, group), dtype)
+
+
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_fp8, scale [N, 1]): one scale per row (an output channel of a weight, a token of an
     activation)."""

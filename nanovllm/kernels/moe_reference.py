@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanovllm.kernels.fp8_reference import FP8, dequantize_fp8_block, quantize_fp8_block
+from nanovllm.kernels.fp8_reference import FP8, dequantize_fp8_block, fake_quantize_activations
 from nanovllm.kernels.reference import silu_and_mul
 
 
@@ -65,11 +65,6 @@ def steps_through_blocks(block: tuple[int, int] | None) -> bool:
     return block is not None and block[1] >= 16 and block[1] & (block[1] - 1) == 0
 
 
-def _fp8_activations(a: torch.Tensor, bk: int, dtype: torch.dtype) -> torch.Tensor:
-    """a quantized to e4m3 per row and group of bk columns, dequantized to ``dtype``."""
-    return dequantize_fp8_block(*quantize_fp8_block(a, (1, bk)), (1, bk), dtype)
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, residual: torch.Tensor | None = None, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
@@ -92,10 +87,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             w_gate_up = dequantize_fp8_block(w_gate_up, w13_scale[expert], block, dtype)
             w_down = dequantize_fp8_block(w_down, w2_scale[expert], block, dtype)
         if w8a8:
-            x_in = _fp8_activations(x_in, block[1], compute)
+            x_in = fake_quantize_activations(x_in, block[1], compute)
         act = silu_and_mul(F.linear(x_in, w_gate_up).to(x.dtype))
         if w8a8:
-            act = _fp8_activations(act, block[1], compute)
+            act = fake_quantize_activations(act, block[1], compute)
         weight = topk_weights[rows, slots].float().unsqueeze(1)
         y = F.linear(act, w_down).to(x.dtype).float() * weight
         out.index_add_(0, rows, y.to(x.dtype).float())
