@@ -298,20 +298,20 @@ def moe_rows(sweep: bool, bw: float, routings: int = 8):
                    w8a16_us=t_w8a16 * 1e6, w8a16_speedup=t_fused / t_w8a16,
                    w8a16_rel_err=float((w8a16[0]().float() - ref_fp8).norm() / ref_fp8.norm()))
         if sweep and m in (1, 64, 256, 4096):
-            # (column prefix, its time with the default tiles, the weights, the tiles, keywords)
-            routes = [("", t_fused, (w13, w2), MOE_CONFIGS, {}),
-                      ("fp8_", t_fp8, (q13, q2), MOE_FP8_CONFIGS, fp8),
-                      ("w8a16_", t_w8a16, (q13, q2), MOE_FP8_CONFIGS, dict(fp8, w8a8=False))]
-            for prefix, t_default, weights, configs, kwargs in routes:
+            # (column prefix, its time with the default tiles, bytes read, the weights, the tiles,
+            # keywords)
+            routes = [("", t_fused, nbytes, (w13, w2), MOE_CONFIGS, {}),
+                      ("fp8_", t_fp8, fp8_bytes, (q13, q2), MOE_FP8_CONFIGS, fp8),
+                      ("w8a16_", t_w8a16, fp8_bytes, (q13, q2), MOE_FP8_CONFIGS,
+                       dict(fp8, w8a8=False))]
+            for prefix, t_default, route_bytes, weights, configs, kwargs in routes:
                 best = fastest(t_default, (
                     (cfg, partial(bench_graph_each,
                                   [partial(tmoe.fused_moe, x, *weights, w, ids, config=cfg,
                                            **kwargs) for w, ids in routed], 30))
                     for cfg in configs))
-                row.update({f"{prefix}best_us": best[0] * 1e6, f"{prefix}best_config": best[1]})
-                if prefix != "w8a16_":
-                    row[f"{prefix}best_of_copy"] = ((fp8_bytes if prefix else nbytes)
-                                                   / best[0] / bw)
+                row.update({f"{prefix}best_us": best[0] * 1e6, f"{prefix}best_config": best[1],
+                            f"{prefix}best_of_copy": route_bytes / best[0] / bw})
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
