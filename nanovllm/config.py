@@ -45,6 +45,7 @@ class Config:
     cpu_kvcache_space: float = 4.0  # GiB of KV cache per rank on CPU, unless num_kvcache_blocks
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (scales of 1.0)
     enable_chunked_prefill: bool | None = None  # False: a prompt is never split
+    disable_cascade_attn: bool = False  # True: decode reads shared prefixes once per sequence
     hf_config: PretrainedConfig | None = field(default=None, repr=False)  # None: config.json's
     features: tuple[tuple[str, dict], ...] = ()  # (registered feature, its options) on every rank
     model_class: type | None = field(default=None, init=False, repr=False)  # set in __post_init__
@@ -96,7 +97,10 @@ class Config:
         backend = resolve_backend(self.attention_backend, self.device, self.torch_dtype,
                                   self.kvcache_block_size or 256, self.model_class.head_dim(hf),
                                   self.kv_cache_torch_dtype)
-        self._set(attention_backend=backend,
+        if backend == "flash-attn" and not self.disable_cascade_attn:
+            logger.info("disable_cascade_attn=True: flash-attn's decode has no cascade attention")
+        self._set(attention_backend=backend, disable_cascade_attn=self.disable_cascade_attn
+                  or backend == "flash-attn",
                   kvcache_block_size=self.kvcache_block_size or DEFAULT_BLOCK_SIZE[backend])
 
     def _set(self, **values) -> Config:
@@ -130,7 +134,8 @@ class Config:
         for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager"):
+        for name in ("skip_tokenizer_init", "enable_prefix_caching", "enforce_eager",
+                     "disable_cascade_attn"):
             check_bool(name, getattr(self, name))
         for name in ("async_scheduling", "enable_chunked_prefill"):
             if getattr(self, name) is not None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.kernels import reference
+from nanovllm.kernels import cascade_reference, reference
 from nanovllm.kernels.cascade_reference import (
     as_shared_prefixes,
     cascade_decode_attention,
@@ -225,3 +225,163 @@ def test_cascade_refuses_a_sliding_window():
     with pytest.raises(ValueError, match="window=32"):
         triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, 0.1, window=32,
                                           prefixes=prefixes)
+
+
+# --- the engine: decode steps group their rows by the rule (cascade_groups) ---------------------
+
+def test_rule_keeps_groups_that_pay_and_those_that_save_most(monkeypatch):
+    monkeypatch.setattr(cascade_reference, "MAX_GROUPS", 2)
+    b = 4
+    tables = np.array([[1, 2, 9], [1, 2, 8], [1, 2, 7], [1, 2, 6],  # 4 rows, 8 tokens: saves 24
+                       [3, 5, 0], [3, 5, 4], [3, 5, 10],            # 3 rows: below MIN_ROWS
+                       [11, 12, 13], [11, 12, 14], [11, 12, 15], [11, 12, 16], [11, 12, 17]])
+    lens = np.full(len(tables), 3 * b)
+    monkeypatch.setattr(cascade_reference, "MIN_ROWS", 4)
+    monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 8)
+    groups, seq_shared = cascade_reference.cascade_groups(tables, lens, b)
+    assert groups.tolist() == [[0, 7], [4, 5], [8, 8]]
+    assert seq_shared.tolist() == [8] * 4 + [0] * 3 + [8] * 5
+    monkeypatch.setattr(cascade_reference, "MAX_GROUPS", 1)  # the five rows save more
+    groups, seq_shared = cascade_reference.cascade_groups(tables, lens, b)
+    assert groups.tolist() == [[7], [5], [8]] and seq_shared.tolist() == [0] * 7 + [8] * 5
+    monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 9)  # three blocks: none has them
+    assert cascade_reference.cascade_groups(tables, lens, b) is None
+
+
+@pytest.fixture
+def counted_cascade(monkeypatch):
+    """The rule lowered to tiny models' sizes (2 rows, one 16-token block); counts the torch
+    backend's cascade calls."""
+    from nanovllm.layers import attention
+    monkeypatch.setattr(cascade_reference, "MIN_ROWS", 2)
+    monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 16)
+    calls = []
+
+    def cascade(*args, **kw):
+        calls.append(args[6].first_row.numel())  # (q, caches, lens, tables, scale, prefixes)
+        return cascade_decode_attention(*args, **kw)
+    monkeypatch.setattr(attention, "cascade_decode_attention", cascade)
+    return calls
+
+
+def _shared_prefix_prompts(n: int, prefix_len: int = 50, seed: int = 0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(prefix_len)]
+    return prefix, [prefix + [rng.randrange(256) for _ in range(rng.randint(3, 20))]
+                    for _ in range(n)]
+
+
+def _generate_both_ways(path, waves, params, **engine):
+    """Each wave's outputs (token ids), run with cascade decode and without, on fresh engines."""
+    from nanovllm import LLM
+    from tests.conftest import CPU_ENGINE, assert_no_leaks
+    runs = []
+    for disable in (False, True):
+        llm = LLM(path, **{**CPU_ENGINE, **engine}, disable_cascade_attn=disable)
+        try:
+            runs.append([[o["token_ids"] for o in llm.generate(w, params, use_tqdm=False)]
+                         for w in waves])
+            assert_no_leaks(llm)
+            runs[-1].append(llm.scheduler.num_preemptions)
+        finally:
+            llm.exit()
+    return runs
+
+
+def test_engine_cascade_equals_the_plain_path(tiny, oracle, counted_cascade):
+    """A cached shared prefix (a first request leaves it in the prefix cache), then 6 prompts
+    that hit it: the same greedy tokens with the cascade as without, and as transformers'."""
+    from nanovllm import SamplingParams
+    from tests.conftest import assert_matches_oracle
+    prefix, prompts = _shared_prefix_prompts(6)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cascade, plain = _generate_both_ways(tiny, [[prefix + [1]], prompts], greedy)
+    assert counted_cascade and all(g == 1 for g in counted_cascade)  # one group, every layer
+    assert cascade == plain
+    assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t} for t in cascade[1]], 12)
+
+
+def test_engine_cascade_with_n_siblings_and_seeds(tiny, counted_cascade):
+    """``n`` completions of two prompts (two groups once the first prefill is cached), greedy and
+    sampled with a seed: the same tokens with and without the cascade."""
+    from nanovllm import SamplingParams
+    prefix, prompts = _shared_prefix_prompts(2, prefix_len=40, seed=1)
+    waves = [[prefix + [2]], prompts]
+    for params in (SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True),
+                   SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)):
+        cascade, plain = _generate_both_ways(tiny, waves, params)
+        assert cascade == plain
+    assert max(counted_cascade) == 1 and counted_cascade  # 8 rows under one shared prefix
+
+
+def test_engine_cascade_under_preemption_and_chunked_prefill(tiny, oracle, counted_cascade):
+    """A cache of 20 blocks for 12 sequences of ~80 tokens (preemption) and a 40-token budget
+    (chunked prefill): the same tokens with and without the cascade."""
+    from nanovllm import SamplingParams
+    from tests.conftest import assert_matches_oracle
+    prefix, prompts = _shared_prefix_prompts(12, prefix_len=48, seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cascade, plain = _generate_both_ways(tiny, [[prefix + [3]], prompts], greedy,
+                                         num_kvcache_blocks=20, max_num_batched_tokens=40)
+    assert cascade[-1] > 0 and plain[-1] > 0, "the cache should have forced preemption"
+    assert counted_cascade and cascade == plain
+    assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t} for t in cascade[1]], 16)
+
+
+def test_engine_beam_search_with_and_without_the_cascade(tiny, counted_cascade):
+    from nanovllm import LLM
+    from nanovllm.features.beam_search import BeamSearchParams
+    from tests.conftest import CPU_ENGINE
+    _, prompts = _shared_prefix_prompts(2, prefix_len=40, seed=3)
+    results = []
+    for disable in (False, True):
+        llm = LLM(tiny, **CPU_ENGINE, disable_cascade_attn=disable)
+        try:
+            outs = llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=5))
+            results.append([[(s.tokens, round(s.cum_logprob, 5)) for s in o.sequences]
+                            for o in outs])
+        finally:
+            llm.exit()
+    assert results[0] == results[1]
+
+
+def test_engine_cascade_skips_sliding_window_layers(family_checkpoints, oracle, counted_cascade):
+    """Qwen2 with a window on its second layer: the first layer takes the cascade, the windowed
+    one reads its own keys; the tokens match transformers'."""
+    from nanovllm import SamplingParams
+    from tests.conftest import assert_matches_oracle
+    path = family_checkpoints["qwen2_window_mixed"]
+    prefix, prompts = _shared_prefix_prompts(5, prefix_len=32, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cascade, plain = _generate_both_ways(path, [[prefix + [4]], prompts], greedy)
+    assert cascade == plain and len(counted_cascade) == 7  # 7 decode steps x one unwindowed layer
+    assert_matches_oracle(oracle, path, prompts, [{"token_ids": t} for t in cascade[1]], 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_engine_cascade_on_cuda_graphs(tiny, oracle):
+    """The Triton backend under CUDA graphs (a bucket's cascade graph captured on first use),
+    float32: the same greedy tokens with and without the cascade, and transformers'."""
+    from nanovllm import LLM, SamplingParams
+    from tests.conftest import ENGINE, assert_matches_oracle
+    prefix, prompts = _shared_prefix_prompts(6)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    old = cascade_reference.MIN_ROWS, cascade_reference.MIN_SHARED_TOKENS
+    cascade_reference.MIN_ROWS, cascade_reference.MIN_SHARED_TOKENS = 2, 16
+    try:
+        for disable in (False, True):
+            llm = LLM(tiny, **ENGINE, dtype="float32", disable_cascade_attn=disable)
+            try:
+                llm.generate([prefix + [1]], greedy, use_tqdm=False)
+                runs[disable] = [o["token_ids"] for o in llm.generate(prompts, greedy,
+                                                                       use_tqdm=False)]
+                graphs = llm.model_runner.graphs.graphs
+                assert any(cascade for _, cascade in graphs) != disable
+            finally:
+                llm.exit()
+    finally:
+        cascade_reference.MIN_ROWS, cascade_reference.MIN_SHARED_TOKENS = old
+    assert runs[False] == runs[True]
+    assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t} for t in runs[False]], 12)

@@ -259,6 +259,7 @@ def run(prompts, max_tokens, num_blocks, block_size, budget, max_num_seqs, prefi
                              # as the model runner lowers it: no more than the whole cache holds
                              max_model_len=min(max_len, num_blocks * block_size),
                              num_kvcache_blocks=num_blocks, kvcache_block_size=block_size,
+                             disable_cascade_attn=False,
                              enable_prefix_caching=prefix_caching,
                              async_scheduling=async_scheduling, device="cpu")
     resources = EngineResources()

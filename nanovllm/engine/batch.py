@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels.cascade_reference import cascade_groups
 
 
 @dataclass
@@ -24,6 +25,7 @@ class StepInput:
     context_lens: np.ndarray | None = None  # [B] int32, decode
     logits_indices: np.ndarray | None = None  # [R] int64, prefill: the rows the LM head projects
     prev_rows: np.ndarray | None = None  # [B] int64, decode: row of the last samples; -1: known
+    prefix_groups: tuple | None = None  # decode: cascade_reference.cascade_groups's, or None
 
     @property
     def num_seqs(self) -> int:
@@ -72,9 +74,11 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
     return step
 
 
-def prepare_decode(seqs: list[Sequence], block_size: int, inflight=None) -> StepInput:
+def prepare_decode(seqs: list[Sequence], block_size: int, inflight=None,
+                   cascade: bool = False) -> StepInput:
     """Each sequence's last token; one still on the device (async scheduling) comes from its row
-    of the in-flight batch's samples (``prev_rows``)."""
+    of the in-flight batch's samples (``prev_rows``). ``cascade``: the groups of rows whose shared
+    leading blocks attention reads once (``prefix_groups``), where adjacent rows share a block."""
     context_lens = np.array([seq.num_tokens for seq in seqs], dtype=np.int32)
     step = StepInput(
         is_prefill=False,
@@ -84,6 +88,8 @@ def prepare_decode(seqs: list[Sequence], block_size: int, inflight=None) -> Step
         slot_mapping=np.array([seq.block_table[-1] * block_size + (n - 1) % block_size
                                for seq, n in zip(seqs, context_lens.tolist())], dtype=np.int32),
         block_tables=block_tables(seqs), context_lens=context_lens)
+    if cascade and (step.block_tables[1:, 0] == step.block_tables[:-1, 0]).any():
+        step.prefix_groups = cascade_groups(step.block_tables, context_lens, block_size)
     if any(seq.num_pending_tokens for seq in seqs):
         row_of = {inflight.seqs[row].seq_id: row for row in inflight.kept_rows}
         step.prev_rows = np.array([row_of[seq.seq_id] if seq.num_pending_tokens else -1

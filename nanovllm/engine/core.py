@@ -77,7 +77,8 @@ class EngineCore:
         seqs, block_size = batch.seqs, self.config.kvcache_block_size
         prev = self.inflight[0] if self.inflight else None
         batch.step_input = (step_inputs.prepare_prefill(seqs, block_size) if batch.is_prefill
-                            else step_inputs.prepare_decode(seqs, block_size, prev))
+                            else step_inputs.prepare_decode(seqs, block_size, prev,
+                                                            not self.config.disable_cascade_attn))
         if self.resources.workers is not None:
             self.call_or_shut_down(self.resources.workers.call, "run", batch.step_input)
         logits = self.call_or_shut_down(runner.forward, batch.step_input, sampling)

@@ -3,6 +3,7 @@ into one memory pool (a step replays the smallest that covers its batch, its pad
 and context length 0); the warmup that sizes the KV cache; waits on device events."""
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from torch import nn
 from nanovllm.engine.batch import prepare_prefill
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels.cascade_reference import MAX_GROUPS, SharedPrefixes
 from nanovllm.utils.context import Context, set_context
 
 
@@ -22,32 +24,41 @@ def bucket_sizes(max_bs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured on construction, on the default device and dtype."""
+    """Captured on construction, on the default device and dtype; a bucket's cascade graph (decode
+    attention with shared prefixes, at most MAX_GROUPS groups) on its first use, under ``build``
+    (the runner's device and dtype)."""
 
     @torch.inference_mode()
-    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int):
-        self.batch_sizes = bucket_sizes(max_bs)
+    def __init__(self, model: nn.Module, max_bs: int, max_num_blocks: int, hidden_size: int,
+                 build: Callable = contextlib.nullcontext):
+        self.model, self.build, self.batch_sizes = model, build, bucket_sizes(max_bs)
         ints = dict(input_ids=torch.int64, positions=torch.int64, slot_mapping=torch.int32,
-                    context_lens=torch.int32)
+                    context_lens=torch.int32, seq_shared_len=torch.int32)
         b = self.buffers = {name: torch.zeros(max_bs, dtype=dtype) for name, dtype in ints.items()}
         b["block_tables"] = torch.zeros(max_bs, max_num_blocks, dtype=torch.int32)
+        b["groups"] = torch.zeros(3, MAX_GROUPS, dtype=torch.int32)  # first row, rows, shared
         b["outputs"] = torch.zeros(max_bs, hidden_size)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
         for bs in reversed(self.batch_sizes):
-            graph = torch.cuda.CUDAGraph()
-            with set_context(False, slot_mapping=b["slot_mapping"][:bs],
-                             context_lens=b["context_lens"][:bs],
-                             block_tables=b["block_tables"][:bs]):
-                b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # warmup
-                # thread_local: another engine may run kernels in another thread
-                # while this one captures
-                with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
-                    b["outputs"][:bs] = model(b["input_ids"][:bs], b["positions"][:bs])  # capture
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
+            self.capture(bs, cascade=False)
+
+    def capture(self, bs: int, cascade: bool):
+        b, graph = self.buffers, torch.cuda.CUDAGraph()
+        prefixes = (SharedPrefixes(*b["groups"], b["seq_shared_len"][:bs], bs) if cascade
+                    else None)
+        with set_context(False, slot_mapping=b["slot_mapping"][:bs],
+                         context_lens=b["context_lens"][:bs],
+                         block_tables=b["block_tables"][:bs], prefixes=prefixes):
+            b["outputs"][:bs] = self.model(b["input_ids"][:bs], b["positions"][:bs])  # warmup
+            # thread_local: another engine may run kernels in another thread while this one
+            # captures
+            with torch.cuda.graph(graph, self.pool, capture_error_mode="thread_local"):
+                b["outputs"][:bs] = self.model(b["input_ids"][:bs], b["positions"][:bs])
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs, cascade] = graph
+        torch.cuda.synchronize()
 
     @property
     def max_batch_size(self) -> int:
@@ -55,9 +66,10 @@ class DecodeGraphs:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
                context: Context) -> torch.Tensor:
-        """The decoder's hidden states [bs, hidden] for this decode step."""
+        """The decoder's hidden states [bs, hidden] for this decode step (the buffers are filled
+        before a first capture, whose warmup then writes this step's K/V as the replay will)."""
         bs = input_ids.size(0)
-        graph = self.graphs[next(x for x in self.batch_sizes if x >= bs)]
+        key = next(x for x in self.batch_sizes if x >= bs), context.prefixes is not None
         b = self.buffers
         b["input_ids"][:bs] = input_ids
         b["positions"][:bs] = positions
@@ -66,7 +78,17 @@ class DecodeGraphs:
         b["context_lens"].zero_()
         b["context_lens"][:bs] = context.context_lens
         b["block_tables"][:bs, :context.block_tables.size(1)] = context.block_tables
-        graph.replay()
+        if key[1]:
+            groups = context.prefixes
+            b["groups"].zero_()  # groups past this step's have no rows
+            for i in range(3):
+                b["groups"][i, :groups[i].numel()] = groups[i]
+            b["seq_shared_len"].zero_()
+            b["seq_shared_len"][:bs] = groups.seq_shared_len
+        if key not in self.graphs:
+            with self.build(), torch.inference_mode():
+                self.capture(*key)
+        self.graphs[key].replay()
         return b["outputs"][:bs]
 
 

@@ -18,6 +18,7 @@ from nanovllm.engine.logprobs import prompt_logprobs
 from nanovllm.engine.outputs import ModelRunnerOutput
 from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
 from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.kernels.cascade_reference import SharedPrefixes
 from nanovllm.layers.attention import Attention, bind_backend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.presets import load_dummy_weights
@@ -106,7 +107,7 @@ class ModelRunner:
     def capture_cudagraph(self):
         max_num_blocks = (self.max_model_len + self.block_size - 1) // self.block_size
         self.graphs = DecodeGraphs(self.model, min(self.config.max_num_seqs, 512), max_num_blocks,
-                                   self.config.hf_config.hidden_size)
+                                   self.config.hf_config.hidden_size, self.building)
 
     def exit(self):  # frees graphs, KV cache, weights (unusable after) for another engine's sizing
         if self.is_cuda:  # a step may still be in flight (async scheduling)
@@ -169,6 +170,10 @@ class ModelRunner:
                   "context_lens")
         context = {name: self._to_device(getattr(step, name)) for name in arrays}
         context.update(max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k)
+        if step.prefix_groups is not None:  # (first row, rows, shared tokens) [3, G]; [B]
+            groups, seq_shared = step.prefix_groups
+            context["prefixes"] = SharedPrefixes(*self._to_device(groups),
+                                                 self._to_device(seq_shared), int(groups[1].max()))
         input_ids = self._to_device(step.input_ids)
         if step.prev_rows is not None:  # rows >= 0: their tokens are still on the device
             rows = self._to_device(step.prev_rows)

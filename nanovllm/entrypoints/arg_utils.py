@@ -29,7 +29,6 @@ IGNORED_KEYWORDS = {
     "compilation_config": "no torch.compile",
     "use_v2_block_manager": "one block manager",
     "disable_async_output_proc": "outputs are processed each step",
-    "disable_cascade_attn": "no cascade attention",
     "prefix_caching_hash_algo": "prefix blocks are keyed by xxhash",
     "served_model_name": "no server",
     "use_tqdm_on_load": "no progress bar while loading",

@@ -63,6 +63,29 @@ def shared_prefix_groups(block_tables, context_lens, block_size: int, min_rows: 
     return groups
 
 
+# When the cascade pays (``cascade_groups``): a group of at least MIN_ROWS rows sharing at least
+# MIN_SHARED_TOKENS tokens; at most MAX_GROUPS groups a step (a CUDA graph's capacity), those that
+# save the most reads kept.
+MIN_ROWS, MIN_SHARED_TOKENS, MAX_GROUPS = 4, 256, 64
+
+
+def cascade_groups(block_tables: np.ndarray, context_lens: np.ndarray,
+                   block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The groups of a decode batch that the cascade reads once, by the rule above: ([3, G] int32
+    first row, rows, shared tokens; [B] int32 each row's shared tokens), or None."""
+    groups = shared_prefix_groups(block_tables, context_lens, block_size, MIN_ROWS,
+                                  -(-MIN_SHARED_TOKENS // block_size))
+    if not groups:
+        return None
+    groups = sorted(sorted(groups, key=lambda g: -(g[1] - 1) * g[2])[:MAX_GROUPS])
+    seq_shared = np.zeros(len(context_lens), dtype=np.int32)
+    for first, rows, blocks in groups:
+        seq_shared[first:first + rows] = blocks * block_size
+    table = np.array(groups, dtype=np.int32).T.copy()
+    table[2] *= block_size
+    return table, seq_shared
+
+
 def as_shared_prefixes(groups: list[tuple[int, int, int]], batch: int, block_size: int,
                        device, capacity: int | None = None) -> SharedPrefixes:
     """``shared_prefix_groups``'s list as the tensors the kernels read. ``capacity``: that many

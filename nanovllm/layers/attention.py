@@ -9,6 +9,7 @@ from functools import partial
 
 import torch
 
+from nanovllm.kernels.cascade_reference import cascade_decode_attention
 from nanovllm.layers import cuda_backends
 from nanovllm.utils.context import Context, get_context
 
@@ -34,9 +35,12 @@ def _kernel_module_backend(name: str, *shape) -> AttentionBackend:  # "torch" or
                                         attn.scale, attn.k_scale, attn.v_scale, attn.sliding_window)
 
     def decode(q, attn: Attention, ctx: Context):
-        return module.decode_attention(q, attn.k_cache, attn.v_cache, ctx.context_lens,
-                                       ctx.block_tables, attn.scale, attn.k_scale, attn.v_scale,
-                                       attn.sliding_window)
+        args = (q, attn.k_cache, attn.v_cache, ctx.context_lens, ctx.block_tables, attn.scale)
+        if ctx.prefixes is None or attn.sliding_window:  # a window's layers read their own keys
+            return module.decode_attention(*args, attn.k_scale, attn.v_scale, attn.sliding_window)
+        if name == "torch":
+            return cascade_decode_attention(*args, ctx.prefixes, attn.k_scale, attn.v_scale)
+        return module.decode_attention(*args, attn.k_scale, attn.v_scale, prefixes=ctx.prefixes)
 
     return AttentionBackend(name, module.store_kvcache, prefill, decode,
                             module.qk_norm_rope_store if name == "triton" else None)

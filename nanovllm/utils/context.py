@@ -19,6 +19,7 @@ class Context:
     logits_indices: torch.Tensor | None = None  # [num_logits] int64, prefill: the LM head's rows
     context_lens: torch.Tensor | None = None  # [num_seqs] int32, decode
     block_tables: torch.Tensor | None = None  # [num_seqs, max_num_blocks] int32, -1 = padding
+    prefixes: tuple | None = None  # decode: shared blocks read once (a SharedPrefixes)
 
 
 _EMPTY, _STATE = Context(), threading.local()

@@ -24,6 +24,7 @@
 #             this tree, alternating: baseline, current, baseline, current (COMPARE_REPS pairs, default 2); the
 #             results in compare-{bench,structured}-{baseline,current}.jsonl, a summary of tok/s per tree at the end
 #   ab        the same for bench.py alone (AB_REPS pairs, default 2): bench_before.jsonl (BASELINE), bench.jsonl
+#   scenarios_ab bench.py's scenarios (SCENARIOS) in BASELINE, then in this tree
 #   bench_before / profile_before / startup_before: BASELINE's bench.py / tools/profile_step.py /
 #             tools/startup_time.py
 #   kernels   the kernel tests with flash-attn (phases with flash-attn use the installed one, else build it from the
@@ -56,7 +57,8 @@
 #   fp8wtests the fp8-weight kernels' and engine's GPU tests (dense, MoE), tools/bench_fp8.py and the fp8
 #             MoE microbenchmark
 #   fp8moe    the fused MoE's fp8 GPU tests and tools/bench_kernels.py --only moe (MOE_SWEEP=1: with its tile sweep)
-#   cascade   tests/test_cascade.py on CUDA, then tools/bench_cascade.py (plain against cascade decode attention)
+#   cascade   tests/test_cascade.py on CUDA, then tools/bench_cascade.py (plain against cascade decode attention,
+#             CASCADE_QUICK=1: fewer points); cascade_tests / cascade_bench: either alone
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
@@ -196,6 +198,14 @@ for phase in "$@"; do
         step bench_before.jsonl "${IN_BASELINE[@]}" "$PYTHON" bench.py --json
         step bench.jsonl "${IN_CURRENT[@]}" "$PYTHON" bench.py --json
       done ;;
+    scenarios_ab)  # each of SCENARIOS (default: prefix rl default batch1 batch16 long), BASELINE's bench.py then
+      need_baseline  # this tree's, AB_REPS pairs (default 1): scenarios_before.jsonl, scenarios_after.jsonl
+      for s in ${SCENARIOS:-prefix rl default batch1 batch16 long}; do
+        for i in $(seq "${AB_REPS:-1}"); do
+          step scenarios_before.jsonl "${IN_BASELINE[@]}" "$PYTHON" bench.py --json --scenario "$s"
+          step scenarios_after.jsonl "${IN_CURRENT[@]}" "$PYTHON" bench.py --json --scenario "$s"
+        done
+      done ;;
     bench_before) need_baseline; step bench_before.jsonl "${IN_BASELINE[@]}" "$PYTHON" bench.py --json ;;
     profile_before)
       need_baseline
@@ -280,9 +290,10 @@ for phase in "$@"; do
     fp8moe)  # fp8 experts: the fused MoE's GPU tests, then its microbenchmark (W8A8 and W8A16 beside bf16)
       step test_fp8.log "$PYTHON" -m pytest tests/test_moe.py -q -rfE -k "fp8 or cuda_graph"
       step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe ${MOE_SWEEP:+--sweep} --out "$OUT" ;;
-    cascade)  # cascade decode attention: its GPU tests, then plain against cascade (CASCADE_QUICK=1: fewer points)
+    cascade|cascade_tests)  # cascade decode attention: its GPU tests, then (cascade) plain against cascade
       step test_cascade.log "$PYTHON" -m pytest tests/test_cascade.py -q -rfE
-      step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} --out "$OUT" ;;
+      [[ $phase == cascade ]] && step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} --out "$OUT" ;;
+    cascade_bench) step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} --out "$OUT" ;;
     fp8skinny)  # the skinny fp8 kernel's tiles and splits over K (8B projections, 1 and 16 rows)
       step bench_fp8_skinny.log "$PYTHON" tools/bench_fp8.py --skinny-sweep --out "$OUT" ;;
     fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
