@@ -97,10 +97,8 @@ class Config:
         backend = resolve_backend(self.attention_backend, self.device, self.torch_dtype,
                                   self.kvcache_block_size or 256, self.model_class.head_dim(hf),
                                   self.kv_cache_torch_dtype)
-        if backend == "flash-attn" and not self.disable_cascade_attn:
-            logger.info("disable_cascade_attn=True: flash-attn's decode has no cascade attention")
-        self._set(attention_backend=backend, disable_cascade_attn=self.disable_cascade_attn
-                  or backend == "flash-attn",
+        self._set(attention_backend=backend,  # flash-attn's decode has no cascade (logged there)
+                  disable_cascade_attn=self.disable_cascade_attn or backend == "flash-attn",
                   kvcache_block_size=self.kvcache_block_size or DEFAULT_BLOCK_SIZE[backend])
 
     def _set(self, **values) -> Config:

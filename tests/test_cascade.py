@@ -152,7 +152,8 @@ def test_groups_found_in_the_cases(name):
 def test_reference_cascade_equals_plain_decode(name):
     q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs(name, torch.float64, 1)
     plain = reference.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5)
-    cascade = cascade_decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5, prefixes)
+    cascade = cascade_decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
+                                       prefixes=prefixes)
     torch.testing.assert_close(cascade, plain, rtol=1e-10, atol=1e-10)
 
 
@@ -186,7 +187,7 @@ def test_a_fixed_capacity_of_groups_gives_the_same_result():
                                             prefixes=padded)
     torch.testing.assert_close(got, want)
     ref = cascade_decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, bt,
-                                   d ** -0.5, padded)
+                                   d ** -0.5, prefixes=padded)
     torch.testing.assert_close(ref, reference.decode_attention(
         q.double(), k_cache.double(), v_cache.double(), ctx, bt, d ** -0.5))
     with pytest.raises(ValueError, match="capacity=1"):
@@ -220,11 +221,13 @@ def test_triton_cascade_over_an_fp8_cache():
     assert float((out.double() - ref).norm() / ref.norm()) < TOL[torch.float32]
 
 
-def test_cascade_refuses_a_sliding_window():
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_cascade_refuses_a_sliding_window(kernel):
     q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs("n8-one-group", torch.float32, 5)
+    decode = (triton_attention.decode_attention if kernel == "triton"
+              else cascade_decode_attention)
     with pytest.raises(ValueError, match="window=32"):
-        triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, 0.1, window=32,
-                                          prefixes=prefixes)
+        decode(q, k_cache, v_cache, ctx, bt, 0.1, window=32, prefixes=prefixes)
 
 
 # --- the engine: decode steps group their rows by the rule (cascade_groups) ---------------------
@@ -238,11 +241,11 @@ def test_rule_keeps_groups_that_pay_and_those_that_save_most(monkeypatch):
     lens = np.full(len(tables), 3 * b)
     monkeypatch.setattr(cascade_reference, "MIN_ROWS", 4)
     monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 8)
-    groups, seq_shared = cascade_reference.cascade_groups(tables, lens, b)
-    assert groups.tolist() == [[0, 7], [4, 5], [8, 8]]
+    groups, seq_shared, rows = cascade_reference.cascade_groups(tables, lens, b)
+    assert groups.tolist() == [[0, 7], [4, 5], [8, 8]] and rows == 5
     assert seq_shared.tolist() == [8] * 4 + [0] * 3 + [8] * 5
     monkeypatch.setattr(cascade_reference, "MAX_GROUPS", 1)  # the five rows save more
-    groups, seq_shared = cascade_reference.cascade_groups(tables, lens, b)
+    groups, seq_shared, _ = cascade_reference.cascade_groups(tables, lens, b)
     assert groups.tolist() == [[7], [5], [8]] and seq_shared.tolist() == [0] * 7 + [8] * 5
     monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 9)  # three blocks: none has them
     assert cascade_reference.cascade_groups(tables, lens, b) is None
@@ -258,7 +261,7 @@ def counted_cascade(monkeypatch):
     calls = []
 
     def cascade(*args, **kw):
-        calls.append(args[6].first_row.numel())  # (q, caches, lens, tables, scale, prefixes)
+        calls.append(kw["prefixes"].first_row.numel())
         return cascade_decode_attention(*args, **kw)
     monkeypatch.setattr(attention, "cascade_decode_attention", cascade)
     return calls

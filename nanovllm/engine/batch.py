@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.kernels.cascade_reference import cascade_groups
+from nanovllm.kernels.cascade_reference import PrefixGroups, cascade_groups
 
 
 @dataclass
@@ -25,7 +25,7 @@ class StepInput:
     context_lens: np.ndarray | None = None  # [B] int32, decode
     logits_indices: np.ndarray | None = None  # [R] int64, prefill: the rows the LM head projects
     prev_rows: np.ndarray | None = None  # [B] int64, decode: row of the last samples; -1: known
-    prefix_groups: tuple | None = None  # decode: cascade_reference.cascade_groups's, or None
+    prefix_groups: PrefixGroups | None = None  # decode: rows sharing leading blocks (cascade)
 
     @property
     def num_seqs(self) -> int:
@@ -77,8 +77,7 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
 def prepare_decode(seqs: list[Sequence], block_size: int, inflight=None,
                    cascade: bool = False) -> StepInput:
     """Each sequence's last token; one still on the device (async scheduling) comes from its row
-    of the in-flight batch's samples (``prev_rows``). ``cascade``: the groups of rows whose shared
-    leading blocks attention reads once (``prefix_groups``), where adjacent rows share a block."""
+    of the in-flight batch's samples (``prev_rows``); ``cascade``: ``prefix_groups``."""
     context_lens = np.array([seq.num_tokens for seq in seqs], dtype=np.int32)
     step = StepInput(
         is_prefill=False,

@@ -18,7 +18,6 @@ from nanovllm.engine.logprobs import prompt_logprobs
 from nanovllm.engine.outputs import ModelRunnerOutput
 from nanovllm.engine.sampling import SamplingInputs, SamplingPreparer
 from nanovllm.engine.scheduler import SchedulerOutput
-from nanovllm.kernels.cascade_reference import SharedPrefixes
 from nanovllm.layers.attention import Attention, bind_backend
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.presets import load_dummy_weights
@@ -170,10 +169,8 @@ class ModelRunner:
                   "context_lens")
         context = {name: self._to_device(getattr(step, name)) for name in arrays}
         context.update(max_seqlen_q=step.max_seqlen_q, max_seqlen_k=step.max_seqlen_k)
-        if step.prefix_groups is not None:  # (first row, rows, shared tokens) [3, G]; [B]
-            groups, seq_shared = step.prefix_groups
-            context["prefixes"] = SharedPrefixes(*self._to_device(groups),
-                                                 self._to_device(seq_shared), int(groups[1].max()))
+        if step.prefix_groups is not None:  # decode: shared prefixes read once
+            context["prefixes"] = step.prefix_groups.on_device(self._to_device)
         input_ids = self._to_device(step.input_ids)
         if step.prev_rows is not None:  # rows >= 0: their tokens are still on the device
             rows = self._to_device(step.prev_rows)

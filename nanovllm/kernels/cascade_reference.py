@@ -69,10 +69,21 @@ def shared_prefix_groups(block_tables, context_lens, block_size: int, min_rows: 
 MIN_ROWS, MIN_SHARED_TOKENS, MAX_GROUPS = 4, 256, 64
 
 
+class PrefixGroups(NamedTuple):
+    """``SharedPrefixes`` on the host: groups [3, G] int32 (first row, rows, shared tokens),
+    seq_shared_len [B] int32, max_rows."""
+    groups: np.ndarray
+    seq_shared_len: np.ndarray
+    max_rows: int
+
+    def on_device(self, to_device) -> SharedPrefixes:  # to_device: host array -> device tensor
+        return SharedPrefixes(*to_device(self.groups), to_device(self.seq_shared_len),
+                              self.max_rows)
+
+
 def cascade_groups(block_tables: np.ndarray, context_lens: np.ndarray,
-                   block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The groups of a decode batch that the cascade reads once, by the rule above: ([3, G] int32
-    first row, rows, shared tokens; [B] int32 each row's shared tokens), or None."""
+                   block_size: int) -> PrefixGroups | None:
+    """The groups of a decode batch that the cascade reads once, by the rule above, or None."""
     groups = shared_prefix_groups(block_tables, context_lens, block_size, MIN_ROWS,
                                   -(-MIN_SHARED_TOKENS // block_size))
     if not groups:
@@ -83,7 +94,7 @@ def cascade_groups(block_tables: np.ndarray, context_lens: np.ndarray,
         seq_shared[first:first + rows] = blocks * block_size
     table = np.array(groups, dtype=np.int32).T.copy()
     table[2] *= block_size
-    return table, seq_shared
+    return PrefixGroups(table, seq_shared, int(table[1].max()))
 
 
 def as_shared_prefixes(groups: list[tuple[int, int, int]], batch: int, block_size: int,
@@ -122,10 +133,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 def cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                             prefixes: SharedPrefixes, k_scale: float = 1.0,
-                             v_scale: float = 1.0) -> torch.Tensor:
+                             k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0, *,
+                             prefixes: SharedPrefixes) -> torch.Tensor:
     """``reference.decode_attention`` (no window) computed as the cascade: each group's queries over
     its shared blocks at once, each row over the rest, merged by log-sum-exp."""
+    if window:
+        raise ValueError(f"cascade decode attention takes no sliding window (window={window})")
     batch, num_heads, head_dim = q.shape
     page = k_cache.size(1)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -442,8 +442,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_scale = v_scale = 1.0
     cascade = prefixes is not None
     if cascade and window:
-        raise ValueError("cascade decode attention does not take a sliding window "
-                         f"(window={window})")
+        raise ValueError(f"cascade decode attention takes no sliding window (window={window})")
     parts = splits + cascade
     if parts > 1:
         part_o = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32,

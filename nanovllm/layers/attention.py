@@ -34,13 +34,13 @@ def _kernel_module_backend(name: str, *shape) -> AttentionBackend:  # "torch" or
                                         ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.block_tables,
                                         attn.scale, attn.k_scale, attn.v_scale, attn.sliding_window)
 
-    def decode(q, attn: Attention, ctx: Context):
-        args = (q, attn.k_cache, attn.v_cache, ctx.context_lens, ctx.block_tables, attn.scale)
-        if ctx.prefixes is None or attn.sliding_window:  # a window's layers read their own keys
-            return module.decode_attention(*args, attn.k_scale, attn.v_scale, attn.sliding_window)
-        if name == "torch":
-            return cascade_decode_attention(*args, ctx.prefixes, attn.k_scale, attn.v_scale)
-        return module.decode_attention(*args, attn.k_scale, attn.v_scale, prefixes=ctx.prefixes)
+    cascade = cascade_decode_attention if name == "torch" else module.decode_attention
+
+    def decode(q, attn: Attention, ctx: Context):  # windowed layers: no cascade, their own keys
+        args = (q, attn.k_cache, attn.v_cache, ctx.context_lens, ctx.block_tables, attn.scale,
+                attn.k_scale, attn.v_scale, attn.sliding_window)
+        plain = ctx.prefixes is None or attn.sliding_window
+        return module.decode_attention(*args) if plain else cascade(*args, prefixes=ctx.prefixes)
 
     return AttentionBackend(name, module.store_kvcache, prefill, decode,
                             module.qk_norm_rope_store if name == "triton" else None)

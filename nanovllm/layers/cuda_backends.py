@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger("nanovllm")
 
 
 def flash_attn_backend(kernel_module_backend, dtype: torch.dtype, head_dim: int):
@@ -19,6 +22,8 @@ def flash_attn_backend(kernel_module_backend, dtype: torch.dtype, head_dim: int)
         raise ValueError(f"attention_backend='flash-attn': this flash-attn build has no {dtype} "
                          f"head_dim {head_dim} kernel ({error})")
     triton = kernel_module_backend("triton")
+    logger.info("attention backend flash-attn: no cascade attention (disable_cascade_attn=True), "
+                "each sequence reads its shared prefix")
 
     def window(layer) -> tuple[int, int]:  # keys (i - w, i]
         return (layer.sliding_window - 1, 0) if layer.sliding_window else (-1, -1)
