@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.plugins import import_by_name
+from nanovllm.features import import_by_name
 
 # (output_ids, row) or (prompt_ids, output_ids, row) -> row
 RequestLogitsProcessor = Callable[..., torch.Tensor]

@@ -37,16 +37,6 @@ def _load(target: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-def import_by_name(value: str, what: str):
-    """The object a "module.Name" or "module:Name" string names (vLLM's way to pass a class by
-    name); a ValueError says why ``what`` cannot be imported."""
-    module, _, name = value.rpartition(":" if ":" in value else ".")
-    try:
-        return functools.reduce(getattr, name.split("."), importlib.import_module(module))
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"{what} cannot be imported: {e}") from None
-
-
 REGISTRY = Registry()
 
 

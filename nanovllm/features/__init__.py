@@ -1,5 +1,8 @@
 """The features, registered in the core's registry by name (nothing here imports one): what
 installs each (an engine keyword, a request's field), the model classes and vLLM names they add."""
+import functools
+import importlib
+
 from nanovllm.plugins import REGISTRY
 
 _FEATURES = {  # name: (its class, what it registers with)
@@ -26,3 +29,13 @@ for _name, _target in {"beam_search": "beam_search:beam_search", "sleep": "sleep
                        "wake_up": "sleep:wake_up", "is_sleeping": "sleep:is_sleeping",
                        "update_weights": "weight_update:update_weights"}.items():
     REGISTRY.register("method", _name, f"nanovllm.features.{_target}")
+
+
+def import_by_name(value: str, what: str):
+    """The object a "module.Name" or "module:Name" string names (vLLM's way to pass a class by
+    name); a ValueError says why ``what`` cannot be imported."""
+    module, _, name = value.rpartition(":" if ":" in value else ".")
+    try:
+        return functools.reduce(getattr, name.split("."), importlib.import_module(module))
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{what} cannot be imported: {e}") from None

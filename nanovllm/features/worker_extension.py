@@ -5,7 +5,8 @@ is the runner, as vLLM's workers hold theirs)."""
 from __future__ import annotations
 
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.plugins import Feature, import_by_name
+from nanovllm.features import import_by_name
+from nanovllm.plugins import Feature
 
 
 def load_worker_extension(value) -> type | None:
