@@ -3,7 +3,8 @@ whose rows come in groups sharing a prefix, plain (each row reads the prefix) ag
 (each group's prefix read once, ``triton_attention.decode_attention(..., prefixes=...)``), at
 Qwen3-0.6B's and -8B's attention shapes, batch 1-512, shared prefixes of 64-8,192 tokens, groups of
 2 to the whole batch, each row with 128 tokens of its own. CUDA Graph replays; one JSON line a
-point, then a table of the cascade's speed-up.
+point, then a table of the cascade's speed-up, its grid sized to the groups and as the engine's
+CUDA graphs size it (MAX_GROUPS groups, the whole batch's rows; "nan" past MAX_GROUPS groups).
 
     python tools/bench_cascade.py [--out DIR] [--quick] [--models 0.6b 8b]
 """
@@ -26,7 +27,11 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 from bench_kernels import bench_graph_each  # noqa: E402
 
 from nanovllm.kernels import triton_attention as ta  # noqa: E402
-from nanovllm.kernels.cascade_reference import as_shared_prefixes, shared_prefix_groups  # noqa: E402
+from nanovllm.kernels.cascade_reference import (  # noqa: E402
+    MAX_GROUPS,
+    as_shared_prefixes,
+    shared_prefix_groups,
+)
 
 SHAPES = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}  # heads, KV heads, head dim
 PAGE = 64
@@ -51,8 +56,13 @@ def batch_of_groups(batch: int, group: int, shared: int, kv_heads: int, head_dim
             used += own_pages
     lens = [shared + OWN + 1] * batch
     bt = torch.tensor(tables, dtype=torch.int32, device="cuda")
-    prefixes = as_shared_prefixes(shared_prefix_groups(tables, lens, PAGE), batch, PAGE, "cuda")
-    return k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32, device="cuda"), prefixes
+    groups = shared_prefix_groups(tables, lens, PAGE)
+    prefixes = as_shared_prefixes(groups, batch, PAGE, "cuda")
+    # as the engine's CUDA graphs hold them: MAX_GROUPS groups, the grid sized for the whole batch
+    captured = (as_shared_prefixes(groups, batch, PAGE, "cuda", capacity=MAX_GROUPS)
+                if len(groups) <= MAX_GROUPS else None)
+    return (k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int32, device="cuda"), prefixes,
+            captured)
 
 
 def main():
@@ -62,23 +72,26 @@ def main():
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     args = parser.parse_args()
     batches = (1, 8, 64, 256) if args.quick else (1, 4, 16, 64, 256, 512)
-    shareds = (256, 2048) if args.quick else (64, 256, 1024, 2048, 8192)
+    shareds = (64, 256, 2048) if args.quick else (64, 256, 1024, 2048, 8192)
     rows = []
     for model in args.models:
         heads, kv_heads, d = SHAPES[model]
         for batch, shared in itertools.product(batches, shareds):
             for group in sorted({g for g in (2, 8, 64, batch) if g <= batch and g > 1}):
-                k_cache, v_cache, bt, ctx, prefixes = batch_of_groups(batch, group, shared,
-                                                                      kv_heads, d)
+                k_cache, v_cache, bt, ctx, prefixes, captured = batch_of_groups(
+                    batch, group, shared, kv_heads, d)
                 q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
                 plain_fn = partial(ta.decode_attention, q, k_cache, v_cache, ctx, bt, d ** -0.5)
                 cascade_fn = partial(plain_fn, prefixes=prefixes)
                 plain = bench_graph_each([plain_fn] * 4)
                 cascade = bench_graph_each([cascade_fn] * 4)
+                graph = (bench_graph_each([partial(plain_fn, prefixes=captured)] * 4)
+                         if captured is not None else float("nan"))
                 ref, got = plain_fn().float(), cascade_fn().float()
                 row = dict(model=model, batch=batch, group=group, shared=shared, own=OWN,
                            plain_us=plain * 1e6, cascade_us=cascade * 1e6,
-                           speedup=plain / cascade,
+                           speedup=plain / cascade, engine_us=graph * 1e6,
+                           engine_speedup=plain / graph,
                            rel_err=float((got - ref).norm() / ref.norm()))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -88,11 +101,13 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cascade.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f)
-    print("| model | batch | group | shared | plain µs | cascade µs | speed-up |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | batch | group | shared | plain µs | cascade µs | speed-up | engine's µs | "
+          "speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['batch']} | {r['group']} | {r['shared']} | "
-              f"{r['plain_us']:.1f} | {r['cascade_us']:.1f} | {r['speedup']:.2f} |")
+              f"{r['plain_us']:.1f} | {r['cascade_us']:.1f} | {r['speedup']:.2f} | "
+              f"{r['engine_us']:.1f} | {r['engine_speedup']:.2f} |")
 
 
 if __name__ == "__main__":

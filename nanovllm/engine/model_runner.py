@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import threading
@@ -65,12 +64,6 @@ class ModelRunner:
                 yield
             finally:
                 torch.set_default_dtype(default_dtype)
-
-    def resolve(self, method):
-        if callable(method):
-            return functools.partial(method, self)
-        owner, _, name = method.rpartition(".")
-        return getattr(self.extensions[owner] if owner else self.worker, name)
 
     def _load_and_prepare(self, hf_config):
         config = self.config

@@ -7,6 +7,7 @@ import contextlib
 import copyreg
 import ctypes
 import datetime
+import functools
 import glob
 import io
 import multiprocessing.connection
@@ -257,7 +258,7 @@ class WorkerGroup:
             self.group.abort()
 
     def call(self, method: str, *args):
-        """Every worker runs ``runner.resolve(method)(*args)`` (``reply``: rank 0 reads each
+        """Every worker runs ``resolve(runner, method)(*args)`` (``reply``: rank 0 reads each
         one's result with ``replies``)."""
         if self.channel is None:
             raise RuntimeError("this engine's workers belong to the process that forked this one")
@@ -331,17 +332,26 @@ class WorkerGroup:
         self.closed, self.processes, self.doorbells, self.channel = True, [], [], None
 
 
+def resolve(runner: ModelRunner, method) -> Callable:
+    """What a call by name reaches on a rank: a function (given the runner first), a method of the
+    runner's ``worker`` ("name"), or of one of its ``extensions`` ("owner.name")."""
+    if callable(method):
+        return functools.partial(method, runner)
+    owner, _, name = method.rpartition(".")
+    return getattr(runner.extensions[owner] if owner else runner.worker, name)
+
+
 def reply(runner, method, args: tuple, kwargs: dict) -> bytes:
     """A worker's pickled reply to a call: (True, the result) or (False, its error)."""
     try:
-        return dumps((True, runner.resolve(method)(*args, **kwargs)))
+        return dumps((True, resolve(runner, method)(*args, **kwargs)))
     except Exception as e:  # the method failed, or its result does not pickle
         return dumps((False, f"{type(e).__name__}: {e}"))
 
 
 def call_every_rank(core, method, args: tuple = (), kwargs: dict | None = None,
                     deadline: float | None = None) -> list:
-    """``runner.resolve(method)(*args, **kwargs)`` on every rank at once (the caller holds
+    """``resolve(runner, method)(*args, **kwargs)`` on every rank at once (the caller holds
     ``core.lock``); each rank's result, rank 0's first. A worker's failure is a RuntimeError naming
     its rank; a dead or late one shuts the engine down."""
     call, kwargs = (method, tuple(args), dict(kwargs or {})), dict(kwargs or {})
@@ -355,7 +365,7 @@ def call_every_rank(core, method, args: tuple = (), kwargs: dict | None = None,
                             f"{e}") from None
         core.call_or_shut_down(workers.call, "reply", *call)
     try:
-        result = runner.resolve(method)(*args, **kwargs)
+        result = resolve(runner, method)(*args, **kwargs)
     finally:
         replies = core.call_or_shut_down(workers.replies, deadline) if workers else []
     for rank, (ok, value) in enumerate(replies, 1):
@@ -397,7 +407,7 @@ def worker_main(config: Config, rank: int, doorbell, segment: str, port: int, pd
             if method == "reply":  # (method, args, kwargs), answered on the doorbell
                 doorbell.send_bytes(reply(runner, *args))
             else:
-                runner.resolve(method)(*args)
+                resolve(runner, method)(*args)
             if method == "exit":
                 code = 0
                 break
