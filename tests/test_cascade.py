@@ -241,12 +241,17 @@ def test_rule_keeps_groups_that_pay_and_those_that_save_most(monkeypatch):
     lens = np.full(len(tables), 3 * b)
     monkeypatch.setattr(cascade_reference, "MIN_ROWS", 4)
     monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 8)
+    monkeypatch.setattr(cascade_reference, "MIN_SAVED_TOKENS", 0)
     groups, seq_shared, rows = cascade_reference.cascade_groups(tables, lens, b)
     assert groups.tolist() == [[0, 7], [4, 5], [8, 8]] and rows == 5
     assert seq_shared.tolist() == [8] * 4 + [0] * 3 + [8] * 5
     monkeypatch.setattr(cascade_reference, "MAX_GROUPS", 1)  # the five rows save more
     groups, seq_shared, _ = cascade_reference.cascade_groups(tables, lens, b)
     assert groups.tolist() == [[7], [5], [8]] and seq_shared.tolist() == [0] * 7 + [8] * 5
+    monkeypatch.setattr(cascade_reference, "MIN_SAVED_TOKENS", 5 * 8)  # saves 4 * 8
+    assert cascade_reference.cascade_groups(tables, lens, b) is None
+    monkeypatch.setattr(cascade_reference, "MIN_SAVED_TOKENS", 4 * 8)
+    assert cascade_reference.cascade_groups(tables, lens, b) is not None
     monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 9)  # three blocks: none has them
     assert cascade_reference.cascade_groups(tables, lens, b) is None
 
@@ -258,6 +263,7 @@ def counted_cascade(monkeypatch):
     from nanovllm.layers import attention
     monkeypatch.setattr(cascade_reference, "MIN_ROWS", 2)
     monkeypatch.setattr(cascade_reference, "MIN_SHARED_TOKENS", 16)
+    monkeypatch.setattr(cascade_reference, "MIN_SAVED_TOKENS", 16)
     calls = []
 
     def cascade(*args, **kw):
@@ -371,8 +377,10 @@ def test_engine_cascade_on_cuda_graphs(tiny, oracle):
     prefix, prompts = _shared_prefix_prompts(6)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     runs = {}
-    old = cascade_reference.MIN_ROWS, cascade_reference.MIN_SHARED_TOKENS
-    cascade_reference.MIN_ROWS, cascade_reference.MIN_SHARED_TOKENS = 2, 16
+    names = ("MIN_ROWS", "MIN_SHARED_TOKENS", "MIN_SAVED_TOKENS")
+    old = [getattr(cascade_reference, name) for name in names]
+    for name, value in zip(names, (2, 16, 16)):
+        setattr(cascade_reference, name, value)
     try:
         for disable in (False, True):
             llm = LLM(tiny, **ENGINE, dtype="float32", disable_cascade_attn=disable)
@@ -385,6 +393,7 @@ def test_engine_cascade_on_cuda_graphs(tiny, oracle):
             finally:
                 llm.exit()
     finally:
-        cascade_reference.MIN_ROWS, cascade_reference.MIN_SHARED_TOKENS = old
+        for name, value in zip(names, old):
+            setattr(cascade_reference, name, value)
     assert runs[False] == runs[True]
     assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t} for t in runs[False]], 12)

@@ -89,6 +89,7 @@ def main():
                          if captured is not None else float("nan"))
                 ref, got = plain_fn().float(), cascade_fn().float()
                 row = dict(model=model, batch=batch, group=group, shared=shared, own=OWN,
+                           saved_tokens=(batch - -(-batch // group)) * shared,
                            plain_us=plain * 1e6, cascade_us=cascade * 1e6,
                            speedup=plain / cascade, engine_us=graph * 1e6,
                            engine_speedup=plain / graph,

@@ -63,10 +63,12 @@ def shared_prefix_groups(block_tables, context_lens, block_size: int, min_rows: 
     return groups
 
 
-# When the cascade pays (``cascade_groups``): a group of at least MIN_ROWS rows sharing at least
-# MIN_SHARED_TOKENS tokens; at most MAX_GROUPS groups a step (a CUDA graph's capacity), those that
-# save the most reads kept.
-MIN_ROWS, MIN_SHARED_TOKENS, MAX_GROUPS = 4, 256, 64
+# When the cascade pays (``cascade_groups``): groups of at least MIN_ROWS rows sharing at least
+# MIN_SHARED_TOKENS tokens, at most MAX_GROUPS a step (a CUDA graph's capacity; those that save the
+# most reads kept), and only when they spare the step at least MIN_SAVED_TOKENS token reads a layer
+# (a group of r rows sharing s tokens spares (r - 1) * s): below, the extra kernel and merge part
+# cost more than they save.
+MIN_ROWS, MIN_SHARED_TOKENS, MAX_GROUPS, MIN_SAVED_TOKENS = 2, 64, 64, 4096
 
 
 class PrefixGroups(NamedTuple):
@@ -86,9 +88,9 @@ def cascade_groups(block_tables: np.ndarray, context_lens: np.ndarray,
     """The groups of a decode batch that the cascade reads once, by the rule above, or None."""
     groups = shared_prefix_groups(block_tables, context_lens, block_size, MIN_ROWS,
                                   -(-MIN_SHARED_TOKENS // block_size))
-    if not groups:
-        return None
     groups = sorted(sorted(groups, key=lambda g: -(g[1] - 1) * g[2])[:MAX_GROUPS])
+    if sum((rows - 1) * blocks for _, rows, blocks in groups) * block_size < MIN_SAVED_TOKENS:
+        return None
     seq_shared = np.zeros(len(context_lens), dtype=np.int32)
     for first, rows, blocks in groups:
         seq_shared[first:first + rows] = blocks * block_size
