@@ -72,7 +72,8 @@ def decode(kv: str, block_n: int = 128, num_warps: int = 4, cascade: bool = Fals
            "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "stride_qb": "i32",
            "stride_qh": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
     const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=block_n,
-                 NUM_SPLITS=1, PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8, CASCADE=cascade)
+                 NUM_SPLITS=1, PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8,
+                 PREFIX_PARTS=4 if cascade else 0)
     return _compile(ta._decode_kernel, sig, const, num_warps, 3)
 
 
@@ -86,7 +87,7 @@ def shared_prefix(kv: str, block_m: int = 64):
            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
            "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32"}
     const = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_M=block_m, BLOCK_N=64,
-                 NUM_PARTS=2, PRECISION="tf32", FP8=fp8, Q_FP16=fp8)
+                 NUM_PARTS=5, PREFIX_PARTS=4, PRECISION="tf32", FP8=fp8, Q_FP16=fp8)
     return _compile(ta._shared_prefix_kernel, sig, const, 4, 3)
 
 

@@ -291,15 +291,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, 
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                    WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr,
-                   CASCADE: tl.constexpr):
-    """CASCADE: keys from start[seq] on (a shared prefix before it is attended apart), partials
-    always, NUM_SPLITS + 1 of them a row (the last one the prefix's)."""
+                   PREFIX_PARTS: tl.constexpr):
+    """PREFIX_PARTS > 0 (the cascade): keys from start[seq] on (a shared prefix before it is
+    attended apart), partials always, NUM_SPLITS + PREFIX_PARTS of them a row (the prefix's
+    last)."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     first = 0  # the first visible key
     if WINDOW > 0:
         first = tl.maximum(ctx - WINDOW, 0)
-    if CASCADE:
+    if PREFIX_PARTS > 0:
         first = tl.load(start_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * per_split
@@ -321,12 +322,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, 
                                      1, PRECISION, 0, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty range (context 0) gives 0
     store_mask = (offs_g < GROUP)[:, None]
-    if NUM_SPLITS == 1 and not CASCADE:
+    if NUM_SPLITS == 1 and PREFIX_PARTS == 0:
         tl.store(o_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=store_mask)
     else:
         # fp32 partials [B, H, NUM_PARTS, HEAD_DIM] and their log2-sum-exp [B, H, NUM_PARTS]
-        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * (NUM_SPLITS + CASCADE) + split
+        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * (NUM_SPLITS + PREFIX_PARTS) + split
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
         tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)),
                  mask=offs_g < GROUP)
@@ -354,17 +355,23 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr
                           shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
                           stride_qh, stride_bt, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr, PRECISION: tl.constexpr,
-                          FP8: tl.constexpr, Q_FP16: tl.constexpr):
-    """Group ``program_id(0)``'s shared keys (its first row's first shared[g] tokens) against
-    BLOCK_M of its (row, query head) pairs of KV head ``program_id(2)`` at once, tile
-    ``program_id(1)``: each pair's partial output and log2-sum-exp into its last part."""
-    g, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                          BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr,
+                          PREFIX_PARTS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                          Q_FP16: tl.constexpr):
+    """Group ``program_id(0)``'s shared keys (its first row's first shared[g] tokens), the p-th of
+    PREFIX_PARTS ranges of them, against BLOCK_M of its (row, query head) pairs of KV head
+    ``program_id(2) // PREFIX_PARTS`` at once, tile ``program_id(1)``: each pair's partial output
+    and log2-sum-exp into part NUM_PARTS - PREFIX_PARTS + p (an empty range: -inf)."""
+    g, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2) // PREFIX_PARTS
+    part = tl.program_id(2) % PREFIX_PARTS
     first_row = tl.load(first_row_ptr + g)
     pairs = tl.load(num_rows_ptr + g) * GROUP
     if m_tile * BLOCK_M >= pairs:
         return
     shared = tl.load(shared_ptr + g)
+    per_part = tl.cdiv(tl.cdiv(shared, PREFIX_PARTS), BLOCK_N) * BLOCK_N
+    start = part * per_part
+    end = tl.minimum(start + per_part, shared)
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     valid = offs_m < pairs
@@ -377,13 +384,13 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for n in range(0, shared, BLOCK_N):  # whole blocks: a tile past them only when BLOCK_N > PAGE
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, first_row, None, shared, kv_head,
+    for n in range(start, end, BLOCK_N):  # masked from ``end`` on
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, first_row, None, end, kv_head,
                                      qk_scale, v_scale, None, None, k_cache_ptr, v_cache_ptr,
                                      bt_ptr, None, None, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE,
                                      True, BLOCK_N, 1, PRECISION, 0, FP8)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    row = (seq * (NUM_KV_HEADS * GROUP) + head) * NUM_PARTS + NUM_PARTS - 1
+    row = (seq * (NUM_KV_HEADS * GROUP) + head) * NUM_PARTS + NUM_PARTS - PREFIX_PARTS + part
     tl.store(part_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
              mask=valid[:, None])
     tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=valid)
@@ -411,6 +418,14 @@ def num_decode_splits(batch: int, num_kv_heads: int, device: torch.device,
     if device.type != "cuda":
         return 1 if batch * num_kv_heads >= 8 else 2  # the interpreter: still exercise the merge
     return max(1, min(max_splits, triton.cdiv(2 * num_sms(device), batch * num_kv_heads)))
+
+
+def num_prefix_parts(programs: int, device: torch.device, max_parts: int = 16) -> int:
+    """Ranges of a shared prefix's keys that the cascade attends apart: with ``programs`` (tiles x
+    KV heads) a group, about two waves over the SMs; 2 in the interpreter (to exercise them)."""
+    if device.type != "cuda":
+        return 2
+    return max(1, min(max_parts, triton.cdiv(2 * num_sms(device), programs)))
 
 
 def _decode_config(dtype: torch.dtype, batch: int) -> dict:
@@ -443,13 +458,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cascade = prefixes is not None
     if cascade and window:
         raise ValueError(f"cascade decode attention takes no sliding window (window={window})")
-    parts = splits + cascade
+    if cascade:  # each group's tiles of (row, head) pairs, its keys in prefix_parts ranges
+        pcfg = _shared_prefix_config(prefixes.max_rows * group, q.dtype)
+        m_tiles = triton.cdiv(prefixes.max_rows * group, pcfg["BLOCK_M"])
+        prefix_parts = num_prefix_parts(m_tiles * num_kv_heads, q.device)
+    parts = splits + (prefix_parts if cascade else 0)
     if parts > 1:
         part_o = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty(batch, num_heads, parts, dtype=torch.float32, device=q.device)
-        if cascade:  # rows outside every group: an empty prefix part
-            part_lse[:, :, -1] = float("-inf")
+        if cascade:  # rows outside every group: empty prefix parts
+            part_lse[:, :, splits:] = float("-inf")
     else:
         part_o = part_lse = out  # not written
     qk_scale = scale * k_scale * LOG2E
@@ -460,19 +479,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
         PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
-        Q_FP16=fp8 and q.dtype != torch.float32, CASCADE=cascade, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        Q_FP16=fp8 and q.dtype != torch.float32, PREFIX_PARTS=parts - splits,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cascade and prefixes.first_row.numel():
-        pcfg = _shared_prefix_config(prefixes.max_rows * group, q.dtype)
-        grid = (prefixes.first_row.numel(), triton.cdiv(prefixes.max_rows * group,
-                                                        pcfg["BLOCK_M"]), num_kv_heads)
+        grid = (prefixes.first_row.numel(), m_tiles, num_kv_heads * prefix_parts)
         _shared_prefix_kernel[grid](
             q, k_cache, v_cache, block_tables, prefixes.first_row, prefixes.num_rows,
             prefixes.shared_len, part_o, part_lse, qk_scale, v_scale, q.stride(0), q.stride(1),
             block_tables.stride(0), GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             PAGE=page, BLOCK_M=pcfg["BLOCK_M"], BLOCK_N=pcfg["BLOCK_N"], NUM_PARTS=parts,
-            PRECISION=dot_precision(q.dtype), FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
-            num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+            PREFIX_PARTS=prefix_parts, PRECISION=dot_precision(q.dtype), FP8=fp8,
+            Q_FP16=fp8 and q.dtype != torch.float32, num_warps=pcfg["num_warps"],
+            num_stages=pcfg["num_stages"])
     if parts > 1:
         _merge_kernel[(batch, num_heads)](
             part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,

@@ -31,9 +31,8 @@ def get_context() -> Context:
 
 @contextmanager
 def set_context(is_prefill: bool, **fields):
-    assert get_context() is _EMPTY, "attention contexts do not nest"
-    _STATE.context = Context(is_prefill, **fields)
-    try:
+    previous, _STATE.context = get_context(), Context(is_prefill, **fields)
+    try:  # nested (a decode graph captured during a step): the outer context comes back
         yield _STATE.context
     finally:
-        _STATE.context = _EMPTY
+        _STATE.context = previous
