@@ -128,6 +128,10 @@ CASES = {  # (heads, kv heads, head dim, block, [(rows, shared blocks, own token
     "two-groups-and-loners": (4, 4, 64, 16, [(1, 0, [40]), (3, 2, [7, 1, 20]), (1, 0, [3]),
                                              (2, 1, [16, 33])]),
     "gqa8-big-group": (16, 2, 128, 32, [(20, 2, [1 + 3 * i for i in range(20)])]),
+    # groups of several tiles each (the kernel maps its tiles to groups by their tile counts)
+    "three-groups-of-tiles": (8, 2, 64, 16, [(6, 2, [3, 9, 1, 16, 20, 5]), (1, 0, [7]),
+                                             (9, 1, [2 + 2 * i for i in range(9)]),
+                                             (5, 3, [1, 2, 3, 4, 40])]),
 }
 
 

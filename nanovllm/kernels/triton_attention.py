@@ -353,21 +353,28 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEA
 @triton.jit
 def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr, num_rows_ptr,
                           shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
-                          stride_qh, stride_bt, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr,
-                          PREFIX_PARTS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
-                          Q_FP16: tl.constexpr):
-    """Group ``program_id(0)``'s shared keys (its first row's first shared[g] tokens), the p-th of
-    PREFIX_PARTS ranges of them, against BLOCK_M of its (row, query head) pairs of KV head
-    ``program_id(2) // PREFIX_PARTS`` at once, tile ``program_id(1)``: each pair's partial output
-    and log2-sum-exp into part NUM_PARTS - PREFIX_PARTS + p (an empty range: -inf)."""
-    g, m_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2) // PREFIX_PARTS
-    part = tl.program_id(2) % PREFIX_PARTS
+                          stride_qh, stride_bt, num_groups, GROUP: tl.constexpr,
+                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr,
+                          PREFIX_PARTS: tl.constexpr, GROUPS_P2: tl.constexpr,
+                          PRECISION: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
+    """Tile ``program_id(0)`` of the groups' tiles (each group's (row, query head) pairs of a KV
+    head in tiles of BLOCK_M, the groups' tiles one after another; past the last: nothing) against
+    its group's shared keys (the group's first row's first shared[g] tokens), the p-th of
+    PREFIX_PARTS ranges of them, KV head ``program_id(1) // PREFIX_PARTS``: each pair's partial
+    output and log2-sum-exp into part NUM_PARTS - PREFIX_PARTS + p (an empty range: -inf)."""
+    tile, kv_head = tl.program_id(0), tl.program_id(1) // PREFIX_PARTS
+    part = tl.program_id(1) % PREFIX_PARTS
+    offs_g = tl.arange(0, GROUPS_P2)
+    group_tiles = tl.cdiv(tl.load(num_rows_ptr + offs_g, mask=offs_g < num_groups, other=0)
+                          * GROUP, BLOCK_M)
+    tiles_end = tl.cumsum(group_tiles, 0)
+    g = tl.sum((tiles_end <= tile).to(tl.int32), 0)  # the group whose tiles hold this one
+    if g >= num_groups:
+        return
+    m_tile = tile - tl.sum(tl.where(offs_g == g, tiles_end - group_tiles, 0), 0)
     first_row = tl.load(first_row_ptr + g)
     pairs = tl.load(num_rows_ptr + g) * GROUP
-    if m_tile * BLOCK_M >= pairs:
-        return
     shared = tl.load(shared_ptr + g)
     per_part = tl.cdiv(tl.cdiv(shared, PREFIX_PARTS), BLOCK_N) * BLOCK_N
     start = part * per_part
@@ -458,10 +465,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     cascade = prefixes is not None
     if cascade and window:
         raise ValueError(f"cascade decode attention takes no sliding window (window={window})")
-    if cascade:  # each group's tiles of (row, head) pairs, its keys in prefix_parts ranges
+    if cascade:  # the groups' tiles of (row, head) pairs (at most one partial tile a group), each
+        # against its group's keys in prefix_parts ranges
+        num_groups = prefixes.first_row.numel()
         pcfg = _shared_prefix_config(prefixes.max_rows * group, q.dtype)
-        m_tiles = triton.cdiv(prefixes.max_rows * group, pcfg["BLOCK_M"])
-        prefix_parts = num_prefix_parts(m_tiles * num_kv_heads, q.device)
+        tiles = min(batch, num_groups * prefixes.max_rows) * group // pcfg["BLOCK_M"] + num_groups
+        prefix_parts = num_prefix_parts(triton.cdiv(batch * group, pcfg["BLOCK_M"]) * num_kv_heads,
+                                        q.device)
     parts = splits + (prefix_parts if cascade else 0)
     if parts > 1:
         part_o = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32,
@@ -481,15 +491,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
         Q_FP16=fp8 and q.dtype != torch.float32, PREFIX_PARTS=parts - splits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cascade and prefixes.first_row.numel():
-        grid = (prefixes.first_row.numel(), m_tiles, num_kv_heads * prefix_parts)
-        _shared_prefix_kernel[grid](
+    if cascade and num_groups:
+        _shared_prefix_kernel[(tiles, num_kv_heads * prefix_parts)](
             q, k_cache, v_cache, block_tables, prefixes.first_row, prefixes.num_rows,
             prefixes.shared_len, part_o, part_lse, qk_scale, v_scale, q.stride(0), q.stride(1),
-            block_tables.stride(0), GROUP=group, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-            PAGE=page, BLOCK_M=pcfg["BLOCK_M"], BLOCK_N=pcfg["BLOCK_N"], NUM_PARTS=parts,
-            PREFIX_PARTS=prefix_parts, PRECISION=dot_precision(q.dtype), FP8=fp8,
-            Q_FP16=fp8 and q.dtype != torch.float32, num_warps=pcfg["num_warps"],
+            block_tables.stride(0), num_groups, GROUP=group, NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim, PAGE=page, BLOCK_M=pcfg["BLOCK_M"], BLOCK_N=pcfg["BLOCK_N"],
+            NUM_PARTS=parts, PREFIX_PARTS=prefix_parts,
+            GROUPS_P2=triton.next_power_of_2(num_groups), PRECISION=dot_precision(q.dtype),
+            FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32, num_warps=pcfg["num_warps"],
             num_stages=pcfg["num_stages"])
     if parts > 1:
         _merge_kernel[(batch, num_heads)](

@@ -292,8 +292,8 @@ for phase in "$@"; do
       step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe ${MOE_SWEEP:+--sweep} --out "$OUT" ;;
     cascade|cascade_tests)  # cascade decode attention: its GPU tests, then (cascade) plain against cascade
       step test_cascade.log "$PYTHON" -m pytest tests/test_cascade.py -q -rfE
-      [[ $phase == cascade ]] && step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} --out "$OUT" ;;
-    cascade_bench) step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} --out "$OUT" ;;
+      [[ $phase == cascade ]] && step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} ${CASCADE_MODELS:+--models $CASCADE_MODELS} --out "$OUT" ;;
+    cascade_bench) step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} ${CASCADE_MODELS:+--models $CASCADE_MODELS} --out "$OUT" ;;
     fp8skinny)  # the skinny fp8 kernel's tiles and splits over K (8B projections, 1 and 16 rows)
       step bench_fp8_skinny.log "$PYTHON" tools/bench_fp8.py --skinny-sweep --out "$OUT" ;;
     fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
