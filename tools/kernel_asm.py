@@ -85,9 +85,9 @@ def shared_prefix(kv: str, block_m: int = 64):
     sig = {"q_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "bt_ptr": "*i32",
            "first_row_ptr": "*i32", "num_rows_ptr": "*i32", "shared_ptr": "*i32",
            "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
-           "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32"}
+           "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32", "num_groups": "i32"}
     const = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_M=block_m, BLOCK_N=64,
-                 NUM_PARTS=5, PREFIX_PARTS=4, PRECISION="tf32", FP8=fp8, Q_FP16=fp8)
+                 NUM_PARTS=5, PREFIX_PARTS=4, GROUPS_P2=64, PRECISION="tf32", FP8=fp8, Q_FP16=fp8)
     return _compile(ta._shared_prefix_kernel, sig, const, 4, 3)
 
 
