@@ -401,3 +401,16 @@ def test_engine_cascade_on_cuda_graphs(tiny, oracle):
             setattr(cascade_reference, name, value)
     assert runs[False] == runs[True]
     assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t} for t in runs[False]], 12)
+
+
+@pytest.mark.parametrize("engine", [dict(kv_cache_dtype="fp8"), dict(tensor_parallel_size=2)],
+                         ids=["fp8-cache", "tp2"])
+def test_engine_cascade_with_an_fp8_cache_and_tensor_parallel(tiny, counted_cascade, engine):
+    """An fp8 cache (the cascade dequantizes the shared blocks as the plain path does) and two
+    tensor-parallel ranks (the groups travel in the step's input to the other rank): the same
+    tokens with and without the cascade."""
+    from nanovllm import SamplingParams
+    prefix, prompts = _shared_prefix_prompts(5, prefix_len=48, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cascade, plain = _generate_both_ways(tiny, [[prefix + [5]], prompts], greedy, **engine)
+    assert counted_cascade and cascade == plain
