@@ -58,7 +58,9 @@
 #             MoE microbenchmark
 #   fp8moe    the fused MoE's fp8 GPU tests and tools/bench_kernels.py --only moe (MOE_SWEEP=1: with its tile sweep)
 #   cascade   tests/test_cascade.py on CUDA, then tools/bench_cascade.py (plain against cascade decode attention,
-#             CASCADE_QUICK=1: fewer points); cascade_tests / cascade_bench: either alone
+#             CASCADE_QUICK=1: fewer points, CASCADE_MODELS: 0.6b and/or 8b); cascade_tests / cascade_bench: either
+#             alone. Issue 46 in one call: BASELINE=... SCENARIOS="prefix rl default batch1 batch16 long"
+#             bash tools/gpu/gpu_run.sh cascade_tests scenarios_ab cascade_bench
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
