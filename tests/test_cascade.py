@@ -414,3 +414,25 @@ def test_engine_cascade_with_an_fp8_cache_and_tensor_parallel(tiny, counted_casc
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     cascade, plain = _generate_both_ways(tiny, [[prefix + [5]], prompts], greedy, **engine)
     assert counted_cascade and cascade == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_engine_cascade_on_cuda_with_siblings_preemption_and_chunks(tiny, monkeypatch):
+    """The Triton backend under CUDA graphs, float32, async scheduling: ``n`` completions (greedy
+    and seeded), then a cache small enough to preempt with a 40-token budget; the same tokens with
+    and without the cascade."""
+    from nanovllm import SamplingParams
+    for name, value in (("MIN_ROWS", 2), ("MIN_SHARED_TOKENS", 16), ("MIN_SAVED_TOKENS", 16)):
+        monkeypatch.setattr(cascade_reference, name, value)
+    cuda = dict(device="cuda", dtype="float32")
+    prefix, prompts = _shared_prefix_prompts(2, prefix_len=40, seed=1)
+    for params in (SamplingParams(n=3, temperature=0, max_tokens=10, ignore_eos=True),
+                   SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)):
+        cascade, plain = _generate_both_ways(tiny, [[prefix + [2]], prompts], params, **cuda)
+        assert cascade == plain
+    prefix, prompts = _shared_prefix_prompts(12, prefix_len=48, seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    cascade, plain = _generate_both_ways(tiny, [[prefix + [3]], prompts], greedy,
+                                         num_kvcache_blocks=20, max_num_batched_tokens=40, **cuda)
+    assert cascade[-1] > 0 and cascade == plain
