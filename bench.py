@@ -222,10 +222,11 @@ def run_nanovllm(args, prompts, params) -> float:
               load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
               async_scheduling=False if args.no_async_scheduling else None,
               kv_cache_dtype=args.kv_cache_dtype,
-              quantization=args.quantization,
+              quantization=args.quantization, disable_cascade_attn=args.disable_cascade_attn,
               **({} if args.block_size is None else dict(kvcache_block_size=args.block_size)))
     args.block_size = llm.config.kvcache_block_size
     args.async_scheduling = llm.config.async_scheduling
+    args.cascade_attn = not llm.config.disable_cascade_attn
     args.attention_backend = llm.model_runner.attention_backend.name
     args.kv_cache_tokens = llm.config.num_kvcache_blocks * args.block_size  # what the cache holds
     fp8 = llm.features.get("fp8")
@@ -346,6 +347,8 @@ def main():
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--disable-cascade-attn", action="store_true",
+                        help="each sequence reads its shared prefix (no cascade decode attention)")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next "
                              "(async scheduling is on by default on CUDA)")
@@ -379,6 +382,7 @@ def main():
                   weights=getattr(args, "weights", None), cuda_graphs=not args.enforce_eager,
                  
                   async_scheduling=getattr(args, "async_scheduling", None),
+                  cascade_attn=getattr(args, "cascade_attn", None),
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

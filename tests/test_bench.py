@@ -66,7 +66,8 @@ def test_bench_runs_on_cpu(tmp_path, quantization):
     path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path,
                            "--num-seqs", "4", "--max-input-len", "130", "--max-output-len", "110",
-                           "--json", *(["--quantization", quantization] if quantization else [])],
+                           "--json", *(["--quantization", quantization, "--disable-cascade-attn"]
+                                       if quantization else [])],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -74,6 +75,7 @@ def test_bench_runs_on_cpu(tmp_path, quantization):
     assert (result["output_tokens"] == sum(sp.max_tokens for sp in params)
             and result["tok_per_s"] > 0)
     assert result["weights"] == ("fp8 per-channel" if quantization else "bf16")
+    assert result["cascade_attn"] == (quantization is None)  # the fp8 run also passes the flag
 
 
 def test_fp8_presets_are_qwens_block_wise_checkpoints():
