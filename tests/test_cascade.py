@@ -1,7 +1,8 @@
 """Cascade decode attention (a shared prefix read once for the rows that share it): the groups found
 from block tables, the PyTorch cascade and the Triton kernels against ``reference.decode_attention``
-(float64) on fresh random caches whose rows share leading blocks. On CPU the kernels run under
-TRITON_INTERPRET=1 (conftest)."""
+(float64) on fresh random caches whose rows share leading blocks; then the rule and the engine with
+and without the cascade (the same tokens). On CPU the kernels run under TRITON_INTERPRET=1
+(conftest)."""
 from __future__ import annotations
 
 import random

@@ -5,8 +5,9 @@ two parts merge by their log-sum-exp. The result is ``reference.decode_attention
 rounding.
 
 Groups (``SharedPrefixes``) come from the block tables as they are: a run of consecutive rows whose
-tables start with the same block ids (a prefix-cache hit, the ``n`` completions of a prompt, the
-beams of a beam search).
+tables start with the same block ids (a prefix-cache hit, the ``n`` completions of a prompt, an RL
+group). ``cascade_groups`` is the rule by which a decode step takes the cascade (``PrefixGroups``:
+the groups on the host, as the step's input carries them to every rank).
 """
 from __future__ import annotations
 
