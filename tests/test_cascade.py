@@ -163,15 +163,16 @@ def test_reference_cascade_equals_plain_decode(name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits, parts", [(1, None), (3, None), (1, 1), (2, 5)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_triton_cascade_matches_reference(name, splits, dtype):
+def test_triton_cascade_matches_reference(name, splits, parts, dtype):
+    """``parts``: the shared keys' ranges (None: the default; 5 leaves some ranges empty)."""
     q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs(name, dtype, 2)
     ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, bt,
                                      d ** -0.5)
     out = torch.full_like(q, float("nan"))
     triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5, num_splits=splits,
-                                      out=out, prefixes=prefixes)
+                                      out=out, prefixes=prefixes, prefix_parts=parts)
     assert not out.isnan().any()
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < TOL[dtype], err

@@ -6,7 +6,7 @@ Qwen3-0.6B's and -8B's attention shapes, batch 1-512, shared prefixes of 64-8,19
 point, then a table of the cascade's speed-up, its grid sized to the groups and as the engine's
 CUDA graphs size it (MAX_GROUPS groups, the whole batch's rows; "nan" past MAX_GROUPS groups).
 
-    python tools/bench_cascade.py [--out DIR] [--quick] [--models 0.6b 8b]
+    python tools/bench_cascade.py [--out DIR] [--quick] [--models 0.6b 8b] [--parts 1 2 4 8 16]
 """
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--quick", action="store_true", help="fewer points (a first look)")
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--parts", nargs="*", type=int, default=[],
+                        help="also time the cascade with each of these prefix_parts (the shared "
+                             "keys' ranges), to choose the rule's")
     args = parser.parse_args()
     batches = (1, 8, 64, 256) if args.quick else (1, 4, 16, 64, 256, 512)
     shareds = (64, 256, 2048) if args.quick else (64, 256, 1024, 2048, 8192)
@@ -87,12 +90,15 @@ def main():
                 cascade = bench_graph_each([cascade_fn] * 4)
                 graph = (bench_graph_each([partial(plain_fn, prefixes=captured)] * 4)
                          if captured is not None else float("nan"))
+                parts_us = {p: bench_graph_each([partial(cascade_fn, prefix_parts=p)] * 4) * 1e6
+                            for p in args.parts}
                 ref, got = plain_fn().float(), cascade_fn().float()
                 row = dict(model=model, batch=batch, group=group, shared=shared, own=OWN,
                            saved_tokens=(batch - -(-batch // group)) * shared,
                            plain_us=plain * 1e6, cascade_us=cascade * 1e6,
                            speedup=plain / cascade, engine_us=graph * 1e6,
-                           engine_speedup=plain / graph,
+                           engine_speedup=plain / graph, parts_us=parts_us,
+                           best_parts=min(parts_us, key=parts_us.get) if parts_us else None,
                            rel_err=float((got - ref).norm() / ref.norm()))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -103,12 +109,14 @@ def main():
     with open(os.path.join(args.out, "cascade.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f)
     print("| model | batch | group | shared | plain µs | cascade µs | speed-up | engine's µs | "
-          "speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "speed-up | best prefix_parts (µs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        best = (f"{r['best_parts']} ({r['parts_us'][r['best_parts']]:.1f})"
+                if r["best_parts"] else "")
         print(f"| {r['model']} | {r['batch']} | {r['group']} | {r['shared']} | "
               f"{r['plain_us']:.1f} | {r['cascade_us']:.1f} | {r['speedup']:.2f} | "
-              f"{r['engine_us']:.1f} | {r['engine_speedup']:.2f} |")
+              f"{r['engine_us']:.1f} | {r['engine_speedup']:.2f} | {best} |")
 
 
 if __name__ == "__main__":

@@ -446,11 +446,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
                      num_splits: int | None = None, config: dict | None = None,
-                     out: torch.Tensor | None = None, prefixes=None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, prefixes=None,
+                     prefix_parts: int | None = None) -> torch.Tensor:
     """``reference.decode_attention``; ``num_splits`` defaults to ``num_decode_splits``'s,
     ``config``: the tiles. ``prefixes`` (``cascade_reference.SharedPrefixes``): the cascade, each
     group's shared blocks read once for all its rows (``_shared_prefix_kernel``), the rest of each
-    context as before from the row's ``seq_shared_len`` on, the parts merged by log-sum-exp."""
+    context as before from the row's ``seq_shared_len`` on, the parts merged by log-sum-exp;
+    ``prefix_parts``: the ranges each group's shared keys are split into (default
+    ``num_prefix_parts``'s)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
@@ -470,8 +473,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_groups = prefixes.first_row.numel()
         pcfg = _shared_prefix_config(prefixes.max_rows * group, q.dtype)
         tiles = min(batch, num_groups * prefixes.max_rows) * group // pcfg["BLOCK_M"] + num_groups
-        prefix_parts = num_prefix_parts(triton.cdiv(batch * group, pcfg["BLOCK_M"]) * num_kv_heads,
-                                        q.device)
+        prefix_parts = prefix_parts or num_prefix_parts(
+            triton.cdiv(batch * group, pcfg["BLOCK_M"]) * num_kv_heads, q.device)
     parts = splits + (prefix_parts if cascade else 0)
     if parts > 1:
         part_o = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32,

@@ -58,9 +58,10 @@
 #             MoE microbenchmark
 #   fp8moe    the fused MoE's fp8 GPU tests and tools/bench_kernels.py --only moe (MOE_SWEEP=1: with its tile sweep)
 #   cascade   tests/test_cascade.py on CUDA, then tools/bench_cascade.py (plain against cascade decode attention,
-#             CASCADE_QUICK=1: fewer points, CASCADE_MODELS: 0.6b and/or 8b); cascade_tests / cascade_bench: either
+#             CASCADE_QUICK=1: fewer points, CASCADE_MODELS: 0.6b and/or 8b, CASCADE_PARTS: prefix_parts to time
+#             each point with too, e.g. "1 2 4 8 16"); cascade_tests / cascade_bench: either
 #             alone. Issue 46 in one call: BASELINE=... SCENARIOS="prefix rl default batch1 batch16 long"
-#             bash tools/gpu/gpu_run.sh cascade_tests scenarios_ab cascade_bench
+#             CASCADE_PARTS="1 2 4 8 16" bash tools/gpu/gpu_run.sh cascade_tests scenarios_ab cascade_bench
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
@@ -294,8 +295,8 @@ for phase in "$@"; do
       step bench_kernels_moe.log "$PYTHON" tools/bench_kernels.py --only moe ${MOE_SWEEP:+--sweep} --out "$OUT" ;;
     cascade|cascade_tests)  # cascade decode attention: its GPU tests, then (cascade) plain against cascade
       step test_cascade.log "$PYTHON" -m pytest tests/test_cascade.py -q -rfE
-      [[ $phase == cascade ]] && step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} ${CASCADE_MODELS:+--models $CASCADE_MODELS} --out "$OUT" ;;
-    cascade_bench) step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} ${CASCADE_MODELS:+--models $CASCADE_MODELS} --out "$OUT" ;;
+      [[ $phase == cascade ]] && step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} ${CASCADE_MODELS:+--models $CASCADE_MODELS} ${CASCADE_PARTS:+--parts $CASCADE_PARTS} --out "$OUT" ;;
+    cascade_bench) step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} ${CASCADE_MODELS:+--models $CASCADE_MODELS} ${CASCADE_PARTS:+--parts $CASCADE_PARTS} --out "$OUT" ;;
     fp8skinny)  # the skinny fp8 kernel's tiles and splits over K (8B projections, 1 and 16 rows)
       step bench_fp8_skinny.log "$PYTHON" tools/bench_fp8.py --skinny-sweep --out "$OUT" ;;
     fp8wbench)  # fp8 weights and cache against bf16 in one call: bench.py, the 8B batch-1 scenario, quality
