@@ -94,33 +94,32 @@ def cascade_groups(block_tables: np.ndarray, context_lens: np.ndarray,
     groups = sorted(sorted(groups, key=lambda g: -(g[1] - 1) * g[2])[:MAX_GROUPS])
     if sum((rows - 1) * blocks for _, rows, blocks in groups) * block_size < MIN_SAVED_TOKENS:
         return None
-    seq_shared = np.zeros(len(context_lens), dtype=np.int32)
+    return prefix_groups(groups, len(context_lens), block_size)
+
+
+def prefix_groups(groups: list[tuple[int, int, int]], batch: int, block_size: int,
+                  capacity: int | None = None) -> PrefixGroups:
+    """``shared_prefix_groups``'s list as host arrays. ``capacity``: that many groups, the missing
+    ones empty (no rows), and ``max_rows`` the batch, so that the kernels' grids depend on the batch
+    size alone (a CUDA graph replays them for other groups)."""
+    seq_shared = np.zeros(batch, dtype=np.int32)
     for first, rows, blocks in groups:
         seq_shared[first:first + rows] = blocks * block_size
-    table = np.array(groups, dtype=np.int32).T.copy()
+    max_rows = max((rows for _, rows, _ in groups), default=0)
+    if capacity is not None:
+        if len(groups) > capacity:
+            raise ValueError(f"{len(groups)} groups, capacity={capacity}")
+        groups, max_rows = groups + [(0, 0, 0)] * (capacity - len(groups)), batch
+    table = np.array(groups, dtype=np.int32).reshape(-1, 3).T.copy()
     table[2] *= block_size
-    return PrefixGroups(table, seq_shared, int(table[1].max()))
+    return PrefixGroups(table, seq_shared, max_rows)
 
 
 def as_shared_prefixes(groups: list[tuple[int, int, int]], batch: int, block_size: int,
                        device, capacity: int | None = None) -> SharedPrefixes:
-    """``shared_prefix_groups``'s list as the tensors the kernels read. ``capacity``: that many
-    groups, the missing ones empty (no rows), and ``max_rows`` the batch, so that the kernels' grids
-    depend on the batch size alone (a CUDA graph replays them for other groups)."""
-    seq_shared = [0] * batch
-    for first, rows, blocks in groups:
-        seq_shared[first:first + rows] = [blocks * block_size] * rows
-    if capacity is not None:
-        if len(groups) > capacity:
-            raise ValueError(f"{len(groups)} groups, capacity={capacity}")
-        groups = groups + [(0, 0, 0)] * (capacity - len(groups))
-    columns = list(zip(*groups)) or [(), (), ()]
-
-    def ints(values):
-        return torch.tensor(list(values), dtype=torch.int32, device=device)
-    return SharedPrefixes(ints(columns[0]), ints(columns[1]),
-                          ints(b * block_size for b in columns[2]), ints(seq_shared),
-                          batch if capacity is not None else max(columns[1], default=0))
+    """``prefix_groups``'s arrays as the tensors the kernels read, on ``device``."""
+    return prefix_groups(groups, batch, block_size, capacity).on_device(
+        lambda a: torch.as_tensor(a, device=device))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
