@@ -47,7 +47,9 @@ def test_ignored_keywords_are_logged_once_and_the_engine_runs(tiny, llm, caplog)
 @pytest.mark.parametrize("kwargs, match", [
     (dict(quantization="awq"), "quantization='awq'"),
     (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2"),
-    (dict(speculative_config={"method": "ngram"}), "speculative_config="),
+    (dict(speculative_config={"method": "ngram"}), "speculative_config needs num_speculative"),
+    (dict(speculative_config={"method": "eagle", "model": "x", "num_speculative_tokens": 2}),
+     "speculative_config method='eagle'"),
     (dict(enable_lora=True), "enable_lora=True"),
     (dict(max_lora_rank=16), "max_lora_rank=16"),
     (dict(cpu_offload_gb=4), "cpu_offload_gb=4"),

@@ -92,9 +92,9 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_hashed_blocks = 0
         seq.block_table.clear()
 
-    def allocate_slot(self, seq: Sequence) -> bool:
-        """A slot for the token ``seq``'s next forward computes; False when no block is free."""
-        if len(seq.block_table) < seq.num_blocks:
+    def allocate_slot(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Slots for the next forward's token and ``lookahead`` more; False if no block is free."""
+        while len(seq.block_table) * self.block_size < seq.num_tokens + lookahead:
             if not self.num_free_blocks:
                 return False
             seq.block_table.append(self._allocate_block())

@@ -43,7 +43,6 @@ UNSUPPORTED_KEYWORDS = {
     "data_parallel_size": ((1,), "one replica per engine (nanovllm.distributed.ray runs several)"),
     "distributed_executor_backend": ((None, "mp", "uni"),
                                      "tensor-parallel ranks are local processes"),
-    "speculative_config": ((None,), "no speculative decoding"),
     "enable_lora": ((False, None), "no LoRA adapters"),
     "max_lora_rank": ((), "no LoRA adapters"),
     "max_loras": ((), "no LoRA adapters"),
@@ -75,7 +74,7 @@ FRONTEND_KEYWORDS = {"revision": None, "tokenizer_revision": None, "download_dir
                      "hf_token": None, "hf_overrides": None, "generation_config": "auto",
                      "profiler_config": None, "quantization": None, "logits_processors": None,
                      "worker_extension_cls": None, "enable_sleep_mode": False,
-                     "disable_log_stats": True}
+                     "disable_log_stats": True, "speculative_config": None}
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides) -> PretrainedConfig:
@@ -217,3 +216,19 @@ _FLAG_TYPES = {"dict": json.loads, "str": str, "bool": bool, "int": int, "float"
 # the frontend keywords' flag types (the others are strings)
 _FRONTEND_TYPES = {"hf_overrides": ["dict"], "profiler_config": ["dict"],
                    "enable_sleep_mode": ["bool"], "disable_log_stats": ["bool"]}
+
+
+def speculative_options(frontend: dict, kwargs: dict) -> None:
+    """``speculative_config`` checked, its feature installed first (it replaces the engine's core),
+    and what it needs of the engine: no async scheduling (a proposal needs the step before it read
+    back), no logits processors."""
+    from nanovllm.features.speculative import parse_speculative_config
+    options = {"speculative_config": parse_speculative_config(frontend["speculative_config"])}
+    kwargs["features"] = (("speculative", options), *kwargs["features"])
+    if frontend["logits_processors"]:
+        raise ValueError("logits_processors are not supported with speculative_config (the "
+                         "verify step samples each proposed position without them)")
+    if kwargs.get("async_scheduling"):
+        raise ValueError("async_scheduling=True is not supported with speculative_config: a "
+                         "proposal needs the step before it read back")
+    kwargs["async_scheduling"] = False

@@ -277,7 +277,11 @@ class VllmEngineMixin:
             raise ValueError("get_metrics() needs the engine's statistics: create the LLM with "
                              "disable_log_stats=False (vLLM's LLM disables them by default)")
         with self.core.lock:
-            return self.features["metrics"].stats.snapshot(self.core.scheduler, self.config.model)
+            metrics = self.features["metrics"].stats.snapshot(self.core.scheduler,
+                                                              self.config.model)
+            if (speculative := self.features.get("speculative")) is not None:
+                metrics += speculative.drafter.metrics(dict(metrics[0].labels))
+            return metrics
 
     def _add_request_by_id(self, request_id: str, prompt, params: SamplingParams | None = None,
                            arrival_time=None, lora_request=None, tokenization_kwargs=None,

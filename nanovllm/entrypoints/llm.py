@@ -21,6 +21,7 @@ from nanovllm.entrypoints.arg_utils import (
     apply_hf_overrides,
     profiler_options,
     refuse_unsupported,
+    speculative_options,
 )
 from nanovllm.entrypoints.engine_api import VllmEngineMixin
 from nanovllm.models.presets import PRESETS, preset_config
@@ -59,6 +60,8 @@ def engine_kwargs(model: str, kwargs: dict) -> tuple[dict, dict]:
     _check_frontend(frontend)
     model, hf_config = _model_and_config(model, kwargs, frontend)
     kwargs["hf_config"], kwargs["features"] = hf_config, _features(hf_config, frontend)
+    if frontend["speculative_config"] is not None:
+        speculative_options(frontend, kwargs)
     return dict(kwargs, model=model), frontend
 
 
@@ -147,12 +150,10 @@ def _features(hf_config, frontend: dict) -> tuple[tuple[str, dict], ...]:
         features.append(("fp8", {"quantization": frontend["quantization"]}))
     if frontend["enable_sleep_mode"]:
         features.append(("sleep", {}))
-    if frontend["worker_extension_cls"] not in (None, ""):
-        features.append(("worker_extension",
-                         {"worker_extension_cls": frontend["worker_extension_cls"]}))
-    if frontend["logits_processors"]:
-        features.append(("logits_processors",
-                         {"logits_processors": frontend["logits_processors"]}))
+    for name, keyword in (("worker_extension", "worker_extension_cls"),
+                          ("logits_processors", "logits_processors")):
+        if frontend[keyword]:  # not None, "" or []
+            features.append((name, {keyword: frontend[keyword]}))
     if frontend["disable_log_stats"] is False:
         features.append(("metrics", {}))
     return tuple(features)

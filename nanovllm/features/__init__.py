@@ -16,6 +16,8 @@ _FEATURES = {  # name: (its class, what it registers with)
                           dict(keywords=("logits_processors",), first_rank_only=True,
                                request_fields=("allowed_token_ids", "bad_words"))),
     "metrics": ("metrics:Metrics", dict(keywords=("disable_log_stats",), first_rank_only=True)),
+    "speculative": ("speculative:SpeculativeDecoding",
+                    dict(keywords=("speculative_config",), first_rank_only=True)),
 }
 for _name, (_target, _meta) in _FEATURES.items():
     REGISTRY.register("feature", _name, f"nanovllm.features.{_target}", **_meta)

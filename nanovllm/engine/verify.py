@@ -1,0 +1,174 @@
+"""Verify steps, a capability of the core: a decode step may carry tokens proposed to follow each
+sequence's last one; one forward computes the logits of every position, and the sequence keeps a
+run of the proposals and one token of its own. What proposes and what decides which tokens are kept
+is a ``Drafter`` (a feature's); the core reserves the proposals' slots where blocks are free (a
+proposal never preempts a sequence), builds the forward, books the kept tokens, gives back the
+blocks that only rejected tokens used, and never hashes a token that was not kept.
+
+A verify step's forward is prefill-shaped: sequence i's queries are its last token and its ``k_i``
+proposals at positions ``n_i - 1 .. n_i - 1 + k_i``, its keys the cached ones before them; the LM
+head projects every query row. A step whose sequences have no proposal is a plain decode."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanovllm.engine.batch import StepInput, block_tables, slots
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.core import EngineCore
+from nanovllm.engine.outputs import ModelRunnerOutput
+from nanovllm.engine.sampling import SamplingInputs
+from nanovllm.engine.scheduler import SchedulerOutput
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import logprobs_of
+
+
+class Drafter:
+    """Proposes tokens and decides which the model keeps; installed by ``VerifyEngineCore``."""
+
+    num_lookahead_slots = 0  # the most tokens proposed for a sequence in one step
+
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Per sequence, up to ``num_lookahead_slots`` tokens to follow its known ones."""
+        return [[] for _ in seqs]
+
+    def verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingInputs,
+               generator: torch.Generator) -> torch.Tensor:
+        """``logits`` [R, V]: sequence i's ``1 + len(drafts[i])`` rows, in batch order. Returns [R]
+        int64: at each kept position its token (the accepted proposals, then the model's own token),
+        -1 where the logits are not finite (nothing follows), -2 past the kept run."""
+        raise NotImplementedError
+
+    def observe(self, drafts: list[list[int]], num_accepted: list[int]) -> None:
+        """Counts a verify step: per sequence its proposals and how many were accepted."""
+
+
+def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int) -> StepInput:
+    """The verify forward's input: each sequence's last token and proposals; every row projected."""
+    starts = [seq.num_tokens - 1 for seq in seqs]
+    counts = [1 + len(draft) for draft in drafts]
+    ends = [s + c for s, c in zip(starts, counts)]
+    cu_q = np.cumsum([0, *counts], dtype=np.int32)
+    return StepInput(
+        is_prefill=True,
+        input_ids=np.array([t for seq, d in zip(seqs, drafts) for t in (seq.token_ids[-1], *d)],
+                           dtype=np.int64),
+        positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64),
+        slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size)
+                                     for seq, s, e in zip(seqs, starts, ends)]),
+        block_tables=block_tables(seqs), cu_seqlens_q=cu_q,
+        cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32), max_seqlen_q=max(counts),
+        max_seqlen_k=max(ends), logits_indices=np.arange(cu_q[-1], dtype=np.int64))
+
+
+@dataclass
+class VerifyOutput:
+    """A launched verify step: the kept tokens per row on their way to the host."""
+    output: ModelRunnerOutput
+    drafts: list[list[int]]
+
+
+class VerifyEngineCore(EngineCore):
+    """The engine core with verify steps (synchronous: a proposal needs the last token known)."""
+
+    def __init__(self, config, resources, shutdown, hooks, drafter: Drafter):
+        super().__init__(config, resources, shutdown, hooks)
+        self.drafter = drafter
+        self.num_decoded = 0  # the last step's kept tokens
+
+    @classmethod
+    def replacing(cls, core: EngineCore, drafter: Drafter) -> VerifyEngineCore:
+        """In place of ``core``, before any request: its resources and hooks (penalties aside)."""
+        if core.requests or core.inflight is not None:
+            raise RuntimeError("verify steps are installed before any request is admitted")
+        return cls(core.config, core.resources, core._free, core.hooks[1:], drafter)
+
+    def step(self) -> int:
+        self.num_decoded = 0
+        count = super().step()
+        return -self.num_decoded if count < 0 else count
+
+    def launch(self, batch: SchedulerOutput):
+        if batch.is_prefill:
+            return super().launch(batch)
+        drafts = [self._reserve(seq, draft)
+                  for seq, draft in zip(batch.seqs, self.drafter.propose(batch.seqs))]
+        if not any(drafts):
+            self.num_decoded = len(batch.seqs)
+            return super().launch(batch)  # a plain decode (CUDA graphs)
+        runner = self.resources.runner
+        sampling = runner.prepare_sample(batch)
+        step = batch.step_input = prepare_verify(batch.seqs, drafts, self.config.kvcache_block_size)
+        if self.resources.workers is not None:
+            self.call_or_shut_down(self.resources.workers.call, "run", step)
+        logits, _ = self.call_or_shut_down(runner.forward, step, sampling)
+        token_ids = self.drafter.verify(logits, drafts, sampling, runner.generator)
+        num_logprobs = [k for k, d in zip(sampling.num_logprobs, drafts) for _ in range(1 + len(d))]
+        most = max((k for k in num_logprobs if k is not None), default=None)
+        logprobs = None if most is None else logprobs_of(
+            torch.log_softmax(logits.float(), dim=-1), token_ids.clamp(min=0), most)
+        return VerifyOutput(ModelRunnerOutput(token_ids, logprobs, num_logprobs), drafts)
+
+    def _reserve(self, seq: Sequence, draft: list[int]) -> list[int]:
+        """``draft`` cut to what ``seq`` may still generate and to the slots that blocks free now
+        can hold."""
+        most = min(seq.sampling_params.max_tokens - seq.num_completion_tokens,
+                   self.config.max_model_len - seq.num_tokens) - 1
+        draft = draft[:max(0, min(most, self.drafter.num_lookahead_slots))]
+        if draft and not self.scheduler.block_manager.allocate_slot(seq, len(draft)):
+            draft = draft[:len(seq.block_table) * self.config.kvcache_block_size - seq.num_tokens]
+        return draft
+
+    def read_back(self, after_accept=None) -> None:
+        if self.inflight is None or not isinstance(self.inflight[1], VerifyOutput):
+            return super().read_back(after_accept)
+        (batch, verified), self.inflight = self.inflight, None
+        token_ids, logprobs, _ = self.call_or_shut_down(verified.output.result)
+        row, accepted = 0, []
+        for seq, draft in zip(batch.seqs, verified.drafts):
+            rows = range(row, row + 1 + len(draft))
+            row += len(rows)
+            kept = [r for r in rows if token_ids[r] != -2]
+            accepted.append(max(0, len(kept) - 1))
+            seq.num_scheduled_tokens = 0
+            for r in kept:
+                if seq.is_finished:
+                    break
+                self._keep(seq, token_ids[r], logprobs[r])
+            if not seq.is_finished:
+                give_back_blocks(self.scheduler.block_manager, seq)
+        self.drafter.observe(verified.drafts, accepted)
+
+    def _keep(self, seq: Sequence, token_id: int, logprob) -> None:
+        """Books one kept token: its position's K/V is now known; stop checks as in a decode."""
+        if token_id < 0:
+            self.end_with_error(seq, FloatingPointError("the model's logits were not finite"))
+            return
+        seq.num_cached_tokens = seq.num_tokens  # the token before ``token_id`` was computed
+        seq.token_ids.append(token_id)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self.num_decoded += 1
+        self.scheduler.block_manager.hash_blocks(seq)  # known tokens only: never a rejected one
+        errors = {s: e for hook in self.hooks for s, e in hook.accept([(seq, token_id)]).items()}
+        try:
+            if seq in errors:
+                raise errors[seq]
+            stop = self.outputs.check_stop(self.requests[seq.seq_id], seq, token_id)
+        except Exception as e:
+            self.end_with_error(seq, e)
+            return
+        if stop is not None:
+            self._end(seq, *stop)
+
+
+def give_back_blocks(block_manager: BlockManager, seq: Sequence) -> None:
+    """Frees the blocks past ``seq``'s tokens: reserved for proposals, they hold only rejected
+    tokens' K/V (never hashed, held by no other sequence)."""
+    while len(seq.block_table) > seq.num_blocks:
+        block_id = seq.block_table.pop()
+        block_manager.blocks[block_id].ref_count -= 1
+        block_manager.used_block_ids.remove(block_id)
+        block_manager.free_block_ids.append(block_id)

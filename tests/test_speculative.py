@@ -1,0 +1,355 @@
+"""Speculative decoding: the configuration, n-gram lookup, the rejection sampler's distribution, and
+the engine's verify steps, whose outputs must be the target's token for token (preemption, chunked
+prefill, prefix caching, ``n`` > 1, stops inside an accepted run, logprobs, two tensor-parallel
+ranks)."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.verify import VerifyEngineCore
+from nanovllm.features.speculative import (
+    NgramDrafter,
+    ngram_propose,
+    parse_speculative_config,
+    rejection_sample,
+)
+from nanovllm.layers.sampler import SamplingBatch
+from tests.conftest import CPU_ENGINE, assert_matches_oracle, assert_no_leaks
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+def test_config_defaults_and_refusals():
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3}) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5,
+        "prompt_lookup_max": 5}
+    one = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                    "prompt_lookup_max": 4})
+    assert (one["prompt_lookup_min"], one["prompt_lookup_max"]) == (4, 4)
+    bad = [({"method": "ngram"}, "num_speculative_tokens"),
+           ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+             "prompt_lookup_max": 2}, "prompt_lookup_min"),
+           ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+            "draft_tensor_parallel_size"),
+           ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft_model"),
+           ({"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}, "eagle3"),
+           ({"method": "medusa", "num_speculative_tokens": 2}, "medusa")]
+    for config, named in bad:
+        with pytest.raises(ValueError, match=named):
+            parse_speculative_config(config)
+    with pytest.raises(TypeError, match="dict"):
+        parse_speculative_config("ngram")
+    with pytest.raises(TypeError, match="prompt_lookup_max"):
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2,
+                                  "prompt_lookup_max": "3"})
+
+
+def test_engine_refuses_what_verify_steps_cannot_honour(tiny):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(tiny, speculative_config=NGRAM, async_scheduling=True, **CPU_ENGINE)
+    with pytest.raises(ValueError, match="logits_processors"):
+        LLM(tiny, speculative_config=NGRAM, logits_processors=["builtins.object"], **CPU_ENGINE)
+    llm = LLM(tiny, speculative_config=NGRAM, **CPU_ENGINE)
+    try:
+        assert isinstance(llm.core, VerifyEngineCore) and not llm.config.async_scheduling
+        for params, named in ((SamplingParams(presence_penalty=0.5), "penalty"),
+                              (SamplingParams(repetition_penalty=1.2), "penalty"),
+                              (SamplingParams(min_tokens=2), "min_tokens"),
+                              (SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+                              (SamplingParams(bad_words=["ab"]), "bad_words")):
+            with pytest.raises(ValueError, match=named):
+                llm.generate([[1, 2, 3]], params, use_tqdm=False)
+        assert llm.is_finished()
+    finally:
+        llm.exit()
+
+
+# -- n-gram lookup ------------------------------------------------------------------------------
+
+def test_ngram_proposes_after_the_latest_longest_match():
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    # suffix [2, 3] (max 2) last occurred at 5..6 -> 7, 8, 5
+    assert ngram_propose(tokens, 1, 2, 3) == [7, 8, 5]
+    # with max 3 the suffix [5, 2, 3] never occurred before; [2, 3] did
+    assert ngram_propose(tokens, 2, 3, 2) == [7, 8]
+    # min 3: no 3-gram match -> nothing
+    assert ngram_propose(tokens, 3, 3, 2) == []
+    # a match near the end proposes fewer tokens
+    assert ngram_propose(np.array([4, 5, 6, 4, 5]), 1, 2, 5) == [6, 4, 5]
+    assert ngram_propose(np.array([7]), 1, 3, 4) == []
+    rng = random.Random(0)
+    for _ in range(200):  # against a direct search
+        seq = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+        low, high, k = rng.randint(1, 3), rng.randint(3, 5), rng.randint(1, 4)
+        expected = []
+        for n in range(min(high, len(seq) - 1), low - 1, -1):
+            starts = [s for s in range(len(seq) - n) if seq[s:s + n] == seq[-n:]]
+            if starts:
+                expected = seq[starts[-1] + n:starts[-1] + n + k]
+                break
+        assert ngram_propose(np.array(seq), low, high, k) == expected, (seq, low, high, k)
+
+
+# -- the rejection sampler ----------------------------------------------------------------------
+
+def _sampling(temperatures, **stages) -> SimpleNamespace:
+    return SimpleNamespace(batch=SamplingBatch(torch.tensor(temperatures), **stages))
+
+
+def _freq(values: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(values, minlength=vocab).double() / max(1, values.numel())
+
+
+def _assert_distribution(samples: torch.Tensor, expected: torch.Tensor):
+    """Each token's frequency within 5 standard deviations of its probability (and 1e-3)."""
+    n, got = samples.numel(), _freq(samples, expected.numel())
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((got - expected).abs() <= 5 * sigma + 1e-3).all(), (got, expected)
+
+
+@pytest.mark.parametrize("case", ["t1", "t05_topk3", "draft_outside_topk"])
+def test_rejection_sampling_keeps_the_target_distribution(case):
+    """20,000 sequences, each with proposals [d1, d2] and three logits rows: the first kept token
+    is distributed as the target's p1 (whatever d1 is); given that d1 was kept, the second as p2;
+    the acceptance rate of d1 is p1(d1)."""
+    vocab, n = 7, 20000
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, vocab, generator=g) * 1.5
+    temperature, stages, d1, d2 = 1.0, {}, 2, 4
+    if case != "t1":
+        temperature = 0.5
+        stages = dict(top_k=torch.full((n,), 3), top_p=torch.ones(n))
+    if case == "draft_outside_topk":
+        d1 = int(rows[0].argsort()[0])  # the least likely token: outside the top 3
+
+    def target(logits):
+        scaled = logits / temperature
+        if stages:
+            scaled = scaled.masked_fill(scaled < scaled.topk(3).values[-1], float("-inf"))
+        return torch.softmax(scaled.double(), -1)
+
+    logits = rows.repeat(n, 1)
+    tokens = rejection_sample(logits, [[d1, d2]] * n, _sampling([temperature] * n, **stages),
+                              torch.Generator().manual_seed(1)).view(n, 3)
+    first, second = tokens[:, 0], tokens[:, 1]
+    _assert_distribution(first, target(rows[0]))
+    kept = first == d1
+    assert kept.float().mean().item() == pytest.approx(float(target(rows[0])[d1]), abs=0.015)
+    assert (second[~kept] == -2).all() and (tokens[~kept, 2] == -2).all()
+    if kept.sum() > 1000:
+        _assert_distribution(second[kept], target(rows[1]))
+
+
+def test_rejection_sampling_greedy_and_seeded_rows():
+    """Greedy rows keep the proposals that the argmax agrees with, then the argmax; a seeded row
+    draws the same whatever else is in the batch; non-finite logits end the run with -1."""
+    vocab = 9
+    rows = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+    best = rows.argmax(-1).tolist()
+    wrong = (best[1] + 1) % vocab
+    tokens = rejection_sample(rows, [[best[0], wrong, best[2]]], _sampling([0.0]),
+                              torch.Generator())
+    assert tokens.tolist() == [best[0], best[1], -2, -2]
+    seeded = []
+    for others in (0, 3):
+        seeds = [None] * others + [torch.Generator().manual_seed(42)]
+        logits = torch.cat([rows] * (others + 1))
+        out = rejection_sample(logits, [[1, 2, 3]] * (others + 1),
+                               _sampling([1.0] * (others + 1), generators=seeds),
+                               torch.Generator().manual_seed(others))
+        seeded.append(out[-4:].tolist())
+    assert seeded[0] == seeded[1]
+    bad = rows.clone()
+    bad[1, 0] = float("nan")
+    assert rejection_sample(bad, [[best[0], best[1], best[2]]], _sampling([0.0]),
+                            torch.Generator()).tolist() == [best[0], -1, -2, -2]
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+class OracleDrafter(NgramDrafter):
+    """Proposes each sequence's true continuation (from a plain run), the proposal at one position
+    in every other step replaced by a wrong token: runs of every length are kept. After each verify
+    step, checks that no sequence holds a block past its tokens (its newest token's may come with
+the next step)."""
+
+    def __init__(self, core, references: dict[tuple, list[int]], k: int = 4):
+        super().__init__({"num_speculative_tokens": k, "prompt_lookup_min": 1,
+                          "prompt_lookup_max": 1})
+        self.core, self.references, self.calls = core, references, 0
+
+    def propose(self, seqs):
+        drafts = []
+        for seq in seqs:
+            self.calls += 1
+            done = seq.num_completion_tokens
+            ref = self.references[tuple(seq.token_ids[:seq.num_prompt_tokens])]
+            assert seq.completion_token_ids == ref[:done]  # the kept tokens are the target's
+            draft = list(ref[done:done + self.num_lookahead_slots])
+            wrong_at = self.calls % (2 * self.num_lookahead_slots)
+            if wrong_at < len(draft):
+                draft[wrong_at] = (draft[wrong_at] + 1) % 256
+            drafts.append(draft)
+        return drafts
+
+    def observe(self, drafts, num_accepted):
+        super().observe(drafts, num_accepted)
+        for seq in self.core.scheduler.running:
+            assert seq.num_blocks - 1 <= len(seq.block_table) <= seq.num_blocks
+
+
+def _tokens(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def _run(path, prompts, params, drafter=None, **engine):
+    """(token ids per completion, engine's counters): a fresh engine; ``drafter``: "ngram", or a
+    callable (core) -> Drafter installed in place of the n-gram one."""
+    config = NGRAM if drafter else None
+    llm = LLM(path, **{**CPU_ENGINE, **engine}, speculative_config=config)
+    try:
+        if callable(drafter):
+            llm.core.drafter = drafter(llm.core)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert_no_leaks(llm)
+        counters = dict(preemptions=llm.scheduler.num_preemptions,
+                        hits=llm.scheduler.block_manager.num_cache_hits)
+        if drafter:
+            d = llm.core.drafter
+            counters.update(drafts=d.num_draft_tokens, accepted=d.num_accepted_tokens,
+                            per_pos=list(d.accepted_per_pos))
+        return outputs, counters
+    finally:
+        llm.exit()
+
+
+def _repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        unit = [rng.randrange(256) for _ in range(rng.randint(3, 9))]
+        prompts.append((unit * 6)[:rng.randint(20, 50)])
+    return prompts
+
+
+def test_ngram_greedy_equals_the_target(tiny, oracle):
+    prompts = _repetitive_prompts(6)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain, _ = _run(tiny, prompts, greedy)
+    spec, counters = _run(tiny, prompts, greedy, drafter="ngram")
+    assert counters["drafts"] > 20  # verify steps ran
+    assert _tokens(spec) == _tokens(plain)
+    assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t[0]} for t in _tokens(spec)], 24)
+
+
+def _references(path, prompts, params, **engine):
+    plain, _ = _run(path, prompts, params, **engine)
+    return plain, {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+
+
+def test_verify_steps_under_preemption_chunked_prefill_and_prefix_caching(tiny):
+    """A 40-block cache for 10 sequences (preemption), a 40-token budget (chunked prefill), and a
+    second wave of prompts that extend the first's (prefix-cache hits): proposals with a wrong
+    token at every position, the same tokens as the plain run."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 60))] for _ in range(10)]
+    prompts += [p + [7, 8] for p in prompts[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine = dict(num_kvcache_blocks=40, max_num_batched_tokens=40)
+    plain, refs = _references(tiny, prompts, greedy, **engine)
+    spec, counters = _run(tiny, prompts, greedy, lambda core: OracleDrafter(core, refs), **engine)
+    assert _tokens(spec) == _tokens(plain)
+    assert counters["preemptions"] > 0 and counters["hits"] > 0
+    assert 0 < counters["accepted"] < counters["drafts"]
+    assert all(counters["per_pos"])  # every position was accepted at some step
+
+
+def test_verify_steps_with_n_completions(tiny):
+    """``n`` = 3 greedy completions of each prompt: every one is the target's."""
+    prompts = _repetitive_prompts(3, seed=1)
+    greedy = SamplingParams(n=3, temperature=0, max_tokens=16, ignore_eos=True)
+    plain, _ = _run(tiny, prompts, greedy)
+    spec, counters = _run(tiny, prompts, greedy, drafter="ngram")
+    assert counters["drafts"] > 0 and _tokens(spec) == _tokens(plain)
+    assert all(len(set(map(tuple, t))) == 1 for t in _tokens(spec))
+
+
+def test_stops_inside_an_accepted_run(tiny):
+    """max_tokens, a stop token and a stop string that fall inside a run of accepted proposals end
+    the sequence where the plain run ends it, with the same text, reason and logprobs."""
+    rng = random.Random(9)
+    prompts = [[rng.randrange(256) for _ in range(30)] for _ in range(4)]
+    base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first, refs = _references(tiny, prompts, base)
+    ref, text = refs[tuple(prompts[0])], first[0].outputs[0].text
+    assert len(text) >= 8
+    cases = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ref[5]], logprobs=0),
+             SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[text[5:7]])]
+    for params in cases:
+        plain, _ = _run(tiny, prompts, params)
+        spec, counters = _run(tiny, prompts, params, lambda core: OracleDrafter(core, refs, 8))
+        assert counters["accepted"] > 0
+        for a, b in zip(plain, spec):
+            x, y = a.outputs[0], b.outputs[0]
+            assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == \
+                   (y.token_ids, y.text, y.finish_reason, y.stop_reason)
+            if params.logprobs is not None:
+                assert len(y.logprobs) == len(y.token_ids)
+                for ex, ey in zip(x.logprobs, y.logprobs):
+                    assert ex.keys() == ey.keys()
+                    for t in ex:
+                        assert ey[t].logprob == pytest.approx(ex[t].logprob, abs=1e-4)
+                        assert ey[t].rank == ex[t].rank
+
+
+def test_seeded_sampling_is_the_same_whatever_else_is_batched(tiny):
+    """A seeded request draws from its own generator: alone or beside others, the same tokens."""
+    prompts = _repetitive_prompts(4, seed=2)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+    alone, _ = _run(tiny, prompts[:1], seeded, drafter="ngram")
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(tiny, **CPU_ENGINE, speculative_config=NGRAM)
+    try:
+        together = llm.generate(prompts, [seeded] + [others] * 3, use_tqdm=False)
+    finally:
+        llm.exit()
+    assert _tokens(together)[0] == _tokens(alone)[0]
+
+
+def test_metrics_name_vllms_counters(tiny):
+    llm = LLM(tiny, **CPU_ENGINE, speculative_config=NGRAM, disable_log_stats=False)
+    try:
+        llm.generate(_repetitive_prompts(2, seed=3),
+                     SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        metrics = {m.name: m for m in llm.get_metrics()}
+    finally:
+        llm.exit()
+    drafts = metrics["vllm:spec_decode_num_drafts"].value
+    draft_tokens = metrics["vllm:spec_decode_num_draft_tokens"].value
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"].value
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
+    assert 0 < drafts <= draft_tokens <= 4 * drafts and accepted <= draft_tokens
+    assert len(per_pos) == 4 and sum(per_pos) == accepted
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+
+
+def test_verify_steps_with_two_tensor_parallel_ranks(tiny):
+    """Two ranks on gloo: the verify forward's input travels to the other rank as a step's does."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(10, 30))] for _ in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, refs = _references(tiny, prompts, greedy)
+    spec, counters = _run(tiny, prompts, greedy, lambda core: OracleDrafter(core, refs),
+                          tensor_parallel_size=2)
+    assert counters["accepted"] > 0 and _tokens(spec) == _tokens(plain)
