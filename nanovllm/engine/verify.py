@@ -5,9 +5,11 @@ is a ``Drafter`` (a feature's); the core reserves the proposals' slots where blo
 proposal never preempts a sequence), builds the forward, books the kept tokens, gives back the
 blocks that only rejected tokens used, and never hashes a token that was not kept.
 
-A verify step's forward is prefill-shaped: sequence i's queries are its last token and its ``k_i``
-proposals at positions ``n_i - 1 .. n_i - 1 + k_i``, its keys the cached ones before them; the LM
-head projects every query row. A step whose sequences have no proposal is a plain decode."""
+A verify step's forward is a decode over more rows: sequence i's last token and its ``k_i``
+proposals at positions ``n_i - 1 .. n_i - 1 + k_i`` are rows of their own, each attending to the
+keys up to its position through the sequence's block table (every row's K/V is stored before any
+row attends), so that it runs through the decode kernels and CUDA graphs as they are. A step whose
+sequences have no proposal is a plain decode."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm.engine.batch import StepInput, block_tables, slots
+from nanovllm.engine.batch import StepInput, block_tables
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.core import EngineCore
 from nanovllm.engine.outputs import ModelRunnerOutput
@@ -46,21 +48,20 @@ class Drafter:
 
 
 def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int) -> StepInput:
-    """The verify forward's input: each sequence's last token and proposals; every row projected."""
-    starts = [seq.num_tokens - 1 for seq in seqs]
+    """The verify forward's input, decode-shaped: a row per query (sequence i's last token, then
+    its proposals), each with its sequence's block table and the keys up to its own position."""
     counts = [1 + len(draft) for draft in drafts]
-    ends = [s + c for s, c in zip(starts, counts)]
-    cu_q = np.cumsum([0, *counts], dtype=np.int32)
+    positions = np.concatenate([np.arange(seq.num_tokens - 1, seq.num_tokens - 1 + count)
+                                for seq, count in zip(seqs, counts)]).astype(np.int64)
+    tables = block_tables(seqs)[np.repeat(np.arange(len(seqs)), counts)]
     return StepInput(
-        is_prefill=True,
+        is_prefill=False,
         input_ids=np.array([t for seq, d in zip(seqs, drafts) for t in (seq.token_ids[-1], *d)],
                            dtype=np.int64),
-        positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64),
-        slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size)
-                                     for seq, s, e in zip(seqs, starts, ends)]),
-        block_tables=block_tables(seqs), cu_seqlens_q=cu_q,
-        cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32), max_seqlen_q=max(counts),
-        max_seqlen_k=max(ends), logits_indices=np.arange(cu_q[-1], dtype=np.int64))
+        positions=positions,
+        slot_mapping=(tables[np.arange(len(positions)), positions // block_size] * block_size
+                      + positions % block_size).astype(np.int32),
+        block_tables=tables, context_lens=(positions + 1).astype(np.int32))
 
 
 @dataclass
