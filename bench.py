@@ -52,6 +52,7 @@ class Scenario:
     model: str | None = None  # the preset it runs unless --model names another
     n: int = 1
     temperature: float = 0.6
+    speculative_config: dict | None = None  # unless --speculative-config gives one
 
 
 SCENARIOS = {
@@ -63,6 +64,11 @@ SCENARIOS = {
     "prefix": Scenario(256, 128, 128, shared_prefix=2048),
     # an RL trainer's rollouts: a group of 8 completions of each prompt (GRPO)
     "rl": Scenario(64, 512, 512, n=8, temperature=1.0),
+    # batch1 with n-gram proposals (random tokens and weights: what proposing costs when the
+    # proposals are rejected; tools/bench_spec.py measures speed against acceptance)
+    "batch1-ngram": Scenario(1, 512, 1024, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}),
 }
 
 
@@ -223,6 +229,7 @@ def run_nanovllm(args, prompts, params) -> float:
               async_scheduling=False if args.no_async_scheduling else None,
               kv_cache_dtype=args.kv_cache_dtype,
               quantization=args.quantization, disable_cascade_attn=args.disable_cascade_attn,
+              speculative_config=args.speculative_config,
               **({} if args.block_size is None else dict(kvcache_block_size=args.block_size)))
     args.block_size = llm.config.kvcache_block_size
     args.async_scheduling = llm.config.async_scheduling
@@ -243,10 +250,16 @@ def run_nanovllm(args, prompts, params) -> float:
     else:  # the same shapes, other tokens
         llm.generate(*scenario_workload(SCENARIOS[args.scenario], 1, args.scale)[:2],
                      use_tqdm=False)
+    drafter = getattr(llm.features.get("speculative"), "drafter", None)
+    before = drafter and (drafter.num_draft_tokens, drafter.num_accepted_tokens)
     with gpu_busy_time(args) as busy:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+    if drafter:  # of the timed run: proposed tokens, the share accepted
+        args.spec_draft_tokens = proposed = drafter.num_draft_tokens - before[0]
+        accepted = drafter.num_accepted_tokens - before[1]
+        args.spec_acceptance = round(accepted / max(1, proposed), 3)
     if busy:
         args.gpu_busy_fraction = round(busy[0] / elapsed, 3)
     llm.exit()
@@ -359,6 +372,9 @@ def main():
     parser.add_argument("--quantization", choices=["fp8"],
                         help="fp8: quantize the weights at load (per channel); "
                              "a *-fp8 preset is block-wise fp8")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="vLLM's speculative_config as JSON, e.g. "
+                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'")
     parser.add_argument("--json", action="store_true", help="print one JSON result line")
     parser.add_argument("--profile", action="store_true",
                         help="measure the GPU's busy share of the run with torch.profiler "
@@ -372,6 +388,8 @@ def main():
         shared_prefix = 0
     else:
         prompts, params, shared_prefix = scenario_workload(SCENARIOS[args.scenario], 0, args.scale)
+        args.speculative_config = (args.speculative_config
+                                   or SCENARIOS[args.scenario].speculative_config)
     ceilings = measure_ceilings() if torch.cuda.is_available() else None
     seconds = (run_hf if args.engine == "hf" else run_nanovllm)(args, prompts, params)
     total = sum(sp.max_tokens * sp.n for sp in params)
@@ -383,6 +401,9 @@ def main():
                  
                   async_scheduling=getattr(args, "async_scheduling", None),
                   cascade_attn=getattr(args, "cascade_attn", None),
+                  speculative_config=args.speculative_config,
+                  **{k: getattr(args, k) for k in ("spec_draft_tokens", "spec_acceptance")
+                     if hasattr(args, k)},
                   num_seqs=len(prompts), output_tokens=total,
                   seconds=round(seconds, 3), tok_per_s=round(total / seconds, 1),
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

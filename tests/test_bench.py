@@ -296,3 +296,37 @@ def test_bench_structured_runs_on_cpu_with_the_handoff():
     phases = constrained["host_ms_per_step"]
     assert phases["steps"] > 0 and phases["bitmask_launch"] > 0 and phases["accept"] > 0
     assert record["bitmask_handoff"] == "host"  # the CPU's: the launch waits for the fill
+
+
+def test_speculative_scenario_runs_on_cpu(tmp_path):
+    """batch1-ngram: the scenario's speculative_config reaches the engine; the JSON says what the
+    proposer did in the timed run."""
+    from tiny_model import build_tiny_qwen3
+    path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path,
+                           "--scenario", "batch1-ngram", "--scale", "0.1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["speculative_config"]["method"] == "ngram" and result["output_tokens"] == 102
+    assert result["spec_draft_tokens"] >= 0 and 0 <= result["spec_acceptance"] <= 1
+    assert result["async_scheduling"] is False
+
+
+def test_bench_spec_oracle_keeps_the_set_acceptance(tmp_path):
+    """tools/bench_spec.py --oracle on a tiny checkpoint: each verify step keeps the set number of
+    tokens (the proposer's first m - 1 are right), and the outputs are the plain run's."""
+    from tiny_model import build_tiny_qwen3
+    path = build_tiny_qwen3(str(tmp_path / "m"), vocab_size=10240)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_spec.py"),
+                           "--oracle", "--model", path, "--batch", "1", "3", "--accept", "2",
+                           "3", "--k", "3", "--prompt-len", "20", "--output-len", "25"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    oracle = [r for r in rows if r["proposer"] == "oracle"]
+    assert len(oracle) == 4 and all(r["same_as_plain"] == f"{r['batch']}/{r['batch']}"
+                                    for r in oracle)
+    for r in oracle:  # the last step of a sequence may be cut by max_tokens
+        assert abs(r["accept"] - {2: 2.0, 3: 3.0}[round(r["accept"])]) < 0.1, r
+    assert sorted(round(r["accept"]) for r in oracle) == [2, 2, 3, 3]

@@ -1,0 +1,233 @@
+"""Speculative decoding measured (issue 47): what a verify step costs at a given acceptance, and the
+acceptance that real weights give.
+
+Two modes, one JSON line a point, then a table:
+
+- ``--oracle`` (speed against acceptance, any model, e.g. the presets' random weights on the GPU):
+  a plain greedy run gives each request's continuation; then a benchmark-only proposer (here, not
+  in the package) proposes ``k`` tokens a step of which the first ``m - 1`` are that continuation
+  and the rest wrong, so that every verify step keeps ``m`` tokens (the target's own included);
+  ``--accept 1.5`` alternates 1 and 2. Also the n-gram proposer on the same prompts (random tokens:
+  its proposals are rejected, the cost of proposing and verifying for nothing).
+- ``--heldout`` (acceptance on real weights): the demo model continues each held-out file of its
+  training (the first ``--prompt-len`` tokens as the prompt), greedily, with n-gram lookup and
+  without: the mean tokens a decode step keeps, and the speed-up on this machine.
+
+    python tools/bench_spec.py --oracle --model qwen3-0.6b --batch 1 4 16 64 --accept 1 2 3 4
+    python tools/bench_spec.py --heldout  # the demo model on this machine (CPU: a few minutes)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from random import Random
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.features.speculative import NgramDrafter  # noqa: E402
+from nanovllm.models.presets import PRESETS  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4}
+
+
+class OracleDrafter(NgramDrafter):
+    """Proposes ``k`` tokens: the first ``m - 1`` from the request's plain continuation, the rest
+    off by one (rejected); ``m`` cycles through ``accepted`` (e.g. [1, 2] for a mean of 1.5)."""
+
+    def __init__(self, references: dict[tuple, list[int]], k: int, accepted: list[int],
+                 vocab_size: int):
+        super().__init__({"num_speculative_tokens": k, "prompt_lookup_min": 1,
+                          "prompt_lookup_max": 1})
+        self.references, self.cycle, self.vocab_size = references, accepted, vocab_size
+        self.calls = 0
+
+    def propose(self, seqs):
+        drafts = []
+        for seq in seqs:
+            m = self.cycle[self.calls % len(self.cycle)]
+            self.calls += 1
+            ref = self.references.get(tuple(seq.token_ids[:seq.num_prompt_tokens]))
+            done = seq.num_completion_tokens
+            if ref is None:  # the warmup's: k rows to verify as the timed run's
+                ref, m = seq.token_ids[:done + self.num_lookahead_slots], 1
+            draft = list(ref[done:done + self.num_lookahead_slots])
+            for i in range(m - 1, len(draft)):
+                draft[i] = (draft[i] + 1) % self.vocab_size
+            drafts.append(draft)
+        return drafts
+
+
+def accept_cycle(mean: float) -> list[int]:
+    """Integers whose mean is ``mean`` (to a tenth), e.g. 2.5 -> [2, 3]."""
+    low = int(mean)
+    tenths = round((mean - low) * 10)
+    return [low + 1] * tenths + [low] * (10 - tenths) if tenths else [low]
+
+
+def engine(model: str, speculative_config=None, **kw) -> LLM:
+    dummy = model in PRESETS
+    return LLM(model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
+               speculative_config=speculative_config, async_scheduling=False,
+               max_model_len=kw.pop("max_model_len", 2048), **kw)
+
+
+def timed(llm: LLM, prompts, params) -> tuple[float, list]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, outputs
+
+
+def counters(llm: LLM) -> dict:
+    d = llm.core.drafter
+    return dict(drafts=d.num_drafts, draft_tokens=d.num_draft_tokens,
+                accepted=d.num_accepted_tokens)
+
+
+def tokens_per_step(before: dict, after: dict, generated: int, num_seqs: int) -> float | None:
+    """Tokens a decode step keeps for a sequence: generated tokens past the prefill's first, per
+    sequence-step (a verify step with proposals counts its kept run, one without counts 1)."""
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    decoded = generated - num_seqs  # the prefill samples each sequence's first token
+    steps = decoded - accepted  # each sequence-step keeps 1 + its accepted proposals
+    return round(decoded / steps, 3) if steps > 0 and drafts else None
+
+
+def oracle(args) -> list[dict]:
+    rows = []
+    for model in args.model:
+        for batch in args.batch:
+            rng = Random(batch)
+            prompts = [[rng.randrange(1000, 10000) for _ in range(args.prompt_len)]
+                       for _ in range(batch)]
+            greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+            warm = [[rng.randrange(1000, 10000) for _ in range(args.prompt_len)] for _ in prompts]
+            llm = engine(model, max_num_seqs=max(batch, 1))
+            llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            seconds, outputs = timed(llm, prompts, greedy)
+            llm.exit()
+            refs = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
+            total = batch * args.output_len
+            plain = total / seconds
+            rows.append(dict(model=model, batch=batch, proposer="none", k=0, accept=1.0,
+                             tok_per_s=round(plain, 1), speedup=1.0))
+            print(json.dumps(rows[-1]), flush=True)
+            cases = [("oracle", a) for a in args.accept if a > 1] + [("ngram", None)]
+            for proposer, mean in cases:
+                k = args.k[0] if args.k else max(1, int(mean + .99) - 1)
+                config = NGRAM if proposer == "ngram" else dict(NGRAM, num_speculative_tokens=k)
+                llm = engine(model, config, max_num_seqs=max(batch, 1))
+                if proposer == "oracle":
+                    vocab = llm.config.hf_config.vocab_size
+                    k = llm.core.drafter.num_lookahead_slots
+                    llm.core.drafter = OracleDrafter(refs, k, accept_cycle(mean), vocab)
+                llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+                before = counters(llm)
+                seconds, outputs = timed(llm, prompts, greedy)
+                after = counters(llm)
+                same = sum(o.outputs[0].token_ids == refs[tuple(p)]
+                           for p, o in zip(prompts, outputs))
+                rows.append(dict(model=model, batch=batch, proposer=proposer,
+                                 k=llm.core.drafter.num_lookahead_slots,
+                                 accept=tokens_per_step(before, after, total, batch),
+                                 tok_per_s=round(total / seconds, 1),
+                                 speedup=round(total / seconds / plain, 3),
+                                 same_as_plain=f"{same}/{batch}"))
+                llm.exit()
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def heldout(args) -> list[dict]:
+    """Each held-out file's first tokens continued, ``batch`` files at a time; plain, then n-gram
+    lookup with each ``--k``."""
+    from nanovllm.demo import builtin_model_path
+    model = builtin_model_path("nanovllm:demo")
+    folder = os.path.join(model, "heldout")
+    rows, plain = [], {}
+    greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for k in [0, *(args.k or [2, 4, 8])]:
+        config = dict(NGRAM, num_speculative_tokens=k) if k else None
+        llm = LLM(model, speculative_config=config, async_scheduling=False)
+        prompts = [llm.tokenizer.encode(open(os.path.join(folder, name)).read())[:args.prompt_len]
+                   for name in sorted(os.listdir(folder))]
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        for batch in args.batch:
+            before = counters(llm) if k else None
+            seconds, tokens = 0.0, []
+            for i in range(0, len(prompts), batch):
+                spent, outputs = timed(llm, prompts[i:i + batch], greedy)
+                seconds += spent
+                tokens += [o.outputs[0].token_ids for o in outputs]
+            total = sum(map(len, tokens))
+            row = dict(model="nanovllm:demo", batch=batch, files=len(prompts),
+                       proposer="ngram" if k else "none", k=k, tok_per_s=round(total / seconds, 1),
+                       device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+            if k:
+                after = counters(llm)
+                row.update(speculative_config=config,
+                           accept=tokens_per_step(before, after, total, len(prompts)),
+                           acceptance_rate=round((after["accepted"] - before["accepted"])
+                                                 / max(1, after["draft_tokens"]
+                                                       - before["draft_tokens"]), 3),
+                           speedup=round(total / seconds / plain[batch][0], 3),
+                           same_as_plain=tokens == plain[batch][1])
+            else:
+                plain[batch] = (total / seconds, tokens)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        llm.exit()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--oracle", action="store_true")
+    mode.add_argument("--heldout", action="store_true")
+    parser.add_argument("--model", nargs="+", default=["qwen3-0.6b"])
+    parser.add_argument("--batch", type=int, nargs="+", default=None)
+    parser.add_argument("--accept", type=float, nargs="+", default=[2, 3, 4],
+                        help="tokens kept a verify step, the target's own included (--oracle)")
+    parser.add_argument("--k", type=int, nargs="+", default=None,
+                        help="proposals a step (--oracle: one, default accept - 1, all kept; "
+                             "--heldout: each, default 2 4 8)")
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--out", help="also write the JSON lines here")
+    args = parser.parse_args()
+    if args.oracle:
+        args.batch = args.batch or [1, 4, 16, 64]
+        args.prompt_len, args.output_len = args.prompt_len or 512, args.output_len or 256
+    else:
+        args.batch = args.batch or [1, 4]
+        args.prompt_len, args.output_len = args.prompt_len or 256, args.output_len or 256
+    rows = oracle(args) if args.oracle else heldout(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n{device}, {date}")
+    print(f"{'model':<16}{'batch':>6} {'proposer':<9}{'k':>3}{'tok/step':>10}{'tok/s':>10}"
+          f"{'speed-up':>10}")
+    for r in rows:
+        print(f"{r['model']:<16}{r['batch']:>6} {r['proposer']:<9}{r.get('k', '-')!s:>3}"
+              f"{r.get('accept') or '-'!s:>10}{r['tok_per_s']:>10}{r.get('speedup', 1.0)!s:>10}")
+
+
+if __name__ == "__main__":
+    main()
