@@ -41,7 +41,11 @@ def test_config_defaults_and_refusals():
              "prompt_lookup_max": 2}, "prompt_lookup_min"),
            ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
             "draft_tensor_parallel_size"),
-           ({"model": "/some/draft", "num_speculative_tokens": 2}, "draft_model"),
+           ({"model": "/some/draft", "num_speculative_tokens": 2}, "not a directory"),
+           ({"model": "nanovllm:demo", "num_speculative_tokens": 2,
+             "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
+           ({"model": "nanovllm:demo", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+            "prompt_lookup_max"),
            ({"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}, "eagle3"),
            ({"method": "medusa", "num_speculative_tokens": 2}, "medusa")]
     for config, named in bad:
@@ -188,22 +192,22 @@ the next step)."""
                           "prompt_lookup_max": 1})
         self.core, self.references, self.calls = core, references, 0
 
-    def propose(self, seqs):
+    def propose(self, seqs, limits):
         drafts = []
-        for seq in seqs:
+        for seq, limit in zip(seqs, limits):
             self.calls += 1
             done = seq.num_completion_tokens
             ref = self.references[tuple(seq.token_ids[:seq.num_prompt_tokens])]
             assert seq.completion_token_ids == ref[:done]  # the kept tokens are the target's
-            draft = list(ref[done:done + self.num_lookahead_slots])
+            draft = list(ref[done:done + limit])
             wrong_at = self.calls % (2 * self.num_lookahead_slots)
             if wrong_at < len(draft):
                 draft[wrong_at] = (draft[wrong_at] + 1) % 256
             drafts.append(draft)
         return drafts
 
-    def observe(self, drafts, num_accepted):
-        super().observe(drafts, num_accepted)
+    def observe(self, seqs, drafts, num_accepted):
+        super().observe(seqs, drafts, num_accepted)
         for seq in self.core.scheduler.running:
             assert seq.num_blocks - 1 <= len(seq.block_table) <= seq.num_blocks
 
@@ -353,3 +357,94 @@ def test_verify_steps_with_two_tensor_parallel_ranks(tiny):
     spec, counters = _run(tiny, prompts, greedy, lambda core: OracleDrafter(core, refs),
                           tensor_parallel_size=2)
     assert counters["accepted"] > 0 and _tokens(spec) == _tokens(plain)
+
+
+# -- a draft model ------------------------------------------------------------------------------
+
+def _truncated(src: str, dst, num_layers: int = 1) -> str:
+    """A copy of checkpoint ``src`` keeping its first ``num_layers`` layers: a draft that agrees
+    with the target often, not always."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = {k: v for k, v in load_file(path).items()
+               if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= num_layers)}
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    config.pop("layer_types", None)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny, tmp_path_factory) -> str:
+    return _truncated(tiny, tmp_path_factory.mktemp("draft") / "d")
+
+
+def _draft_config(path: str, k: int = 3) -> dict:
+    return {"model": path, "num_speculative_tokens": k}
+
+
+def test_draft_model_refusals(tiny, tmp_path):
+    from tiny_model import build_tiny_qwen3
+    other_vocab = build_tiny_qwen3(str(tmp_path / "v"), vocab_size=330)
+    other_heads = build_tiny_qwen3(str(tmp_path / "h"), num_key_value_heads=4)
+    for path, named in ((other_vocab, "vocab_size"), (other_heads, "KV heads")):
+        with pytest.raises(ValueError, match=named):
+            LLM(tiny, speculative_config=_draft_config(path), **CPU_ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(tiny, speculative_config=_draft_config(tiny), tensor_parallel_size=2, **CPU_ENGINE)
+
+
+def test_draft_model_greedy_equals_the_target(tiny, draft, oracle):
+    """A one-layer draft of the two-layer target, under preemption (a 40-block cache), chunked
+    prefill (a 40-token budget), prefix caching (a second wave extends the first's prompts) and
+    ``n`` = 2: the plain run's tokens; some proposals kept, some not. The draft's cache is the
+    target's blocks: the run leaks none."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+    prompts += [p + [9, 9] for p in prompts[:3]]
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    engine = dict(num_kvcache_blocks=48, max_num_batched_tokens=40)
+    plain, _ = _run(tiny, prompts, greedy, **engine)
+    llm = LLM(tiny, **{**CPU_ENGINE, **engine}, speculative_config=_draft_config(draft))
+    try:
+        spec = llm.generate(prompts, greedy, use_tqdm=False)
+        assert_no_leaks(llm)
+        d = llm.core.drafter
+        assert llm.scheduler.num_preemptions > 0 and llm.scheduler.block_manager.num_cache_hits
+        assert 0 < d.num_accepted_tokens < d.num_draft_tokens
+        assert not d.done  # every ended sequence forgotten
+    finally:
+        llm.exit()
+    assert _tokens(spec) == _tokens(plain)
+    assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t[0]} for t in _tokens(spec)], 24)
+
+
+def test_the_target_as_its_own_draft_is_always_right(tiny):
+    """Greedy: the target proposing for itself has every proposal kept (one ``done`` bookkeeping
+    slip, a stale K/V read, and it would not); sampled with a seed: the same tokens alone and
+    beside other requests."""
+    prompts = _repetitive_prompts(3, seed=7)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain, _ = _run(tiny, prompts, greedy)
+    llm = LLM(tiny, **CPU_ENGINE, speculative_config=_draft_config(tiny, 4))
+    try:
+        spec = llm.generate(prompts, greedy, use_tqdm=False)
+        d = llm.core.drafter
+        assert d.num_draft_tokens > 20 and d.num_accepted_tokens == d.num_draft_tokens
+        seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+        alone = llm.generate(prompts[:1], seeded, use_tqdm=False)
+        together = llm.generate(prompts, [seeded] + [greedy] * 2, use_tqdm=False)
+        assert 0 < d.num_accepted_tokens < d.num_draft_tokens  # sampled: some rejected
+    finally:
+        llm.exit()
+    assert _tokens(spec) == _tokens(plain)
+    assert _tokens(alone)[0] == _tokens(together)[0]

@@ -49,16 +49,16 @@ class OracleDrafter(NgramDrafter):
         self.references, self.cycle, self.vocab_size = references, accepted, vocab_size
         self.calls = 0
 
-    def propose(self, seqs):
+    def propose(self, seqs, limits):
         drafts = []
-        for seq in seqs:
+        for seq, limit in zip(seqs, limits):
             m = self.cycle[self.calls % len(self.cycle)]
             self.calls += 1
             ref = self.references.get(tuple(seq.token_ids[:seq.num_prompt_tokens]))
             done = seq.num_completion_tokens
             if ref is None:  # the warmup's: k rows to verify as the timed run's
-                ref, m = seq.token_ids[:done + self.num_lookahead_slots], 1
-            draft = list(ref[done:done + self.num_lookahead_slots])
+                ref, m = seq.token_ids[:done + limit], 1
+            draft = list(ref[done:done + limit])
             for i in range(m - 1, len(draft)):
                 draft[i] = (draft[i] + 1) % self.vocab_size
             drafts.append(draft)

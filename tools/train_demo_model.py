@@ -7,6 +7,9 @@ and validation loss curve and keeps the weights of the best validation loss.
     python tools/train_demo_model.py --out nanovllm/demo/model  # on a GPU, about 2 minutes
     python tools/train_demo_model.py --out /tmp/demo --include-tests  # also the test suites
     python tools/train_demo_model.py --out /tmp/demo --steps 20 --batch-size 4  # a smoke run on CPU
+    # the demo model's draft (speculative decoding): two layers, the demo model's tokenizer
+    python tools/train_demo_model.py --out nanovllm/demo/draft --layers 2 \
+        --tokenizer nanovllm/demo/model --steps 1000 --batch-size 32
 """
 from __future__ import annotations
 
@@ -89,6 +92,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--attention-dropout", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", help="a directory whose tokenizer to use (and copy) instead "
+                                            "of training one: a draft model shares its target's")
     parser.add_argument("--include-tests", action="store_true",
                         help="also train on the standard library's test suites "
                              "(about four times the code)")
@@ -102,7 +107,12 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = corpus_files(args.include_tests)
-    tokenizer = train_tokenizer(files, args.vocab_size, out)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer.save_pretrained(out)
+    else:
+        tokenizer = train_tokenizer(files, args.vocab_size, out)
     train = encode_corpus(tokenizer, files)
     val = encode_corpus(tokenizer,
                         [Path(sysconfig.get_paths()["stdlib"]) / name for name in HELD_OUT])

@@ -115,7 +115,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _block_bytes(self) -> int:
-        return (2 * self.config.hf_config.num_hidden_layers * self.block_size * self.num_kv_heads
+        return (2 * len(self.attention_layers) * self.block_size * self.num_kv_heads
                 * self.head_dim * self.kv_dtype.itemsize)
 
     def allocate_kv_cache(self):

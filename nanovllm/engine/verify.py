@@ -32,8 +32,9 @@ class Drafter:
 
     num_lookahead_slots = 0  # the most tokens proposed for a sequence in one step
 
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Per sequence, up to ``num_lookahead_slots`` tokens to follow its known ones."""
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Per sequence, up to ``limits[i]`` tokens to follow its known ones (their slots are
+        reserved: a proposer may write K/V there)."""
         return [[] for _ in seqs]
 
     def verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingInputs,
@@ -43,8 +44,23 @@ class Drafter:
         -1 where the logits are not finite (nothing follows), -2 past the kept run."""
         raise NotImplementedError
 
-    def observe(self, drafts: list[list[int]], num_accepted: list[int]) -> None:
-        """Counts a verify step: per sequence its proposals and how many were accepted."""
+    def observe(self, seqs: list[Sequence], drafts: list[list[int]],
+                num_accepted: list[int]) -> None:
+        """Follows a verify step: per sequence its proposals and how many were accepted."""
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` has ended."""
+
+
+def decode_rows(tables: np.ndarray, positions: np.ndarray, input_ids: np.ndarray,
+                block_size: int) -> StepInput:
+    """A decode-shaped input of one row per query: ``input_ids[r]`` at ``positions[r]`` with block
+    table ``tables[r]``, attending to the keys up to its position (its own K/V stored first)."""
+    return StepInput(
+        is_prefill=False, input_ids=input_ids, positions=positions,
+        slot_mapping=(tables[np.arange(len(positions)), positions // block_size] * block_size
+                      + positions % block_size).astype(np.int32),
+        block_tables=tables, context_lens=(positions + 1).astype(np.int32))
 
 
 def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int) -> StepInput:
@@ -54,14 +70,8 @@ def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: in
     positions = np.concatenate([np.arange(seq.num_tokens - 1, seq.num_tokens - 1 + count)
                                 for seq, count in zip(seqs, counts)]).astype(np.int64)
     tables = block_tables(seqs)[np.repeat(np.arange(len(seqs)), counts)]
-    return StepInput(
-        is_prefill=False,
-        input_ids=np.array([t for seq, d in zip(seqs, drafts) for t in (seq.token_ids[-1], *d)],
-                           dtype=np.int64),
-        positions=positions,
-        slot_mapping=(tables[np.arange(len(positions)), positions // block_size] * block_size
-                      + positions % block_size).astype(np.int32),
-        block_tables=tables, context_lens=(positions + 1).astype(np.int32))
+    input_ids = [t for seq, d in zip(seqs, drafts) for t in (seq.token_ids[-1], *d)]
+    return decode_rows(tables, positions, np.array(input_ids, dtype=np.int64), block_size)
 
 
 @dataclass
@@ -94,8 +104,12 @@ class VerifyEngineCore(EngineCore):
     def launch(self, batch: SchedulerOutput):
         if batch.is_prefill:
             return super().launch(batch)
-        drafts = [self._reserve(seq, draft)
-                  for seq, draft in zip(batch.seqs, self.drafter.propose(batch.seqs))]
+        blocks = self.scheduler.block_manager
+        limits = [self._reserve(seq) for seq in batch.seqs]
+        drafts = [draft[:limit] for draft, limit
+                  in zip(self.drafter.propose(batch.seqs, limits), limits)]
+        for seq, draft in zip(batch.seqs, drafts):
+            give_back_blocks(blocks, seq, seq.num_tokens + len(draft))
         if not any(drafts):
             self.num_decoded = len(batch.seqs)
             return super().launch(batch)  # a plain decode (CUDA graphs)
@@ -112,15 +126,16 @@ class VerifyEngineCore(EngineCore):
             torch.log_softmax(logits.float(), dim=-1), token_ids.clamp(min=0), most)
         return VerifyOutput(ModelRunnerOutput(token_ids, logprobs, num_logprobs), drafts)
 
-    def _reserve(self, seq: Sequence, draft: list[int]) -> list[int]:
-        """``draft`` cut to what ``seq`` may still generate and to the slots that blocks free now
-        can hold."""
-        most = min(seq.sampling_params.max_tokens - seq.num_completion_tokens,
-                   self.config.max_model_len - seq.num_tokens) - 1
-        draft = draft[:max(0, min(most, self.drafter.num_lookahead_slots))]
-        if draft and not self.scheduler.block_manager.allocate_slot(seq, len(draft)):
-            draft = draft[:len(seq.block_table) * self.config.kvcache_block_size - seq.num_tokens]
-        return draft
+    def _reserve(self, seq: Sequence) -> int:
+        """Reserves slots for ``seq``'s proposals: as many as it may still generate past the
+        model's own token, and free blocks hold; returns how many."""
+        most = min(self.drafter.num_lookahead_slots,
+                   seq.sampling_params.max_tokens - seq.num_completion_tokens - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
+        if most <= 0:
+            return 0
+        self.scheduler.block_manager.allocate_slot(seq, most)
+        return min(most, len(seq.block_table) * self.config.kvcache_block_size - seq.num_tokens)
 
     def read_back(self, after_accept=None) -> None:
         if self.inflight is None or not isinstance(self.inflight[1], VerifyOutput):
@@ -139,8 +154,12 @@ class VerifyEngineCore(EngineCore):
                     break
                 self._keep(seq, token_ids[r], logprobs[r])
             if not seq.is_finished:
-                give_back_blocks(self.scheduler.block_manager, seq)
-        self.drafter.observe(verified.drafts, accepted)
+                give_back_blocks(self.scheduler.block_manager, seq, seq.num_tokens)
+        self.drafter.observe(batch.seqs, verified.drafts, accepted)
+
+    def _end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
+        super()._end(seq, reason, stop_reason)
+        self.drafter.forget(seq)
 
     def _keep(self, seq: Sequence, token_id: int, logprob) -> None:
         """Books one kept token: its position's K/V is now known; stop checks as in a decode."""
@@ -165,10 +184,10 @@ class VerifyEngineCore(EngineCore):
             self._end(seq, *stop)
 
 
-def give_back_blocks(block_manager: BlockManager, seq: Sequence) -> None:
-    """Frees the blocks past ``seq``'s tokens: reserved for proposals, they hold only rejected
-    tokens' K/V (never hashed, held by no other sequence)."""
-    while len(seq.block_table) > seq.num_blocks:
+def give_back_blocks(block_manager: BlockManager, seq: Sequence, num_tokens: int) -> None:
+    """Frees ``seq``'s blocks past its first ``num_tokens`` tokens: reserved for proposals, they
+    hold no kept token's K/V (never hashed, held by no other sequence)."""
+    while len(seq.block_table) > -(-num_tokens // block_manager.block_size):
         block_id = seq.block_table.pop()
         block_manager.blocks[block_id].ref_count -= 1
         block_manager.used_block_ids.remove(block_id)

@@ -1,23 +1,41 @@
-"""Speculative decoding, a feature (vLLM's ``LLM(speculative_config={...})``): tokens proposed by
-n-gram lookup in the sequence's own tokens, verified by the core's verify steps, and the rejection
-sampler that keeps exactly the target model's tokens: greedy, the proposals that its argmax agrees
-with; sampled, vLLM's rule (accept a proposal ``d`` with probability ``min(1, p(d) / q(d))``, else
-sample from ``(p - q)+`` normalised; an n-gram proposal is a one-hot ``q``), so that the outputs'
-distribution is the target's. Then the target's own token follows the kept run."""
+"""Speculative decoding, a feature (vLLM's ``LLM(speculative_config={...})``): proposers of tokens
+for the core's verify steps, and the rejection sampler that keeps exactly the target model's tokens:
+greedy, the proposals that its argmax agrees with; sampled, vLLM's rule (accept a proposal ``d``
+with probability ``min(1, p(d) / q(d))``, else sample from ``(p - q)+`` normalised), so that the
+outputs' distribution is the target's. Then the target's own token follows the kept run.
+
+Proposers: ``ngram`` (the latest earlier occurrence of the sequence's last tokens, vLLM's
+``prompt_lookup_min/max``) and ``draft_model`` (a smaller model with the same vocabulary, run by
+this engine in the target's KV-cache blocks: its attention layers are registered under the target,
+so the runner sizes and allocates their cache beside the target's). Both propose one token per
+position (a one-hot ``q``; the draft its argmax), which keeps the rule exact for sampled requests.
+"""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
+from torch import nn
 
+from nanovllm.config import load_hf_config
+from nanovllm.demo import PREFIX, builtin_model_path
+from nanovllm.engine.batch import StepInput, block_tables, slots
 from nanovllm.engine.sampling import SamplingInputs
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.verify import Drafter, VerifyEngineCore
+from nanovllm.engine.verify import Drafter, VerifyEngineCore, decode_rows
+from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampling_stages import apply_min_p, apply_top_k_top_p
-from nanovllm.plugins import Feature
+from nanovllm.models.presets import load_dummy_weights
+from nanovllm.plugins import Feature, get_model_class
 from nanovllm.sampling_params import check_int
+from nanovllm.utils.context import set_context
+from nanovllm.utils.loader import load_model
 
-NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-LATER = {"draft_model": "a draft model", "eagle3": "EAGLE-3 heads", "eagle": "EAGLE heads"}
+KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+        "draft_model": {"method", "model", "num_speculative_tokens",
+                        "draft_tensor_parallel_size"}}
+LATER = {"eagle3": "EAGLE-3 heads", "eagle": "EAGLE heads"}
 
 
 def parse_speculative_config(value) -> dict:
@@ -28,16 +46,28 @@ def parse_speculative_config(value) -> dict:
     method = config.get("method") or ("draft_model" if config.get("model") else None)
     if method in LATER:
         raise ValueError(f"speculative_config method={method!r} ({LATER[method]}) is not "
-                         "supported yet; supported: 'ngram'")
-    if method != "ngram":
-        raise ValueError(f"speculative_config needs method='ngram' (the one supported), got "
-                         f"{config.get('method')!r}")
-    if unknown := sorted(set(config) - NGRAM_KEYS):
-        raise ValueError(f"speculative_config has keys {unknown} that method 'ngram' does not "
-                         f"take; it takes {sorted(NGRAM_KEYS)}")
+                         f"supported yet; supported: {sorted(KEYS)}")
+    if method not in KEYS:
+        raise ValueError(f"speculative_config method must be one of {sorted(KEYS)} (or a 'model' "
+                         f"for 'draft_model'), got {config.get('method')!r}")
+    if unknown := sorted(set(config) - KEYS[method]):
+        raise ValueError(f"speculative_config has keys {unknown} that method {method!r} does not "
+                         f"take; it takes {sorted(KEYS[method])}")
     if "num_speculative_tokens" not in config:
         raise ValueError("speculative_config needs num_speculative_tokens")
     check_int("num_speculative_tokens", config["num_speculative_tokens"], lo=1, hi=64)
+    if method == "draft_model":
+        if config.get("draft_tensor_parallel_size") not in (None, 1):
+            raise ValueError("speculative_config draft_tensor_parallel_size must be 1 (the draft "
+                             f"runs on rank 0), got {config['draft_tensor_parallel_size']!r}")
+        if not isinstance(config.get("model"), (str, os.PathLike)):
+            raise TypeError(f"speculative_config model must be a directory, got "
+                            f"{config.get('model')!r}")
+        model = os.fspath(config["model"])
+        path = builtin_model_path(model) if model.startswith(PREFIX) else model
+        if not os.path.isdir(path):
+            raise ValueError(f"speculative_config model {model!r} is not a directory")
+        return dict(config, method=method, model=path)
     for name in ("prompt_lookup_min", "prompt_lookup_max"):
         if config.get(name) is not None:
             check_int(name, config[name], lo=1)
@@ -109,23 +139,18 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: Sa
     return tokens.masked_fill(at & bad, -1)
 
 
-class NgramDrafter(Drafter):
-    """n-gram lookup proposals, the rejection sampler, vLLM's ``spec_decode`` counters."""
+class CountingDrafter(Drafter):
+    """The rejection sampler and vLLM's ``spec_decode`` counters, for every proposer."""
 
-    def __init__(self, config: dict):
-        self.num_lookahead_slots = config["num_speculative_tokens"]
-        self.low, self.high = config["prompt_lookup_min"], config["prompt_lookup_max"]
+    def __init__(self, num_speculative_tokens: int):
+        self.num_lookahead_slots = num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * self.num_lookahead_slots
-
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        return [ngram_propose(np.asarray(seq.token_ids), self.low, self.high,
-                              self.num_lookahead_slots) for seq in seqs]
+        self.accepted_per_pos = [0] * num_speculative_tokens
 
     def verify(self, logits, drafts, sampling, generator) -> torch.Tensor:
         return rejection_sample(logits, drafts, sampling, generator)
 
-    def observe(self, drafts: list[list[int]], num_accepted: list[int]) -> None:
+    def observe(self, seqs, drafts, num_accepted) -> None:
         for draft, accepted in zip(drafts, num_accepted):
             if draft:
                 self.num_drafts += 1
@@ -143,16 +168,158 @@ class NgramDrafter(Drafter):
                                   list(self.accepted_per_pos))]
 
 
+class NgramDrafter(CountingDrafter):
+    """n-gram lookup in the sequence's own tokens (prompt and output)."""
+
+    def __init__(self, config: dict):
+        super().__init__(config["num_speculative_tokens"])
+        self.low, self.high = config["prompt_lookup_min"], config["prompt_lookup_max"]
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [ngram_propose(np.asarray(seq.token_ids), self.low, self.high, limit) if limit
+                else [] for seq, limit in zip(seqs, limits)]
+
+
+def catch_up_input(seqs: list[Sequence], starts: list[int], block_size: int) -> StepInput:
+    """A prefill-shaped input of each sequence's tokens from ``starts[i]`` to its last, the LM head
+    projecting each one's last position."""
+    ends = [seq.num_tokens for seq in seqs]
+    counts = [e - s for s, e in zip(starts, ends)]
+    cu_q, cu_k = np.cumsum([0, *counts], dtype=np.int32), np.cumsum([0, *ends], dtype=np.int32)
+    return StepInput(
+        is_prefill=True,
+        input_ids=np.array([t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]],
+                           dtype=np.int64),
+        positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64),
+        slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size)
+                                     for seq, s, e in zip(seqs, starts, ends)]),
+        block_tables=block_tables(seqs) if any(starts) else None, cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k, max_seqlen_q=max(counts), max_seqlen_k=max(ends),
+        logits_indices=(cu_q[1:] - 1).astype(np.int64))
+
+
+class DraftModelDrafter(CountingDrafter):
+    """A draft model's greedy continuation. Its K/V lives in the target's blocks (its own layers of
+    the cache): a sequence's first ``done`` positions are computed there, in the blocks recorded
+    with them (a preempted sequence's new blocks start it over). A step first computes the
+    positions since then (the kept tokens: one or two), then one position per proposal."""
+
+    def __init__(self, config: dict, runner, draft: nn.Module):
+        super().__init__(config["num_speculative_tokens"])
+        self.runner, self.draft = runner, draft
+        self.block_size = runner.block_size
+        self.budget = runner.config.max_num_batched_tokens
+        self.done: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (positions, their blocks)
+        self.proposed_at: dict[int, int] = {}  # seq_id -> num_tokens when it last proposed
+
+    def _start(self, seq: Sequence) -> int:
+        done, blocks = self.done.get(seq.seq_id, (0, []))
+        return min(done, seq.num_tokens - 1) if seq.block_table[:len(blocks)] == blocks else 0
+
+    @torch.inference_mode()
+    def _greedy(self, step: StepInput) -> list[int]:
+        input_ids, positions, context = self.runner.step_tensors(step)
+        with set_context(step.is_prefill, **context):
+            logits = self.draft.compute_logits(self.draft(input_ids, positions))
+        return logits.argmax(-1).tolist()
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        drafts = [[] for _ in seqs]
+        rows = [i for i, limit in enumerate(limits) if limit]
+        group, tokens = [], 0
+        for i in rows + [None]:  # the catch-up, in forwards of at most the token budget
+            count = 0 if i is None else seqs[i].num_tokens - self._start(seqs[i])
+            if group and (i is None or tokens + count > self.budget):
+                chosen = [seqs[j] for j in group]
+                firsts = self._greedy(catch_up_input(chosen, [self._start(s) for s in chosen],
+                                                     self.block_size))
+                for j, token in zip(group, firsts):
+                    drafts[j].append(token)
+                group, tokens = [], 0
+            if i is not None:
+                group.append(i)
+                tokens += count
+        for j in range(1, max(limits, default=0)):  # one position per proposal
+            active = [i for i in rows if limits[i] > j]
+            if not active:
+                break
+            positions = np.array([seqs[i].num_tokens - 1 + j for i in active], dtype=np.int64)
+            step = decode_rows(block_tables([seqs[i] for i in active]), positions,
+                               np.array([drafts[i][-1] for i in active], dtype=np.int64),
+                               self.block_size)
+            for i, token in zip(active, self._greedy(step)):
+                drafts[i].append(token)
+        for i in rows:
+            seq = seqs[i]
+            done = seq.num_tokens - 1 + len(drafts[i])  # the last proposal's K/V is not computed
+            self.done[seq.seq_id] = (done, list(seq.block_table[:-(-done // self.block_size)]))
+            self.proposed_at[seq.seq_id] = seq.num_tokens
+        return drafts
+
+    def observe(self, seqs, drafts, num_accepted) -> None:
+        super().observe(seqs, drafts, num_accepted)
+        for seq, draft, accepted in zip(seqs, drafts, num_accepted):
+            if draft and seq.seq_id in self.done:  # positions of rejected proposals are stale
+                done, blocks = self.done[seq.seq_id]
+                done = min(done, self.proposed_at[seq.seq_id] + accepted)
+                self.done[seq.seq_id] = (done, blocks[:-(-done // self.block_size)])
+
+    def forget(self, seq: Sequence) -> None:
+        self.done.pop(seq.seq_id, None)
+        self.proposed_at.pop(seq.seq_id, None)
+
+
+def build_draft(config, runner, path: str) -> nn.Module:
+    """The draft model on the runner's device, its weights loaded (random with dummy weights);
+    refused by name when it cannot share the target's tokens and KV-cache layout."""
+    hf = load_hf_config(path)
+    target = config.hf_config
+    if hf.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config model {path!r} has vocab_size {hf.vocab_size}, the "
+                         f"target {target.vocab_size}: a draft needs the target's vocabulary")
+    cls = get_model_class(hf)
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    if (kv_heads, cls.head_dim(hf)) != (runner.num_kv_heads, runner.head_dim):
+        raise ValueError(f"speculative_config model {path!r} has {kv_heads} KV heads of "
+                         f"{cls.head_dim(hf)}, the target {runner.num_kv_heads} of "
+                         f"{runner.head_dim}: the draft's cache shares the target's layout")
+    cls.check_config(hf, config.max_model_len)
+    draft = cls(hf, max_model_len=config.max_model_len)
+    if config.load_format == "dummy":
+        load_dummy_weights(draft, config.seed + 1)
+    else:
+        load_model(draft, path)
+    return draft
+
+
 class SpeculativeDecoding(Feature):
     """The feature; ``options["speculative_config"]``: vLLM's dict, checked."""
 
     def __init__(self, config, options: dict):
         super().__init__(config, options)
-        self.speculative_config = parse_speculative_config(options["speculative_config"])
+        self.speculative_config = spec = parse_speculative_config(options["speculative_config"])
         if config.async_scheduling:
             raise ValueError("speculative_config needs async_scheduling=False (a proposal needs "
                              "the step before it read back)")
-        self.drafter = NgramDrafter(self.speculative_config)
+        if spec["method"] == "draft_model" and config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method 'draft_model' needs tensor_parallel_size=1"
+                             " (the draft runs unsharded on rank 0, its cache in the target's)")
+        self.drafter = NgramDrafter(spec) if spec["method"] == "ngram" else None
+
+    def setup_runner(self, runner) -> None:
+        if self.drafter is None:  # the draft's layers join the target's before its KV cache
+            runner.after_build.append(lambda model: self._attach_draft(runner, model))
+
+    def _attach_draft(self, runner, model: nn.Module) -> None:
+        draft = build_draft(self.config, runner, self.speculative_config["model"])
+        layers = [m for m in draft.modules() if isinstance(m, Attention)]
+        model.add_module("draft_attention", nn.ModuleList(layers))  # no parameters: not loaded
+        self.drafter = DraftModelDrafter(self.speculative_config, runner, draft)
+        runner.extensions["speculative"] = self  # close(): lets go of the draft at exit
+
+    def close(self) -> None:
+        if isinstance(self.drafter, DraftModelDrafter):
+            self.drafter.draft = None
 
     def setup_engine(self, engine) -> None:
         engine.core = VerifyEngineCore.replacing(engine.core, self.drafter)
