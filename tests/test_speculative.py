@@ -448,3 +448,18 @@ def test_the_target_as_its_own_draft_is_always_right(tiny):
         llm.exit()
     assert _tokens(spec) == _tokens(plain)
     assert _tokens(alone)[0] == _tokens(together)[0]
+
+
+def test_a_step_counts_the_tokens_it_computed(tiny):
+    """The progress bar's rates: a prefill step counts its prompt tokens, a verify step minus the
+    tokens it kept (the target as its own draft keeps all 3 proposals and its own token)."""
+    llm = LLM(tiny, **CPU_ENGINE, speculative_config=_draft_config(tiny, 3))
+    try:
+        requests = llm._add_requests([list(range(1, 30))],
+                                     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert llm.core.interruptible_step() == 29
+        assert llm.core.interruptible_step() == -4
+        assert llm.core.progress == {"accepted": "100%"}
+        llm.core.release(requests)
+    finally:
+        llm.exit()

@@ -28,6 +28,7 @@ class EngineCore:
         self.requests: dict[int, Request] = {}  # the unfinished requests, by seq_id
         self.inflight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None  # not read back yet
         self.lock = threading.RLock()  # re-entered by a shutdown from inside a step
+        self.progress: dict[str, str] = {}  # more of the progress bar's figures (verify steps')
 
     def step(self) -> int:
         """One step; returns the prefill tokens launched, or minus the decodes."""
@@ -37,10 +38,10 @@ class EngineCore:
 
     def normal_step(self) -> int:
         batch = self._schedule()
-        output = self.launch(batch)
+        count, output = self._count(batch), self.launch(batch)  # launching books the tokens
         self.inflight = (batch, output) if output is not None else None
         self.read_back()
-        return self._count(batch)
+        return count
 
     one_step = normal_step  # OverlapEngineCore's: overlap_step
 

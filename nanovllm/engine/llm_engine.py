@@ -148,12 +148,12 @@ class LLMEngine:
         try:
             with tqdm(total=len(requests), desc="Generating", dynamic_ncols=True,
                       disable=not use_tqdm) as pbar:
-                pending, speed = requests, {"prefill": 0.0, "decode": 0.0}
+                pending, speed = requests, {"prefill": "0tok/s", "decode": "0tok/s"}
                 while pending:
                     t, num_tokens = perf_counter(), self.core.interruptible_step()
                     rate = abs(num_tokens) / (perf_counter() - t)
-                    speed["prefill" if num_tokens > 0 else "decode"] = rate
-                    pbar.set_postfix({k: f"{v:.0f}tok/s" for k, v in speed.items()}, refresh=False)
+                    speed["prefill" if num_tokens > 0 else "decode"] = f"{rate:.0f}tok/s"
+                    pbar.set_postfix({**speed, **self.core.progress}, refresh=False)
                     pending, before = [r for r in pending if not r.finished], len(pending)
                     pbar.update(before - len(pending))
         finally:

@@ -88,6 +88,7 @@ class VerifyEngineCore(EngineCore):
         super().__init__(config, resources, shutdown, hooks)
         self.drafter = drafter
         self.num_decoded = 0  # the last step's kept tokens
+        self.proposed = self.accepted = 0  # proposals, over the engine's life (progress bar)
 
     @classmethod
     def replacing(cls, core: EngineCore, drafter: Drafter) -> VerifyEngineCore:
@@ -156,6 +157,9 @@ class VerifyEngineCore(EngineCore):
             if not seq.is_finished:
                 give_back_blocks(self.scheduler.block_manager, seq, seq.num_tokens)
         self.drafter.observe(batch.seqs, verified.drafts, accepted)
+        self.proposed += sum(map(len, verified.drafts))
+        self.accepted += sum(accepted)
+        self.progress["accepted"] = f"{self.accepted / max(1, self.proposed):.0%}"
 
     def _end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         super()._end(seq, reason, stop_reason)
