@@ -463,3 +463,30 @@ def test_a_step_counts_the_tokens_it_computed(tiny):
         llm.core.release(requests)
     finally:
         llm.exit()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_verify_steps_on_cuda_graphs(tiny, draft, oracle):
+    """On the GPU, float32, CUDA graphs: verify rows replay the decode graphs (a bucket is a row
+    count); n-gram and draft-model proposals give the plain run's greedy tokens and transformers'.
+    The target as its own draft has every proposal kept."""
+    from tests.conftest import ENGINE
+    prompts = _repetitive_prompts(6, seed=8)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for config in (None, NGRAM, _draft_config(draft), _draft_config(tiny)):
+        llm = LLM(tiny, **ENGINE, dtype="float32", speculative_config=config)
+        try:
+            assert llm.model_runner.graphs is not None
+            runs.append(_tokens(llm.generate(prompts, greedy, use_tqdm=False)))
+            assert_no_leaks(llm)
+            if config:
+                d = llm.core.drafter
+                assert d.num_draft_tokens > 0
+                if config["num_speculative_tokens"] == 3 and config.get("model") == tiny:
+                    assert d.num_accepted_tokens == d.num_draft_tokens
+        finally:
+            llm.exit()
+    assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
+    assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t[0]} for t in runs[0]], 24)
