@@ -12,7 +12,7 @@ import torch
 from conftest import assert_matches_oracle
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.demo import BUILTIN_MODELS, DEMO_HELDOUT, DEMO_MODEL
+from nanovllm.demo import BUILTIN_MODELS, DEMO_DRAFT, DEMO_HELDOUT, DEMO_MODEL
 
 SNIPPETS = ["def fibonacci(n):", "class Stack:", "def is_prime(n):",
             "import os\n\ndef list_files(path):", "    for i in range(len(items)):\n        if",
@@ -40,7 +40,8 @@ def test_the_name_resolves_to_the_shipped_directory(demo):
 
 def test_unknown_builtin_name_lists_the_known_ones():
     with pytest.raises(ValueError,
-                       match=r"unknown built-in model 'nanovllm:tiny'; known: \['nanovllm:demo'\]"):
+                       match=r"unknown built-in model 'nanovllm:tiny'; known: "
+                             r"\['nanovllm:demo', 'nanovllm:demo-draft'\]"):
         LLM("nanovllm:tiny")
 
 
@@ -53,9 +54,10 @@ def test_package_data_covers_the_model_files():
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["nanovllm.demo"]
     demo_dir = os.path.dirname(DEMO_MODEL)
-    files = [os.path.relpath(os.path.join(d, name), demo_dir)
-             for d, _, names in os.walk(DEMO_MODEL) for name in names if "__pycache__" not in d]
-    assert {"model/config.json", "model/model.safetensors", "model/tokenizer.json"} <= set(files)
+    files = [os.path.relpath(os.path.join(d, name), demo_dir) for model in (DEMO_MODEL, DEMO_DRAFT)
+             for d, _, names in os.walk(model) for name in names if "__pycache__" not in d]
+    assert {"model/config.json", "model/model.safetensors", "model/tokenizer.json",
+            "draft/config.json", "draft/model.safetensors"} <= set(files)
     missed = [f for f in files if not any(fnmatch(f, p) for p in patterns)]
     assert not missed, f"not shipped by a non-editable install: {missed}"
 

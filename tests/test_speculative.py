@@ -490,3 +490,17 @@ def test_verify_steps_on_cuda_graphs(tiny, draft, oracle):
             llm.exit()
     assert runs[1] == runs[0] and runs[2] == runs[0] and runs[3] == runs[0]
     assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t[0]} for t in runs[0]], 24)
+
+
+def test_greedy_verify_equals_the_rejection_sampler_at_temperature_zero():
+    """The greedy path (a batch without sampled rows) keeps what the general one keeps."""
+    from nanovllm.features.speculative import greedy_verify
+    rng = random.Random(2)
+    for trial in range(30):
+        drafts = [[rng.randrange(6) for _ in range(rng.randint(0, 4))] for _ in range(5)]
+        rows = sum(1 + len(d) for d in drafts)
+        logits = torch.randn(rows, 6, generator=torch.Generator().manual_seed(trial))
+        if trial % 3 == 0:
+            logits[rng.randrange(rows), 2] = float("nan")
+        expected = rejection_sample(logits, drafts, _sampling([0.0] * 5), torch.Generator())
+        assert greedy_verify(logits, drafts).tolist() == expected.tolist()

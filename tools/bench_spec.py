@@ -14,7 +14,7 @@ Two modes, one JSON line a point, then a table:
   without: the mean tokens a decode step keeps, and the speed-up on this machine.
 
     python tools/bench_spec.py --oracle --model qwen3-0.6b --batch 1 4 16 64 --accept 1 2 3 4
-    python tools/bench_spec.py --heldout  # the demo model on this machine (CPU: a few minutes)
+    python tools/bench_spec.py --heldout --draft nanovllm:demo-draft  # the demo model, this machine
 """
 from __future__ import annotations
 
@@ -158,8 +158,11 @@ def heldout(args) -> list[dict]:
     folder = os.path.join(model, "heldout")
     rows, plain = [], {}
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for k in [0, *(args.k or [2, 4, 8])]:
-        config = dict(NGRAM, num_speculative_tokens=k) if k else None
+    configs = [None] + [dict(NGRAM, num_speculative_tokens=k) for k in args.k or [2, 4, 8]]
+    configs += [{"model": args.draft, "num_speculative_tokens": k}
+                for k in (args.k or [2, 4, 8]) if args.draft]
+    for config in configs:
+        k = config["num_speculative_tokens"] if config else 0
         llm = LLM(model, speculative_config=config, async_scheduling=False)
         prompts = [llm.tokenizer.encode(open(os.path.join(folder, name)).read())[:args.prompt_len]
                    for name in sorted(os.listdir(folder))]
@@ -173,7 +176,8 @@ def heldout(args) -> list[dict]:
                 tokens += [o.outputs[0].token_ids for o in outputs]
             total = sum(map(len, tokens))
             row = dict(model="nanovllm:demo", batch=batch, files=len(prompts),
-                       proposer="ngram" if k else "none", k=k, tok_per_s=round(total / seconds, 1),
+                       proposer=(config.get("method", "draft") if k else "none"), k=k,
+                       tok_per_s=round(total / seconds, 1),
                        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
             if k:
                 after = counters(llm)
@@ -205,6 +209,8 @@ def main():
     parser.add_argument("--k", type=int, nargs="+", default=None,
                         help="proposals a step (--oracle: one, default accept - 1, all kept; "
                              "--heldout: each, default 2 4 8)")
+    parser.add_argument("--draft", default=None,
+                        help="--heldout: also a draft model (e.g. nanovllm:demo-draft)")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--out", help="also write the JSON lines here")

@@ -6,8 +6,9 @@ import os
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model")
 DEMO_HELDOUT = os.path.join(DEMO_MODEL, "heldout")
+DEMO_DRAFT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "draft")  # its 2-layer draft
 
-BUILTIN_MODELS = {"nanovllm:demo": DEMO_MODEL}
+BUILTIN_MODELS = {"nanovllm:demo": DEMO_MODEL, "nanovllm:demo-draft": DEMO_DRAFT}
 PREFIX = "nanovllm:"
 
 

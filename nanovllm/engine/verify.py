@@ -37,8 +37,8 @@ class Drafter:
         reserved: a proposer may write K/V there)."""
         return [[] for _ in seqs]
 
-    def verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingInputs,
-               generator: torch.Generator) -> torch.Tensor:
+    def verify(self, seqs: list[Sequence], logits: torch.Tensor, drafts: list[list[int]],
+               sampling: SamplingInputs, generator: torch.Generator) -> torch.Tensor:
         """``logits`` [R, V]: sequence i's ``1 + len(drafts[i])`` rows, in batch order. Returns [R]
         int64: at each kept position its token (the accepted proposals, then the model's own token),
         -1 where the logits are not finite (nothing follows), -2 past the kept run."""
@@ -120,7 +120,7 @@ class VerifyEngineCore(EngineCore):
         if self.resources.workers is not None:
             self.call_or_shut_down(self.resources.workers.call, "run", step)
         logits, _ = self.call_or_shut_down(runner.forward, step, sampling)
-        token_ids = self.drafter.verify(logits, drafts, sampling, runner.generator)
+        token_ids = self.drafter.verify(batch.seqs, logits, drafts, sampling, runner.generator)
         num_logprobs = [k for k, d in zip(sampling.num_logprobs, drafts) for _ in range(1 + len(d))]
         most = max((k for k in num_logprobs if k is not None), default=None)
         logprobs = None if most is None else logprobs_of(

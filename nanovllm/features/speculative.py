@@ -94,6 +94,24 @@ def ngram_propose(tokens: np.ndarray, low: int, high: int, k: int) -> list[int]:
     return []
 
 
+def greedy_verify(logits: torch.Tensor, drafts: list[list[int]]) -> torch.Tensor:
+    """``rejection_sample`` of a batch without sampled rows, in a few kernels: the proposals that
+    the argmax agrees with, then the argmax."""
+    device = logits.device
+    counts = torch.tensor([1 + len(d) for d in drafts])
+    num_rows, num_seqs = int(counts.sum()), len(drafts)
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs), counts).to(device)
+    proposed = torch.tensor([t for d in drafts for t in (*d, -1)], device=device)
+    bad = (top := logits.amax(-1)).isnan() | top.isposinf()
+    best = logits.argmax(-1)
+    rows = torch.arange(num_rows, device=device)
+    stops = torch.where((best == proposed) & ~bad, num_rows, rows)
+    first_stop = torch.full((num_seqs,), num_rows, device=device).scatter_reduce(
+        0, seq_of, stops, "amin")[seq_of]
+    tokens = torch.where(rows < first_stop, proposed, torch.where(rows == first_stop, best, -2))
+    return tokens.masked_fill((rows == first_stop) & bad, -1)
+
+
 def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingInputs,
                      generator: torch.Generator) -> torch.Tensor:
     """``Drafter.verify`` for one-hot proposals: [R] kept tokens, -1 (not finite), -2 (not kept)."""
@@ -147,7 +165,9 @@ class CountingDrafter(Drafter):
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * num_speculative_tokens
 
-    def verify(self, logits, drafts, sampling, generator) -> torch.Tensor:
+    def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
+        if all(seq.sampling_params.is_greedy for seq in seqs):
+            return greedy_verify(logits, drafts)
         return rejection_sample(logits, drafts, sampling, generator)
 
     def observe(self, seqs, drafts, num_accepted) -> None:
