@@ -7,8 +7,9 @@ outputs' distribution is the target's. Then the target's own token follows the k
 Proposers: ``ngram`` (the latest earlier occurrence of the sequence's last tokens, vLLM's
 ``prompt_lookup_min/max``) and ``draft_model`` (a smaller model with the same vocabulary, run by
 this engine in the target's KV-cache blocks: its attention layers are registered under the target,
-so the runner sizes and allocates their cache beside the target's). Both propose one token per
-position (a one-hot ``q``; the draft its argmax), which keeps the rule exact for sampled requests.
+so the runner sizes and allocates their cache beside the target's). An n-gram proposal is a
+one-hot ``q``; the draft proposes its argmax for a greedy request and draws from its own
+distribution (its ``q``) for a sampled one.
 """
 from __future__ import annotations
 
@@ -112,9 +113,24 @@ def greedy_verify(logits: torch.Tensor, drafts: list[list[int]]) -> torch.Tensor
     return tokens.masked_fill((rows == first_stop) & bad, -1)
 
 
+def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_k=None, top_p=None,
+                   min_p=None) -> torch.Tensor:
+    """[R, V] float32: what the sampler draws from (temperature, then top-k/top-p, then min-p), per
+    row; a greedy row (temperature 0) as at temperature 1."""
+    scaled = logits.float() / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    if top_k is not None or top_p is not None:
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
+    return torch.softmax(scaled, dim=-1)
+
+
 def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: SamplingInputs,
-                     generator: torch.Generator) -> torch.Tensor:
-    """``Drafter.verify`` for one-hot proposals: [R] kept tokens, -1 (not finite), -2 (not kept)."""
+                     generator: torch.Generator,
+                     draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """``Drafter.verify``: [R] kept tokens, -1 (not finite), -2 (not kept). ``draft_probs`` [R, V]:
+    the distribution each proposal was drawn from (a sequence's rows, then a row for its own
+    token); None: one-hot proposals."""
     device, b = logits.device, sampling.batch
     counts = torch.tensor([1 + len(d) for d in drafts])
     num_rows, num_seqs = int(counts.sum()), len(drafts)
@@ -123,13 +139,8 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: Sa
     logits = logits.float()
     bad = (top := logits.amax(-1)).isnan() | top.isposinf()
     temperatures = b.temperatures[seq_of]
-    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
-    if b.top_k is not None or b.top_p is not None:
-        scaled = apply_top_k_top_p(scaled, None if b.top_k is None else b.top_k[seq_of],
-                                   None if b.top_p is None else b.top_p[seq_of])
-    if b.min_p is not None:
-        scaled = apply_min_p(scaled, b.min_p[seq_of])
-    probs = torch.softmax(scaled, dim=-1)
+    probs = sampling_probs(logits, temperatures, *(None if x is None else x[seq_of]
+                                                   for x in (b.top_k, b.top_p, b.min_p)))
     uniform = torch.rand(num_rows, device=device, generator=generator)
     noise = torch.empty(num_seqs, logits.size(1), device=device).exponential_(generator=generator)
     starts = (torch.cumsum(counts, 0) - counts).tolist()
@@ -140,15 +151,20 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: Sa
             noise[i].exponential_(generator=g)
     draft = proposed.clamp(min=0)
     p_draft = probs.gather(1, draft[:, None]).squeeze(1)
-    accepted = torch.where(temperatures > 0, uniform < p_draft, logits.argmax(-1) == draft)
+    q_draft = 1.0 if draft_probs is None else draft_probs.gather(1, draft[:, None]).squeeze(1)
+    accepted = torch.where(temperatures > 0, uniform * q_draft < p_draft,
+                           logits.argmax(-1) == draft)
     accepted &= (proposed >= 0) & ~bad
     rows = torch.arange(num_rows, device=device)
     first_stop = torch.full((num_seqs,), num_rows, device=device).scatter_reduce(
         0, seq_of, torch.where(accepted, num_rows, rows), "amin")  # the row of the own token
     at = first_stop[seq_of] == rows
-    residual = probs[first_stop]  # rejected proposal: (p - one-hot)+ normalised; else p
+    residual = probs[first_stop]  # after a rejected proposal (p - q)+ normalised; else p
     rejected = proposed[first_stop] >= 0
-    residual[rejected, draft[first_stop][rejected]] = 0
+    if draft_probs is None:
+        residual[rejected, draft[first_stop][rejected]] = 0
+    else:
+        residual[rejected] = (residual[rejected] - draft_probs[first_stop][rejected]).clamp_min(0)
     residual /= residual.sum(-1, keepdim=True).clamp_min(1e-30)
     sampled = (residual / noise.clamp_min(1e-20)).argmax(-1)
     own = torch.where(b.temperatures > 0, sampled, logits[first_stop].argmax(-1))
@@ -219,10 +235,13 @@ def catch_up_input(seqs: list[Sequence], starts: list[int], block_size: int) -> 
 
 
 class DraftModelDrafter(CountingDrafter):
-    """A draft model's greedy continuation. Its K/V lives in the target's blocks (its own layers of
-    the cache): a sequence's first ``done`` positions are computed there, in the blocks recorded
-    with them (a preempted sequence's new blocks start it over). A step first computes the
-    positions since then (the kept tokens: one or two), then one position per proposal."""
+    """A draft model's continuation: its argmax for a greedy request, else drawn from its
+    distribution under the request's temperature, top-k, top-p and min-p (the ``q`` of the
+    rejection rule; a seeded request draws from its own generator). Its K/V lives in the target's
+    blocks (its own layers of the cache): a sequence's first ``done`` positions are computed there,
+    in the blocks recorded with them (a preempted sequence's new blocks start it over). A step
+    first computes the positions since then (the kept tokens: one or two), then one position per
+    proposal."""
 
     def __init__(self, config: dict, runner, draft: nn.Module):
         super().__init__(config["num_speculative_tokens"])
@@ -231,28 +250,46 @@ class DraftModelDrafter(CountingDrafter):
         self.budget = runner.config.max_num_batched_tokens
         self.done: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (positions, their blocks)
         self.proposed_at: dict[int, int] = {}  # seq_id -> num_tokens when it last proposed
+        self.probs: dict[int, list[torch.Tensor]] = {}  # the last proposals' q rows (sampled)
 
     def _start(self, seq: Sequence) -> int:
         done, blocks = self.done.get(seq.seq_id, (0, []))
         return min(done, seq.num_tokens - 1) if seq.block_table[:len(blocks)] == blocks else 0
 
     @torch.inference_mode()
-    def _greedy(self, step: StepInput) -> list[int]:
+    def _draw(self, step: StepInput, seqs: list[Sequence]) -> list[int]:
+        """The draft's next token after each row of ``step`` (one a sequence of ``seqs``)."""
         input_ids, positions, context = self.runner.step_tensors(step)
         with set_context(step.is_prefill, **context):
             logits = self.draft.compute_logits(self.draft(input_ids, positions))
-        return logits.argmax(-1).tolist()
+        tokens = logits.argmax(-1)
+        sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
+        if sampled:
+            params = [seqs[i].sampling_params for i in sampled]
+            device, vocab = logits.device, logits.size(1)
+            values = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+            probs = sampling_probs(
+                logits[sampled], values([sp.temperature for sp in params]),
+                values([sp.top_k if sp.top_k > 0 else vocab for sp in params]),
+                values([sp.top_p for sp in params]), values([sp.min_p for sp in params]))
+            for row, i in enumerate(sampled):
+                g = self.runner.sampling.generators.get(seqs[i].seq_id, self.runner.generator)
+                noise = torch.empty(vocab, device=device).exponential_(generator=g)
+                tokens[i] = (probs[row] / noise.clamp_min(1e-20)).argmax()
+                self.probs.setdefault(seqs[i].seq_id, []).append(probs[row])
+        return tokens.tolist()
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         drafts = [[] for _ in seqs]
         rows = [i for i, limit in enumerate(limits) if limit]
+        self.probs.clear()
         group, tokens = [], 0
         for i in rows + [None]:  # the catch-up, in forwards of at most the token budget
             count = 0 if i is None else seqs[i].num_tokens - self._start(seqs[i])
             if group and (i is None or tokens + count > self.budget):
                 chosen = [seqs[j] for j in group]
-                firsts = self._greedy(catch_up_input(chosen, [self._start(s) for s in chosen],
-                                                     self.block_size))
+                firsts = self._draw(catch_up_input(chosen, [self._start(s) for s in chosen],
+                                                   self.block_size), chosen)
                 for j, token in zip(group, firsts):
                     drafts[j].append(token)
                 group, tokens = [], 0
@@ -267,7 +304,7 @@ class DraftModelDrafter(CountingDrafter):
             step = decode_rows(block_tables([seqs[i] for i in active]), positions,
                                np.array([drafts[i][-1] for i in active], dtype=np.int64),
                                self.block_size)
-            for i, token in zip(active, self._greedy(step)):
+            for i, token in zip(active, self._draw(step, [seqs[i] for i in active])):
                 drafts[i].append(token)
         for i in rows:
             seq = seqs[i]
@@ -275,6 +312,14 @@ class DraftModelDrafter(CountingDrafter):
             self.done[seq.seq_id] = (done, list(seq.block_table[:-(-done // self.block_size)]))
             self.proposed_at[seq.seq_id] = seq.num_tokens
         return drafts
+
+    def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
+        if not self.probs:  # greedy requests: one-hot proposals
+            return super().verify(seqs, logits, drafts, sampling, generator)
+        zero = logits.new_zeros(logits.size(1), dtype=torch.float32)
+        rows = [row for seq, draft in zip(seqs, drafts)
+                for row in (*self.probs.get(seq.seq_id, [zero] * len(draft))[:len(draft)], zero)]
+        return rejection_sample(logits, drafts, sampling, generator, torch.stack(rows))
 
     def observe(self, seqs, drafts, num_accepted) -> None:
         super().observe(seqs, drafts, num_accepted)
