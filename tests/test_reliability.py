@@ -390,7 +390,10 @@ def test_a_failure_that_is_one_requests_own_ends_that_request(tiny):
         llm.exit()
 
 
-def test_a_request_whose_sampling_inputs_fail_ends_alone(tiny, monkeypatch):
+@pytest.mark.parametrize("first", [False, True], ids=["last", "first"])
+def test_a_request_whose_sampling_inputs_fail_ends_alone(tiny, monkeypatch, first):
+    """The failing request last or first in the batch (first: the rows after it must stay those of
+    their own sequences)."""
     llm = LLM(tiny, **ENGINE)
     try:
         prompts = random_prompts(3, 5, 20, seed=74)
@@ -404,7 +407,11 @@ def test_a_request_whose_sampling_inputs_fail_ends_alone(tiny, monkeypatch):
             return original(batch)
 
         monkeypatch.setattr(runner, "prepare_sample", prepare_sample)
-        out = llm.generate(prompts + [[9, 9, 9]], [GREEDY] * 3 + [poisoned], use_tqdm=False)
+        if first:
+            out = llm.generate([[9, 9, 9]] + prompts, [poisoned] + [GREEDY] * 3, use_tqdm=False)
+            out = out[1:] + out[:1]
+        else:
+            out = llm.generate(prompts + [[9, 9, 9]], [GREEDY] * 3 + [poisoned], use_tqdm=False)
         assert (token_ids_of(out[:3]) == ref and out[3]["finish_reason"] == "error"
                 and out[3]["token_ids"] == [])
         assert_no_leaks(llm)

@@ -525,3 +525,27 @@ def test_greedy_verify_equals_the_rejection_sampler_at_temperature_zero():
             logits[rng.randrange(rows), 2] = float("nan")
         expected = rejection_sample(logits, drafts, _sampling([0.0] * 5), torch.Generator())
         assert greedy_verify(logits, drafts).tolist() == expected.tolist()
+
+
+def test_a_failing_sampling_input_ends_its_sequence_alone(tiny, monkeypatch):
+    """When a verify step's sampling inputs cannot be built (here: those of the first prompt's
+    sequence, once it decodes), the step runs as a plain decode, which ends that sequence alone;
+    the others finish, no block leaks."""
+    llm = LLM(tiny, **CPU_ENGINE, speculative_config=_draft_config(tiny, 3))
+    try:
+        runner, victim = llm.model_runner, []
+        original = runner.prepare_sample
+
+        def failing(batch):
+            victim.append(victim[0] if victim else batch.seqs[0].seq_id)
+            if not batch.is_prefill and any(seq.seq_id == victim[0] for seq in batch.seqs):
+                raise RuntimeError("no inputs")
+            return original(batch)
+        monkeypatch.setattr(runner, "prepare_sample", failing)
+        outs = llm.generate(_repetitive_prompts(3, seed=10), SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        assert_no_leaks(llm)
+        assert llm.core.drafter.num_accepted_tokens > 0
+    finally:
+        llm.exit()
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "length", "length"]

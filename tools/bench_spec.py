@@ -75,8 +75,8 @@ def accept_cycle(mean: float) -> list[int]:
 def engine(model: str, speculative_config=None, **kw) -> LLM:
     dummy = model in PRESETS
     return LLM(model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
-               speculative_config=speculative_config, async_scheduling=False,
-               max_model_len=kw.pop("max_model_len", 2048), **kw)
+               speculative_config=speculative_config, max_model_len=kw.pop("max_model_len", 2048),
+               **kw)
 
 
 def timed(llm: LLM, prompts, params) -> tuple[float, list]:
@@ -106,47 +106,56 @@ def tokens_per_step(before: dict, after: dict, generated: int, num_seqs: int) ->
 
 
 def oracle(args) -> list[dict]:
+    """Per model: the plain engine (async scheduling, the default) at each batch, then one engine
+    with verify steps whose proposer is swapped: none (the synchronous loop alone), the oracle at
+    each acceptance, n-gram lookup."""
     rows = []
     for model in args.model:
+        workloads, plain = {}, {}
+        greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm = engine(model, max_num_seqs=max(args.batch), async_scheduling=None)
         for batch in args.batch:
             rng = Random(batch)
             prompts = [[rng.randrange(1000, 10000) for _ in range(args.prompt_len)]
                        for _ in range(batch)]
-            greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
             warm = [[rng.randrange(1000, 10000) for _ in range(args.prompt_len)] for _ in prompts]
-            llm = engine(model, max_num_seqs=max(batch, 1))
             llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
             seconds, outputs = timed(llm, prompts, greedy)
-            llm.exit()
             refs = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
-            total = batch * args.output_len
-            plain = total / seconds
+            workloads[batch] = (prompts, warm, refs)
+            plain[batch] = batch * args.output_len / seconds
             rows.append(dict(model=model, batch=batch, proposer="none", k=0, accept=1.0,
-                             tok_per_s=round(plain, 1), speedup=1.0))
+                             tok_per_s=round(plain[batch], 1), speedup=1.0,
+                             async_scheduling=llm.config.async_scheduling))
             print(json.dumps(rows[-1]), flush=True)
-            cases = [("oracle", a) for a in args.accept if a > 1] + [("ngram", None)]
+        llm.exit()
+        most = args.k[0] if args.k else max(1, int(max(args.accept) + .99) - 1)
+        llm = engine(model, dict(NGRAM, num_speculative_tokens=max(most, 4)),
+                     max_num_seqs=max(args.batch))
+        vocab = llm.config.hf_config.vocab_size
+        for batch in args.batch:
+            prompts, warm, refs = workloads[batch]
+            cases = [("none", 1)] + [("oracle", a) for a in args.accept if a > 1] + [("ngram", 0)]
             for proposer, mean in cases:
                 k = args.k[0] if args.k else max(1, int(mean + .99) - 1)
-                config = NGRAM if proposer == "ngram" else dict(NGRAM, num_speculative_tokens=k)
-                llm = engine(model, config, max_num_seqs=max(batch, 1))
-                if proposer == "oracle":
-                    vocab = llm.config.hf_config.vocab_size
-                    k = llm.core.drafter.num_lookahead_slots
-                    llm.core.drafter = OracleDrafter(refs, k, accept_cycle(mean), vocab)
+                llm.core.drafter = (NgramDrafter(NGRAM) if proposer == "ngram" else
+                                    OracleDrafter(refs, k if mean > 1 else 0, accept_cycle(mean),
+                                                  vocab))
                 llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
                 before = counters(llm)
                 seconds, outputs = timed(llm, prompts, greedy)
                 after = counters(llm)
                 same = sum(o.outputs[0].token_ids == refs[tuple(p)]
                            for p, o in zip(prompts, outputs))
+                total = batch * args.output_len
                 rows.append(dict(model=model, batch=batch, proposer=proposer,
                                  k=llm.core.drafter.num_lookahead_slots,
-                                 accept=tokens_per_step(before, after, total, batch),
+                                 accept=tokens_per_step(before, after, total, batch) or 1.0,
                                  tok_per_s=round(total / seconds, 1),
-                                 speedup=round(total / seconds / plain, 3),
-                                 same_as_plain=f"{same}/{batch}"))
-                llm.exit()
+                                 speedup=round(total / seconds / plain[batch], 3),
+                                 same_as_plain=f"{same}/{batch}", async_scheduling=False))
                 print(json.dumps(rows[-1]), flush=True)
+        llm.exit()
     return rows
 
 

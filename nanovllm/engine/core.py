@@ -38,10 +38,10 @@ class EngineCore:
 
     def normal_step(self) -> int:
         batch = self._schedule()
-        count, output = self._count(batch), self.launch(batch)  # launching books the tokens
+        output = self.launch(batch)
         self.inflight = (batch, output) if output is not None else None
         self.read_back()
-        return count
+        return batch.num_tokens
 
     one_step = normal_step  # OverlapEngineCore's: overlap_step
 
@@ -50,11 +50,6 @@ class EngineCore:
         if not batch.seqs and self.inflight is None:
             raise RuntimeError("the scheduler found nothing to run and no forward is in flight")
         return batch
-
-    @staticmethod
-    def _count(batch: SchedulerOutput) -> int:
-        return (sum(seq.num_scheduled_tokens for seq in batch.seqs) if batch.is_prefill
-                else -len(batch.seqs))
 
     def launch(self, batch: SchedulerOutput) -> ModelRunnerOutput | None:
         """Starts ``batch``; a sequence whose sampling inputs fail ends alone (None if all do)."""
@@ -71,7 +66,7 @@ class EngineCore:
                 raise
             for seq, error in errors.items():
                 self.end_with_error(seq, error)
-            batch = batch.without(errors)
+            batch.drop(errors)
             sampling = runner.prepare_sample(batch) if batch.seqs else None
         if not batch.seqs:
             return None

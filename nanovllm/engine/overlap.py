@@ -10,11 +10,10 @@ class OverlapEngineCore(EngineCore):
         batch = self._schedule()
         if batch.seqs and self.inflight and any(h.needs_known_tokens(batch) for h in self.hooks):
             self.read_back()  # penalties read every known token
-            batch = batch.without([seq for seq in batch.seqs if seq.is_finished])
-        count = self._count(batch)  # before launching books the tokens
+            batch.drop([seq for seq in batch.seqs if seq.is_finished])
         output = self.launch(batch) if batch.seqs else None
         self.read_back()  # the step launched before this one
         self.inflight = (batch, output) if output is not None else None
-        return count
+        return batch.num_tokens
 
     one_step = overlap_step

@@ -19,14 +19,18 @@ class SchedulerOutput:
     seqs: list[Sequence]
     is_prefill: bool
     kept_rows: list[int] = field(init=False)
+    num_tokens: int = field(init=False)  # nano-vllm's count: prefill tokens, or minus the decodes
     step_input: StepInput | None = None
 
     def __post_init__(self):
         self.kept_rows = [row for row, seq in enumerate(self.seqs)
                           if seq.num_cached_tokens + seq.num_scheduled_tokens == seq.num_tokens]
+        self.num_tokens = (sum(seq.num_scheduled_tokens for seq in self.seqs) if self.is_prefill
+                           else -len(self.seqs))
 
-    def without(self, dropped) -> SchedulerOutput:
-        return SchedulerOutput([seq for seq in self.seqs if seq not in dropped], self.is_prefill)
+    def drop(self, dropped) -> None:  # in place: the caller's batch is the one launched
+        self.seqs = [seq for seq in self.seqs if seq not in dropped]
+        self.__post_init__()
 
 
 class Scheduler:

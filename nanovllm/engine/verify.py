@@ -103,19 +103,26 @@ class VerifyEngineCore(EngineCore):
         return -self.num_decoded if count < 0 else count
 
     def launch(self, batch: SchedulerOutput):
+        self.num_decoded = len(batch.seqs)
         if batch.is_prefill:
             return super().launch(batch)
-        blocks = self.scheduler.block_manager
+        runner, blocks = self.resources.runner, self.scheduler.block_manager
         limits = [self._reserve(seq) for seq in batch.seqs]
         drafts = [draft[:limit] for draft, limit
                   in zip(self.drafter.propose(batch.seqs, limits), limits)]
         for seq, draft in zip(batch.seqs, drafts):
             give_back_blocks(blocks, seq, seq.num_tokens + len(draft))
-        if not any(drafts):
-            self.num_decoded = len(batch.seqs)
+        sampling = None
+        if any(drafts):
+            try:
+                sampling = runner.prepare_sample(batch)
+            except Exception:  # the plain launch ends alone the sequences whose inputs fail
+                self.drafter.observe(batch.seqs, drafts, [0] * len(drafts))  # none kept
+                for seq in batch.seqs:
+                    give_back_blocks(blocks, seq, seq.num_tokens)
+        if sampling is None:
             return super().launch(batch)  # a plain decode (CUDA graphs)
-        runner = self.resources.runner
-        sampling = runner.prepare_sample(batch)
+        self.num_decoded = 0
         step = batch.step_input = prepare_verify(batch.seqs, drafts, self.config.kvcache_block_size)
         if self.resources.workers is not None:
             self.call_or_shut_down(self.resources.workers.call, "run", step)
