@@ -113,7 +113,7 @@ def oracle(args) -> list[dict]:
     for model in args.model:
         workloads, plain = {}, {}
         greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm = engine(model, max_num_seqs=max(args.batch), async_scheduling=None)
+        llm = engine(model, async_scheduling=None)
         for batch in args.batch:
             rng = Random(batch)
             prompts = [[rng.randrange(1000, 10000) for _ in range(args.prompt_len)]
@@ -130,8 +130,8 @@ def oracle(args) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
         llm.exit()
         most = args.k[0] if args.k else max(1, int(max(args.accept) + .99) - 1)
-        llm = engine(model, dict(NGRAM, num_speculative_tokens=max(most, 4)),
-                     max_num_seqs=max(args.batch))
+        # max_num_seqs left at 512: the decode graphs cover up to 512 rows, a verify step's too
+        llm = engine(model, dict(NGRAM, num_speculative_tokens=max(most, 4)))
         vocab = llm.config.hf_config.vocab_size
         for batch in args.batch:
             prompts, warm, refs = workloads[batch]
