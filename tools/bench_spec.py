@@ -8,7 +8,9 @@ Two modes, one JSON line a point, then a table:
   in the package) proposes ``k`` tokens a step of which the first ``m - 1`` are that continuation
   and the rest wrong, so that every verify step keeps ``m`` tokens (the target's own included);
   ``--accept 1.5`` alternates 1 and 2. Also the n-gram proposer on the same prompts (random tokens:
-  its proposals are rejected, the cost of proposing and verifying for nothing).
+  its proposals are rejected, the cost of proposing and verifying for nothing), "rejected" (4
+  wrong proposals every step: a verify step's cost at zero acceptance) and "none" (the verify
+  engine without proposals: the synchronous loop's cost against the plain engine's async one).
 - ``--heldout`` (acceptance on real weights): the demo model continues each held-out file of its
   training (the first ``--prompt-len`` tokens as the prompt), greedily, with n-gram lookup and
   without: the mean tokens a decode step keeps, and the speed-up on this machine.
@@ -135,12 +137,13 @@ def oracle(args) -> list[dict]:
         vocab = llm.config.hf_config.vocab_size
         for batch in args.batch:
             prompts, warm, refs = workloads[batch]
-            cases = [("none", 1)] + [("oracle", a) for a in args.accept if a > 1] + [("ngram", 0)]
-            for proposer, mean in cases:
-                k = args.k[0] if args.k else max(1, int(mean + .99) - 1)
+            # none: the verify engine without proposals; rejected: 4 wrong proposals a step
+            cases = [("none", 1, 0), ("rejected", 1, 4)] + [
+                ("oracle", a, args.k[0] if args.k else max(1, int(a + .99) - 1))
+                for a in args.accept if a > 1] + [("ngram", 0, 4)]
+            for proposer, mean, k in cases:
                 llm.core.drafter = (NgramDrafter(NGRAM) if proposer == "ngram" else
-                                    OracleDrafter(refs, k if mean > 1 else 0, accept_cycle(mean),
-                                                  vocab))
+                                    OracleDrafter(refs, k, accept_cycle(mean), vocab))
                 llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
                 before = counters(llm)
                 seconds, outputs = timed(llm, prompts, greedy)
