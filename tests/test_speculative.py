@@ -46,7 +46,8 @@ def test_config_defaults_and_refusals():
              "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
            ({"model": "nanovllm:demo", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
             "prompt_lookup_max"),
-           ({"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}, "eagle3"),
+           ({"method": "eagle", "model": "/x", "num_speculative_tokens": 2}, "eagle"),
+           ({"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}, "not a directory"),
            ({"method": "medusa", "num_speculative_tokens": 2}, "medusa")]
     for config, named in bad:
         with pytest.raises(ValueError, match=named):
@@ -549,3 +550,241 @@ def test_a_failing_sampling_input_ends_its_sequence_alone(tiny, monkeypatch):
     finally:
         llm.exit()
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "length", "length"]
+
+
+# -- EAGLE-3 heads ------------------------------------------------------------------------------
+
+def _eagle3_checkpoint(path, target_config, draft_vocab: int = 200, seed: int = 0,
+                       own_embedding: bool = False) -> str:
+    """A random EAGLE-3 head in the public checkpoints' layout (Llama-3.1-8B's): ``fc``,
+    ``midlayer.*``, ``norm``, ``lm_head`` over a draft vocabulary, ``d2t``, ``t2d``."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    hidden, vocab = target_config.hidden_size, target_config.vocab_size
+    heads, kv_heads, head_dim = 4, 2, 32
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.15  # noqa: E731
+    targets = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[targets] = True
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": 1 + rand(hidden),
+        "midlayer.hidden_norm.weight": 1 + rand(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(hidden),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(128, hidden),
+        "midlayer.mlp.up_proj.weight": rand(128, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, 128),
+        "norm.weight": 1 + rand(hidden), "lm_head.weight": rand(draft_vocab, hidden) * 4,
+        "d2t": targets - torch.arange(draft_vocab), "t2d": t2d}
+    if own_embedding:
+        tensors["embed_tokens.weight"] = rand(vocab, hidden) * 4
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": hidden, "intermediate_size": 128, "num_attention_heads": heads,
+              "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+              "rms_norm_eps": 1e-6, "vocab_size": vocab, "draft_vocab_size": draft_vocab,
+              "max_position_embeddings": 1024, "rope_theta": 10000.0, "hidden_act": "silu",
+              "tie_word_embeddings": False}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def eagle_target(tmp_path_factory) -> str:
+    """A tiny six-layer Llama: the head fuses the states entering layers 2, 3 and 3."""
+    from tiny_model import build_tiny_model
+    return build_tiny_model(str(tmp_path_factory.mktemp("eagle") / "target"), "llama",
+                            head_dim=32, num_hidden_layers=6)
+
+
+def _eagle_config(path: str, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": path, "num_speculative_tokens": k}
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _reference_proposals(target_path, head_path, tokens: list[int], k: int) -> list[int]:
+    """The head's k greedy proposals after ``tokens``, computed from the checkpoint by hand:
+    transformers' target states (the inputs of layers 2, 3, 3), every position attended anew."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    w = load_file(os.path.join(head_path, "model.safetensors"))
+    with open(os.path.join(head_path, "config.json")) as f:
+        cfg = json.load(f)
+    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    embed = w.get("embed_tokens.weight", target.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        hs = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    states = torch.cat([hs[2][0], hs[3][0], hs[3][0]], -1) @ w["fc.weight"].T
+    inputs, in_states = list(tokens[1:]), list(states[:len(tokens) - 1])
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+
+    def rope(x, pos):
+        freqs = torch.outer(torch.tensor(pos).float(), inv)
+        cos = torch.cat([freqs.cos()] * 2, -1)[:, None]
+        sin = torch.cat([freqs.sin()] * 2, -1)[:, None]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    proposals = []
+    for _ in range(k):
+        n = len(inputs)
+        st = torch.stack(in_states)
+        x = torch.cat([_rms(embed[torch.tensor(inputs)], w["midlayer.input_layernorm.weight"]),
+                       _rms(st, w["midlayer.hidden_norm.weight"])], -1)
+        q = (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, hd)
+        kk = (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kv_heads, hd)
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kv_heads, hd)
+        q, kk = rope(q, list(range(n))), rope(kk, list(range(n)))
+        group = heads // kv_heads
+        kk, v = kk.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) / hd ** 0.5
+        scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+        attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * hd)
+        h = st + attn @ w["midlayer.self_attn.o_proj.weight"].T
+        m = _rms(h, w["midlayer.post_attention_layernorm.weight"])
+        gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
+        out = h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+        logits = _rms(out[-1], w["norm.weight"]) @ w["lm_head.weight"].T
+        best = int(logits.argmax())
+        proposals.append(best + int(w["d2t"][best]))
+        inputs.append(proposals[-1])
+        in_states.append(out[-1])
+    return proposals
+
+
+class _Recorder:
+    """Wraps a drafter's ``propose``: keeps each step's proposals with the tokens before them."""
+
+    def __init__(self, drafter):
+        self.steps, original = [], drafter.propose
+
+        def propose(seqs, limits):
+            drafts = original(seqs, limits)
+            self.steps.append({seq.seq_id: (list(seq.token_ids), list(d[:limit]))
+                               for seq, d, limit in zip(seqs, drafts, limits)})
+            return drafts
+        drafter.propose = propose
+
+
+@pytest.mark.parametrize("own_embedding", [False, True], ids=["target-embedding", "own"])
+def test_eagle3_proposals_equal_a_hand_computed_head(eagle_target, tmp_path, own_embedding):
+    """The engine's EAGLE-3 proposals at the first verify steps equal the head computed by hand
+    from transformers' hidden states (which layers, the token shift, the fused state, the draft
+    vocabulary's d2t, the head's K/V from earlier steps); the outputs are the target's."""
+    from nanovllm.config import load_hf_config
+    head = _eagle3_checkpoint(tmp_path / "head", load_hf_config(eagle_target),
+                              own_embedding=own_embedding)
+    prompts = [[5, 17, 99, 3, 42, 8, 77], list(range(30, 52))]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain, _ = _run(eagle_target, prompts, greedy)
+    llm = LLM(eagle_target, **CPU_ENGINE, speculative_config=_eagle_config(head))
+    try:
+        recorder = _Recorder(llm.core.drafter)
+        spec = llm.generate(prompts, greedy, use_tqdm=False)
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert _tokens(spec) == _tokens(plain)
+    checked = 0
+    for step in recorder.steps[:3]:
+        for tokens, draft in step.values():
+            if draft:
+                assert draft == _reference_proposals(eagle_target, head, tokens, len(draft))
+                checked += 1
+    assert checked >= 4
+
+
+def test_eagle3_greedy_equals_the_target_under_preemption_and_chunks(eagle_target, tmp_path):
+    """Preemption (a 30-block cache), chunked prefill (a 24-token budget: the head runs over each
+    chunk's positions), a second wave hitting the prefix cache and ``n`` = 2: the plain run's
+    tokens."""
+    from nanovllm.config import load_hf_config
+    head = _eagle3_checkpoint(tmp_path / "head", load_hf_config(eagle_target), seed=1)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 50))] for _ in range(6)]
+    prompts += [p + [4, 4] for p in prompts[:2]]
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True)
+    engine = dict(num_kvcache_blocks=30, max_num_batched_tokens=24)
+    plain, _ = _run(eagle_target, prompts, greedy, **engine)
+    llm = LLM(eagle_target, **{**CPU_ENGINE, **engine}, speculative_config=_eagle_config(head))
+    try:
+        spec = llm.generate(prompts, greedy, use_tqdm=False)
+        assert_no_leaks(llm)
+        assert llm.scheduler.num_preemptions > 0 and llm.core.drafter.num_draft_tokens > 0
+        assert not llm.core.drafter.first  # every ended sequence forgotten
+    finally:
+        llm.exit()
+    assert _tokens(spec) == _tokens(plain)
+
+
+def test_eagle3_refusals(eagle_target, tiny, tmp_path):
+    from nanovllm.config import load_hf_config
+    head = _eagle3_checkpoint(tmp_path / "head", load_hf_config(eagle_target))
+    with pytest.raises(ValueError, match="not an EAGLE-3 head"):
+        LLM(eagle_target, speculative_config=_eagle_config(eagle_target), **CPU_ENGINE)
+    with pytest.raises(ValueError, match="three target layers"):  # tiny has 2 layers
+        LLM(tiny, speculative_config=_eagle_config(head), **CPU_ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(eagle_target, speculative_config=_eagle_config(head), tensor_parallel_size=2,
+            **CPU_ENGINE)
+
+
+def test_eagle3_sampled_with_a_seed_is_the_same_whatever_else_is_batched(eagle_target, tmp_path):
+    from nanovllm.config import load_hf_config
+    head = _eagle3_checkpoint(tmp_path / "head", load_hf_config(eagle_target), seed=2)
+    prompts = _repetitive_prompts(3, seed=12)
+    seeded = SamplingParams(temperature=1.0, top_k=40, seed=5, max_tokens=16, ignore_eos=True)
+    others = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True)
+    llm = LLM(eagle_target, **CPU_ENGINE, speculative_config=_eagle_config(head))
+    try:
+        alone = llm.generate(prompts[:1], seeded, use_tqdm=False)
+        together = llm.generate(prompts, [seeded] + [others] * 2, use_tqdm=False)
+        assert llm.core.drafter.num_draft_tokens > 0
+        assert_no_leaks(llm)
+    finally:
+        llm.exit()
+    assert _tokens(together)[0] == _tokens(alone)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_eagle3_on_cuda_graphs(eagle_target, tmp_path):
+    """On the GPU, float32, CUDA graphs: the hooks' copies of the target's states are captured in
+    the decode graphs (a verify step replays them); the outputs are the plain run's and the first
+    proposals the hand-computed head's."""
+    from nanovllm.config import load_hf_config
+    from tests.conftest import ENGINE
+    head = _eagle3_checkpoint(tmp_path / "head", load_hf_config(eagle_target))
+    prompts = [[5, 17, 99, 3, 42, 8, 77], list(range(30, 52))]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for config in (None, _eagle_config(head)):
+        llm = LLM(eagle_target, **ENGINE, dtype="float32", speculative_config=config)
+        try:
+            assert llm.model_runner.graphs is not None
+            recorder = _Recorder(llm.core.drafter) if config else None
+            outputs.append(_tokens(llm.generate(prompts, greedy, use_tqdm=False)))
+        finally:
+            llm.exit()
+    assert outputs[1] == outputs[0]
+    for step in recorder.steps[1:3]:  # after a verify step (graph replays)
+        for tokens, draft in step.values():
+            if draft:
+                assert draft == _reference_proposals(eagle_target, head, tokens, len(draft))

@@ -51,6 +51,14 @@ class Drafter:
     def forget(self, seq: Sequence) -> None:
         """``seq`` has ended."""
 
+    def computed(self, seqs: list[Sequence], rows: list[int], positions: list[int],
+                 counts: list[int]) -> None:
+        """After every forward's read-back (``wants_computed``): sequence i's rows ``rows[i] ..``
+        of the forward computed its positions ``positions[i] ..`` (``counts[i]`` of them), whose
+        next tokens are known now (a verify step's kept run; ended sequences left out)."""
+
+    wants_computed = False  # whether ``computed`` is called
+
 
 def decode_rows(tables: np.ndarray, positions: np.ndarray, input_ids: np.ndarray,
                 block_size: int) -> StepInput:
@@ -146,12 +154,25 @@ class VerifyEngineCore(EngineCore):
         return min(most, len(seq.block_table) * self.config.kvcache_block_size - seq.num_tokens)
 
     def read_back(self, after_accept=None) -> None:
-        if self.inflight is None or not isinstance(self.inflight[1], VerifyOutput):
-            return super().read_back(after_accept)
+        if self.inflight is None:
+            return
+        batch, output = self.inflight
+        if not isinstance(output, VerifyOutput):
+            super().read_back(after_accept)
+            step = batch.step_input
+            if self.drafter.wants_computed and step.is_prefill:
+                cu_q = step.cu_seqlens_q.tolist()
+                self._computed(batch.seqs, cu_q[:-1], step.positions[cu_q[:-1]].tolist(),
+                               np.diff(cu_q).tolist())
+            elif self.drafter.wants_computed:
+                self._computed(batch.seqs, list(range(len(batch.seqs))),
+                               step.positions.tolist(), [1] * len(batch.seqs))
+            return
         (batch, verified), self.inflight = self.inflight, None
         token_ids, logprobs, _ = self.call_or_shut_down(verified.output.result)
-        row, accepted = 0, []
+        row, accepted, starts = 0, [], []
         for seq, draft in zip(batch.seqs, verified.drafts):
+            starts.append(row)
             rows = range(row, row + 1 + len(draft))
             row += len(rows)
             kept = [r for r in rows if token_ids[r] != -2]
@@ -164,9 +185,18 @@ class VerifyEngineCore(EngineCore):
             if not seq.is_finished:
                 give_back_blocks(self.scheduler.block_manager, seq, seq.num_tokens)
         self.drafter.observe(batch.seqs, verified.drafts, accepted)
+        if self.drafter.wants_computed:
+            self._computed(batch.seqs, starts, [seq.num_tokens - 2 - a for seq, a in
+                                                zip(batch.seqs, accepted)],
+                           [1 + a for a in accepted])
         self.proposed += sum(map(len, verified.drafts))
         self.accepted += sum(accepted)
         self.progress["accepted"] = f"{self.accepted / max(1, self.proposed):.0%}"
+
+    def _computed(self, seqs, rows, positions, counts) -> None:
+        """``Drafter.computed`` of the sequences still running, before the next step."""
+        alive = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+        self.drafter.computed(*([x[i] for i in alive] for x in (seqs, rows, positions, counts)))
 
     def _end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None):
         super()._end(seq, reason, stop_reason)

@@ -33,10 +33,10 @@ from nanovllm.sampling_params import check_int
 from nanovllm.utils.context import set_context
 from nanovllm.utils.loader import load_model
 
+DRAFT_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
 KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
-        "draft_model": {"method", "model", "num_speculative_tokens",
-                        "draft_tensor_parallel_size"}}
-LATER = {"eagle3": "EAGLE-3 heads", "eagle": "EAGLE heads"}
+        "draft_model": DRAFT_KEYS, "eagle3": DRAFT_KEYS}
+LATER = {"eagle": "EAGLE (1 and 2) heads"}
 
 
 def parse_speculative_config(value) -> dict:
@@ -57,7 +57,7 @@ def parse_speculative_config(value) -> dict:
     if "num_speculative_tokens" not in config:
         raise ValueError("speculative_config needs num_speculative_tokens")
     check_int("num_speculative_tokens", config["num_speculative_tokens"], lo=1, hi=64)
-    if method == "draft_model":
+    if method in ("draft_model", "eagle3"):
         if config.get("draft_tensor_parallel_size") not in (None, 1):
             raise ValueError("speculative_config draft_tensor_parallel_size must be 1 (the draft "
                              f"runs on rank 0), got {config['draft_tensor_parallel_size']!r}")
@@ -173,6 +173,40 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: Sa
     return tokens.masked_fill(at & bad, -1)
 
 
+def draw_tokens(logits: torch.Tensor, seqs: list[Sequence], runner
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A draft's token after each row (one a sequence): its argmax for a greedy request, else drawn
+    from its distribution under the request's sampling parameters (the request's own generator
+    when seeded), which is returned too (the rejection rule's q)."""
+    tokens, probs = logits.argmax(-1), [None] * len(seqs)
+    sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
+    if sampled:
+        params = [seqs[i].sampling_params for i in sampled]
+        device, vocab = logits.device, logits.size(1)
+        values = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+        q = sampling_probs(
+            logits[sampled], values([sp.temperature for sp in params]),
+            values([sp.top_k if sp.top_k > 0 else vocab for sp in params]),
+            values([sp.top_p for sp in params]), values([sp.min_p for sp in params]))
+        for row, i in enumerate(sampled):
+            g = runner.sampling.generators.get(seqs[i].seq_id, runner.generator)
+            noise = torch.empty(vocab, device=device).exponential_(generator=g)
+            tokens[i] = (q[row] / noise.clamp_min(1e-20)).argmax()
+            probs[i] = q[row]
+    return tokens.tolist(), probs
+
+
+def verify_with(drafter, seqs, logits, drafts, sampling, generator, probs: dict) -> torch.Tensor:
+    """The rejection rule with the q rows a drafter kept (``probs``: seq_id -> one a proposal);
+    one-hot proposals when it kept none."""
+    if not probs:
+        return CountingDrafter.verify(drafter, seqs, logits, drafts, sampling, generator)
+    zero = logits.new_zeros(logits.size(1), dtype=torch.float32)
+    rows = [row for seq, draft in zip(seqs, drafts)
+            for row in (*probs.get(seq.seq_id, [zero] * len(draft))[:len(draft)], zero)]
+    return rejection_sample(logits, drafts, sampling, generator, torch.stack(rows))
+
+
 class CountingDrafter(Drafter):
     """The rejection sampler and vLLM's ``spec_decode`` counters, for every proposer."""
 
@@ -216,16 +250,16 @@ class NgramDrafter(CountingDrafter):
                 else [] for seq, limit in zip(seqs, limits)]
 
 
-def catch_up_input(seqs: list[Sequence], starts: list[int], block_size: int) -> StepInput:
-    """A prefill-shaped input of each sequence's tokens from ``starts[i]`` to its last, the LM head
-    projecting each one's last position."""
-    ends = [seq.num_tokens for seq in seqs]
-    counts = [e - s for s, e in zip(starts, ends)]
+def catch_up_input(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
+                   shift: int = 0) -> StepInput:
+    """A prefill-shaped input over positions ``starts[i] ..`` (``counts[i]`` of them) of each
+    sequence, position ``p`` reading token ``p + shift``; the LM head projects each one's last."""
+    ends = [s + c for s, c in zip(starts, counts)]
     cu_q, cu_k = np.cumsum([0, *counts], dtype=np.int32), np.cumsum([0, *ends], dtype=np.int32)
     return StepInput(
         is_prefill=True,
-        input_ids=np.array([t for seq, s in zip(seqs, starts) for t in seq.token_ids[s:]],
-                           dtype=np.int64),
+        input_ids=np.array([t for seq, s, e in zip(seqs, starts, ends)
+                            for t in seq.token_ids[s + shift:e + shift]], dtype=np.int64),
         positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64),
         slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size)
                                      for seq, s, e in zip(seqs, starts, ends)]),
@@ -262,22 +296,11 @@ class DraftModelDrafter(CountingDrafter):
         input_ids, positions, context = self.runner.step_tensors(step)
         with set_context(step.is_prefill, **context):
             logits = self.draft.compute_logits(self.draft(input_ids, positions))
-        tokens = logits.argmax(-1)
-        sampled = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
-        if sampled:
-            params = [seqs[i].sampling_params for i in sampled]
-            device, vocab = logits.device, logits.size(1)
-            values = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
-            probs = sampling_probs(
-                logits[sampled], values([sp.temperature for sp in params]),
-                values([sp.top_k if sp.top_k > 0 else vocab for sp in params]),
-                values([sp.top_p for sp in params]), values([sp.min_p for sp in params]))
-            for row, i in enumerate(sampled):
-                g = self.runner.sampling.generators.get(seqs[i].seq_id, self.runner.generator)
-                noise = torch.empty(vocab, device=device).exponential_(generator=g)
-                tokens[i] = (probs[row] / noise.clamp_min(1e-20)).argmax()
-                self.probs.setdefault(seqs[i].seq_id, []).append(probs[row])
-        return tokens.tolist()
+        tokens, probs = draw_tokens(logits, seqs, self.runner)
+        for seq, q in zip(seqs, probs):
+            if q is not None:
+                self.probs.setdefault(seq.seq_id, []).append(q)
+        return tokens
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         drafts = [[] for _ in seqs]
@@ -288,8 +311,10 @@ class DraftModelDrafter(CountingDrafter):
             count = 0 if i is None else seqs[i].num_tokens - self._start(seqs[i])
             if group and (i is None or tokens + count > self.budget):
                 chosen = [seqs[j] for j in group]
-                firsts = self._draw(catch_up_input(chosen, [self._start(s) for s in chosen],
-                                                   self.block_size), chosen)
+                starts = [self._start(s) for s in chosen]
+                counts = [s.num_tokens - start for s, start in zip(chosen, starts)]
+                firsts = self._draw(catch_up_input(chosen, starts, counts, self.block_size),
+                                    chosen)
                 for j, token in zip(group, firsts):
                     drafts[j].append(token)
                 group, tokens = [], 0
@@ -314,12 +339,7 @@ class DraftModelDrafter(CountingDrafter):
         return drafts
 
     def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
-        if not self.probs:  # greedy requests: one-hot proposals
-            return super().verify(seqs, logits, drafts, sampling, generator)
-        zero = logits.new_zeros(logits.size(1), dtype=torch.float32)
-        rows = [row for seq, draft in zip(seqs, drafts)
-                for row in (*self.probs.get(seq.seq_id, [zero] * len(draft))[:len(draft)], zero)]
-        return rejection_sample(logits, drafts, sampling, generator, torch.stack(rows))
+        return verify_with(self, seqs, logits, drafts, sampling, generator, self.probs)
 
     def observe(self, seqs, drafts, num_accepted) -> None:
         super().observe(seqs, drafts, num_accepted)
@@ -332,6 +352,81 @@ class DraftModelDrafter(CountingDrafter):
     def forget(self, seq: Sequence) -> None:
         self.done.pop(seq.seq_id, None)
         self.proposed_at.pop(seq.seq_id, None)
+
+
+class Eagle3Drafter(CountingDrafter):
+    """EAGLE-3 heads (``features/eagle3.py``): after each target forward the head runs over the
+    positions just computed (the target's states entering three of its layers, copied by hooks),
+    which gives each sequence's first proposal; the others come from the head's own states at the
+    next step, one position each."""
+
+    wants_computed = True
+
+    def __init__(self, config: dict, runner, head: nn.Module, aux):
+        super().__init__(config["num_speculative_tokens"])
+        self.runner, self.head, self.aux = runner, head, aux
+        self.block_size = runner.block_size
+        self.first: dict[int, tuple] = {}  # seq_id -> (next position, token, state, q or None)
+        self.probs: dict[int, list[torch.Tensor]] = {}  # the proposals' q rows (sampled)
+
+    @torch.inference_mode()
+    def _run(self, step: StepInput, states: torch.Tensor, seqs: list[Sequence]):
+        input_ids, positions, context = self.runner.step_tensors(step)
+        with set_context(step.is_prefill, **context):
+            prenorm = self.head(input_ids, positions, states)
+            logits = self.head.logits(prenorm)
+        last = context["logits_indices"] if step.is_prefill else slice(None)
+        return (*draw_tokens(logits, seqs, self.runner), prenorm[last])
+
+    def computed(self, seqs, rows, positions, counts) -> None:
+        if not seqs:
+            return
+        buffer = self.aux.buffer
+        index = torch.tensor([r + j for r, c in zip(rows, counts) for j in range(c)],
+                             device=buffer.device)
+        if index.max() >= buffer.size(0):  # rows the hooks did not keep: no proposal
+            return
+        step = catch_up_input(seqs, positions, counts, self.block_size, shift=1)
+        with torch.inference_mode():
+            states = self.head.fc(self.aux.rows(index).to(self.head.fc.weight.dtype))
+        tokens, probs, prenorm = self._run(step, states, seqs)
+        for seq, p, c, token, q, state in zip(seqs, positions, counts, tokens, probs, prenorm):
+            self.first[seq.seq_id] = (p + c, token, state, q)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        drafts, states, active = [[] for _ in seqs], {}, []
+        self.probs.clear()
+        for i, (seq, limit) in enumerate(zip(seqs, limits)):
+            first = self.first.get(seq.seq_id)
+            if limit and first is not None and first[0] == seq.num_tokens - 1:
+                drafts[i].append(first[1])
+                states[i] = first[2]
+                if first[3] is not None:
+                    self.probs[seq.seq_id] = [first[3]]
+                active.append(i)
+        for j in range(1, max(limits, default=0)):  # position n - 2 + j reads proposal j
+            active = [i for i in active if limits[i] > j]
+            if not active:
+                break
+            chosen = [seqs[i] for i in active]
+            positions = np.array([seq.num_tokens - 2 + j for seq in chosen], dtype=np.int64)
+            step = decode_rows(block_tables(chosen), positions,
+                               np.array([drafts[i][-1] for i in active], dtype=np.int64),
+                               self.block_size)
+            tokens, probs, prenorm = self._run(step, torch.stack([states[i] for i in active]),
+                                               chosen)
+            for i, token, q, state in zip(active, tokens, probs, prenorm):
+                drafts[i].append(token)
+                states[i] = state
+                if q is not None:
+                    self.probs.setdefault(seqs[i].seq_id, []).append(q)
+        return drafts
+
+    def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
+        return verify_with(self, seqs, logits, drafts, sampling, generator, self.probs)
+
+    def forget(self, seq: Sequence) -> None:
+        self.first.pop(seq.seq_id, None)
 
 
 def build_draft(config, runner, path: str) -> nn.Module:
@@ -366,9 +461,10 @@ class SpeculativeDecoding(Feature):
         if config.async_scheduling:
             raise ValueError("speculative_config needs async_scheduling=False (a proposal needs "
                              "the step before it read back)")
-        if spec["method"] == "draft_model" and config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method 'draft_model' needs tensor_parallel_size=1"
-                             " (the draft runs unsharded on rank 0, its cache in the target's)")
+        if spec["method"] != "ngram" and config.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method {spec['method']!r} needs "
+                             "tensor_parallel_size=1 (the draft runs unsharded on rank 0, its "
+                             "cache in the target's)")
         self.drafter = NgramDrafter(spec) if spec["method"] == "ngram" else None
 
     def setup_runner(self, runner) -> None:
@@ -376,15 +472,25 @@ class SpeculativeDecoding(Feature):
             runner.after_build.append(lambda model: self._attach_draft(runner, model))
 
     def _attach_draft(self, runner, model: nn.Module) -> None:
-        draft = build_draft(self.config, runner, self.speculative_config["model"])
+        spec, config = self.speculative_config, self.config
+        if spec["method"] == "eagle3":
+            from nanovllm.features.eagle3 import AuxStates, build_eagle3
+            draft, layers = build_eagle3(config, runner, model, spec["model"])
+            rows = max(config.max_num_batched_tokens,
+                       config.max_num_seqs * (1 + spec["num_speculative_tokens"]))
+            aux = AuxStates(model, layers, rows, config.hf_config.hidden_size)
+            self.drafter = Eagle3Drafter(spec, runner, draft, aux)
+        else:
+            draft = build_draft(config, runner, spec["model"])
+            self.drafter = DraftModelDrafter(spec, runner, draft)
         layers = [m for m in draft.modules() if isinstance(m, Attention)]
         model.add_module("draft_attention", nn.ModuleList(layers))  # no parameters: not loaded
-        self.drafter = DraftModelDrafter(self.speculative_config, runner, draft)
         runner.extensions["speculative"] = self  # close(): lets go of the draft at exit
 
     def close(self) -> None:
-        if isinstance(self.drafter, DraftModelDrafter):
-            self.drafter.draft = None
+        for name in ("draft", "head", "aux"):
+            if hasattr(self.drafter, name):
+                setattr(self.drafter, name, None)
 
     def setup_engine(self, engine) -> None:
         engine.core = VerifyEngineCore.replacing(engine.core, self.drafter)
