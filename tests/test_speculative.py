@@ -67,10 +67,7 @@ def test_engine_refuses_what_verify_steps_cannot_honour(tiny):
     llm = LLM(tiny, speculative_config=NGRAM, **CPU_ENGINE)
     try:
         assert isinstance(llm.core, VerifyEngineCore) and not llm.config.async_scheduling
-        for params, named in ((SamplingParams(presence_penalty=0.5), "penalty"),
-                              (SamplingParams(repetition_penalty=1.2), "penalty"),
-                              (SamplingParams(min_tokens=2), "min_tokens"),
-                              (SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
+        for params, named in ((SamplingParams(allowed_token_ids=[1, 2]), "allowed_token_ids"),
                               (SamplingParams(bad_words=["ab"]), "bad_words")):
             with pytest.raises(ValueError, match=named):
                 llm.generate([[1, 2, 3]], params, use_tqdm=False)
@@ -788,3 +785,40 @@ def test_eagle3_on_cuda_graphs(eagle_target, tmp_path):
         for tokens, draft in step.values():
             if draft:
                 assert draft == _reference_proposals(eagle_target, head, tokens, len(draft))
+
+
+def test_penalties_and_min_tokens_row_by_row(tiny):
+    """Penalties (a row's generated tokens include the proposals before it) and min_tokens (a stop
+    token banned at the rows still under it): the plain run's tokens, with proposals right at
+    every length, and with n-gram lookup."""
+    rng = random.Random(13)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(10, 30))] for _ in range(4)]
+    base = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    first, _ = _references(tiny, prompts, base)
+    stop = first[0].outputs[0].token_ids[1]  # the first prompt's second token: banned until 5
+    params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.4,
+                            presence_penalty=0.4, frequency_penalty=0.3, min_tokens=5,
+                            stop_token_ids=[stop], ignore_eos=True)
+    plain, refs = _references(tiny, prompts, params)
+    assert plain[0].outputs[0].token_ids != first[0].outputs[0].token_ids  # the params matter
+    spec, counters = _run(tiny, prompts, params, lambda core: OracleDrafter(core, refs))
+    assert counters["accepted"] > 0 and _tokens(spec) == _tokens(plain)
+    ngram, _ = _run(tiny, prompts, params, drafter="ngram")
+    assert _tokens(ngram) == _tokens(plain)
+
+
+def test_min_tokens_lifts_at_the_right_row(tiny):
+    """A stop token that the plain run emits as its third token, with min_tokens 2: banned at the
+    second token's row only, so a verify step whose second row is the third token stops there."""
+    rng = random.Random(14)
+    prompts = [[rng.randrange(256) for _ in range(20)] for _ in range(3)]
+    free, refs = _references(tiny, prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                           ignore_eos=True))
+    stop = free[0].outputs[0].token_ids[2]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=2, stop_token_ids=[stop],
+                            ignore_eos=True)
+    plain, _ = _run(tiny, prompts, params)
+    assert plain[0].outputs[0].finish_reason == "stop"
+    spec, _ = _run(tiny, prompts, params, lambda core: OracleDrafter(core, refs))
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in spec] == \
+           [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain]

@@ -135,12 +135,13 @@ class VerifyEngineCore(EngineCore):
         if self.resources.workers is not None:
             self.call_or_shut_down(self.resources.workers.call, "run", step)
         logits, _ = self.call_or_shut_down(runner.forward, step, sampling)
-        token_ids = self.drafter.verify(batch.seqs, logits, drafts, sampling, runner.generator)
-        num_logprobs = [k for k, d in zip(sampling.num_logprobs, drafts) for _ in range(1 + len(d))]
-        most = max((k for k in num_logprobs if k is not None), default=None)
-        logprobs = None if most is None else logprobs_of(
-            torch.log_softmax(logits.float(), dim=-1), token_ids.clamp(min=0), most)
-        return VerifyOutput(ModelRunnerOutput(token_ids, logprobs, num_logprobs), drafts)
+        with torch.inference_mode():
+            token_ids = self.drafter.verify(batch.seqs, logits, drafts, sampling, runner.generator)
+            rows = [k for k, d in zip(sampling.num_logprobs, drafts) for _ in range(1 + len(d))]
+            most = max((k for k in rows if k is not None), default=None)
+            logprobs = None if most is None else logprobs_of(
+                torch.log_softmax(logits.float(), dim=-1), token_ids.clamp(min=0), most)
+            return VerifyOutput(ModelRunnerOutput(token_ids, logprobs, rows), drafts)
 
     def _reserve(self, seq: Sequence) -> int:
         """Reserves slots for ``seq``'s proposals: as many as it may still generate past the

@@ -14,6 +14,7 @@ distribution (its ``q``) for a sampled one.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from nanovllm.engine.sampling import SamplingInputs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.verify import Drafter, VerifyEngineCore, decode_rows
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampling_stages import apply_min_p, apply_top_k_top_p
+from nanovllm.layers.sampling_stages import apply_min_p, apply_penalties, apply_top_k_top_p
 from nanovllm.models.presets import load_dummy_weights
 from nanovllm.plugins import Feature, get_model_class
 from nanovllm.sampling_params import check_int
@@ -196,11 +197,45 @@ def draw_tokens(logits: torch.Tensor, seqs: list[Sequence], runner
     return tokens.tolist(), probs
 
 
-def verify_with(drafter, seqs, logits, drafts, sampling, generator, probs: dict) -> torch.Tensor:
-    """The rejection rule with the q rows a drafter kept (``probs``: seq_id -> one a proposal);
-    one-hot proposals when it kept none."""
+def constrained_logits(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                       b) -> torch.Tensor:
+    """The logits past the sampler's penalties and min_tokens ban, row by row: a row's generated
+    tokens are its sequence's and the proposals before the row (what they are if kept)."""
+    if b.presence_penalty is None and b.banned_ids is None:
+        return logits
+    device, vocab = logits.device, logits.size(1)
+    counts = torch.tensor([1 + len(d) for d in drafts])
+    seq_of = torch.repeat_interleave(torch.arange(len(drafts)), counts).to(device)
+    logits = logits.float()
+    if b.presence_penalty is not None:
+        before = [d[:j] for d in drafts for j in range(len(d) + 1)]
+        width = max(1, max(map(len, before)))
+        extra = torch.tensor([r + [vocab] * (width - len(r)) for r in before], device=device)
+        rows = SimpleNamespace(output_ids=torch.cat([b.output_ids[seq_of], extra], 1),
+                               **{name: getattr(b, name)[seq_of] for name in (
+                                   "prompt_ids", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty")})
+        logits = apply_penalties(logits, rows)
+    if b.banned_ids is not None:  # a row whose count of generated tokens is under min_tokens
+        under = torch.tensor([seq.num_completion_tokens + j < seq.sampling_params.min_tokens
+                              for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)],
+                             device=device)
+        mask = torch.zeros_like(logits, dtype=torch.bool)
+        mask[:, b.banned_ids] = b.banned_rows[seq_of] & under[:, None]
+        logits = logits.masked_fill(mask, float("-inf"))  # not in place: logprobs are raw
+    return logits
+
+
+def verify_proposals(seqs, logits, drafts, sampling, generator, probs: dict | None = None
+                     ) -> torch.Tensor:
+    """``Drafter.verify``: the penalties and min_tokens ban row by row, then greedy rows' argmax
+    or the rejection rule (``probs``: the q rows a drafter kept, seq_id -> one a proposal; none:
+    one-hot proposals)."""
+    logits = constrained_logits(logits, seqs, drafts, sampling.batch)
     if not probs:
-        return CountingDrafter.verify(drafter, seqs, logits, drafts, sampling, generator)
+        if all(seq.sampling_params.is_greedy for seq in seqs):
+            return greedy_verify(logits, drafts)
+        return rejection_sample(logits, drafts, sampling, generator)
     zero = logits.new_zeros(logits.size(1), dtype=torch.float32)
     rows = [row for seq, draft in zip(seqs, drafts)
             for row in (*probs.get(seq.seq_id, [zero] * len(draft))[:len(draft)], zero)]
@@ -216,9 +251,7 @@ class CountingDrafter(Drafter):
         self.accepted_per_pos = [0] * num_speculative_tokens
 
     def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
-        if all(seq.sampling_params.is_greedy for seq in seqs):
-            return greedy_verify(logits, drafts)
-        return rejection_sample(logits, drafts, sampling, generator)
+        return verify_proposals(seqs, logits, drafts, sampling, generator)
 
     def observe(self, seqs, drafts, num_accepted) -> None:
         for draft, accepted in zip(drafts, num_accepted):
@@ -339,7 +372,7 @@ class DraftModelDrafter(CountingDrafter):
         return drafts
 
     def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
-        return verify_with(self, seqs, logits, drafts, sampling, generator, self.probs)
+        return verify_proposals(seqs, logits, drafts, sampling, generator, self.probs)
 
     def observe(self, seqs, drafts, num_accepted) -> None:
         super().observe(seqs, drafts, num_accepted)
@@ -423,7 +456,7 @@ class Eagle3Drafter(CountingDrafter):
         return drafts
 
     def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
-        return verify_with(self, seqs, logits, drafts, sampling, generator, self.probs)
+        return verify_proposals(seqs, logits, drafts, sampling, generator, self.probs)
 
     def forget(self, seq: Sequence) -> None:
         self.first.pop(seq.seq_id, None)
@@ -497,8 +530,6 @@ class SpeculativeDecoding(Feature):
 
     def check_request(self, params, engine) -> None:
         refused = [name for name, on in (
-            ("presence_penalty/frequency_penalty/repetition_penalty", params.needs_penalties),
-            ("min_tokens", params.min_tokens > 0),
             ("structured_outputs", params.structured_outputs is not None),
             ("allowed_token_ids", params.allowed_token_ids is not None),
             ("bad_words", bool(params.bad_words))) if on]
