@@ -373,6 +373,10 @@ def test_verify_steps_with_two_tensor_parallel_ranks(tiny):
     spec, counters = _run(tiny, prompts, greedy, lambda core: OracleDrafter(core, refs),
                           tensor_parallel_size=2)
     assert counters["accepted"] > 0 and _tokens(spec) == _tokens(plain)
+    ngram, counters = _run(tiny, _repetitive_prompts(3, seed=4), greedy, drafter="ngram",
+                           tensor_parallel_size=2)
+    alone, _ = _run(tiny, _repetitive_prompts(3, seed=4), greedy)
+    assert counters["drafts"] > 0 and _tokens(ngram) == _tokens(alone)
 
 
 # -- a draft model ------------------------------------------------------------------------------
