@@ -5,11 +5,12 @@ with probability ``min(1, p(d) / q(d))``, else sample from ``(p - q)+`` normalis
 outputs' distribution is the target's. Then the target's own token follows the kept run.
 
 Proposers: ``ngram`` (the latest earlier occurrence of the sequence's last tokens, vLLM's
-``prompt_lookup_min/max``) and ``draft_model`` (a smaller model with the same vocabulary, run by
-this engine in the target's KV-cache blocks: its attention layers are registered under the target,
-so the runner sizes and allocates their cache beside the target's). An n-gram proposal is a
-one-hot ``q``; the draft proposes its argmax for a greedy request and draws from its own
-distribution (its ``q``) for a sampled one.
+``prompt_lookup_min/max``), ``draft_model`` (a smaller model with the same vocabulary, run by this
+engine in the target's KV-cache blocks: its attention layers are registered under the target, so
+the runner sizes and allocates their cache beside the target's) and ``eagle3`` (EAGLE-3 heads,
+``features/eagle3.py``, the same way). An n-gram proposal is a one-hot ``q``; a draft proposes its
+argmax for a greedy request and draws from its own distribution (its ``q``) for a sampled one.
+Penalties and the min_tokens ban apply row by row (``constrained_logits``).
 """
 from __future__ import annotations
 
