@@ -826,3 +826,18 @@ def test_min_tokens_lifts_at_the_right_row(tiny):
     spec, _ = _run(tiny, prompts, params, lambda core: OracleDrafter(core, refs))
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in spec] == \
            [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in plain]
+
+
+def test_ngram_keeps_each_sequences_tokens_between_steps():
+    """The array a sequence's lookup reads grows with it (only new tokens copied) and is dropped
+    when the sequence ends."""
+    from nanovllm.engine.sequence import Sequence
+    drafter = NgramDrafter(parse_speculative_config(NGRAM))
+    seq = Sequence([1, 2, 3, 1, 2])
+    assert drafter.propose([seq], [4]) == [[3, 1, 2]]
+    for t in [3, 9, 9, 1, 2] * 20:
+        seq.token_ids.append(t)
+        assert drafter.tokens(seq).tolist() == seq.token_ids
+    assert drafter.propose([seq], [2]) == [[3, 9]]
+    drafter.forget(seq)
+    assert not drafter.arrays

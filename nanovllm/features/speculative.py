@@ -278,10 +278,25 @@ class NgramDrafter(CountingDrafter):
     def __init__(self, config: dict):
         super().__init__(config["num_speculative_tokens"])
         self.low, self.high = config["prompt_lookup_min"], config["prompt_lookup_max"]
+        self.arrays: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (its tokens, how many)
+
+    def tokens(self, seq: Sequence) -> np.ndarray:
+        """``seq``'s tokens as an array, kept between steps (a step copies only the new ones)."""
+        array, known = self.arrays.get(seq.seq_id, (np.empty(0, dtype=np.int64), 0))
+        n = len(seq.token_ids)
+        if n > len(array):
+            array = np.concatenate([array[:known], np.empty(max(n, 2 * len(array)) - known,
+                                                            dtype=np.int64)])
+        array[known:n] = seq.token_ids[known:n]
+        self.arrays[seq.seq_id] = (array, n)
+        return array[:n]
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return [ngram_propose(np.asarray(seq.token_ids), self.low, self.high, limit) if limit
-                else [] for seq, limit in zip(seqs, limits)]
+        return [ngram_propose(self.tokens(seq), self.low, self.high, limit) if limit else []
+                for seq, limit in zip(seqs, limits)]
+
+    def forget(self, seq: Sequence) -> None:
+        self.arrays.pop(seq.seq_id, None)
 
 
 def catch_up_input(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
