@@ -169,7 +169,8 @@ def heldout(args) -> list[dict]:
     model = builtin_model_path("nanovllm:demo")
     folder = os.path.join(model, "heldout")
     rows, plain = [], {}
-    greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    greedy = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
+                            max_tokens=args.output_len, ignore_eos=True)
     configs = [None] + [dict(NGRAM, num_speculative_tokens=k) for k in args.k or [2, 4, 8]]
     configs += [{"model": args.draft, "num_speculative_tokens": k}
                 for k in (args.k or [2, 4, 8]) if args.draft]
@@ -188,6 +189,7 @@ def heldout(args) -> list[dict]:
                 tokens += [o.outputs[0].token_ids for o in outputs]
             total = sum(map(len, tokens))
             row = dict(model="nanovllm:demo", batch=batch, files=len(prompts),
+                       temperature=args.temperature,
                        proposer=(config.get("method", "draft") if k else "none"), k=k,
                        tok_per_s=round(total / seconds, 1),
                        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
@@ -198,8 +200,9 @@ def heldout(args) -> list[dict]:
                            acceptance_rate=round((after["accepted"] - before["accepted"])
                                                  / max(1, after["draft_tokens"]
                                                        - before["draft_tokens"]), 3),
-                           speedup=round(total / seconds / plain[batch][0], 3),
-                           same_as_plain=tokens == plain[batch][1])
+                           speedup=round(total / seconds / plain[batch][0], 3))
+                if not args.temperature:  # sampled: the same distribution, other draws
+                    row["same_as_plain"] = tokens == plain[batch][1]
             else:
                 plain[batch] = (total / seconds, tokens)
             rows.append(row)
@@ -223,6 +226,8 @@ def main():
                              "--heldout: each, default 2 4 8)")
     parser.add_argument("--draft", default=None,
                         help="--heldout: also a draft model (e.g. nanovllm:demo-draft)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="--heldout: sample at this temperature (seed 0) instead of greedy")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
     parser.add_argument("--out", help="also write the JSON lines here")
