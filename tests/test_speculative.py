@@ -423,29 +423,36 @@ def test_draft_model_refusals(tiny, tmp_path):
         LLM(tiny, speculative_config=_draft_config(tiny), tensor_parallel_size=2, **CPU_ENGINE)
 
 
-def test_draft_model_greedy_equals_the_target(tiny, draft, oracle):
-    """A one-layer draft of the two-layer target, under preemption (a 40-block cache), chunked
-    prefill (a 40-token budget), prefix caching (a second wave extends the first's prompts) and
-    ``n`` = 2: the plain run's tokens; some proposals kept, some not. The draft's cache is the
-    target's blocks: the run leaks none."""
-    rng = random.Random(6)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 60))] for _ in range(8)]
+def _stressed(path, config: dict, seed: int, num: int, longest: int, max_tokens: int,
+              **engine):
+    """(plain outputs, speculative outputs, the speculative engine, shut down) of ``num`` random
+    prompts and a second wave extending the first ones (prefix-cache hits), ``n`` = 2, under
+    ``engine``'s cache and token budget; the speculative run is checked for leaked blocks."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, longest))] for _ in range(num)]
     prompts += [p + [9, 9] for p in prompts[:3]]
-    greedy = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
-    engine = dict(num_kvcache_blocks=48, max_num_batched_tokens=40)
-    plain, _ = _run(tiny, prompts, greedy, **engine)
-    llm = LLM(tiny, **{**CPU_ENGINE, **engine}, speculative_config=_draft_config(draft))
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    plain, _ = _run(path, prompts, greedy, **engine)
+    llm = LLM(path, **{**CPU_ENGINE, **engine}, speculative_config=config)
     try:
         spec = llm.generate(prompts, greedy, use_tqdm=False)
         assert_no_leaks(llm)
-        d = llm.core.drafter
-        assert llm.scheduler.num_preemptions > 0 and llm.scheduler.block_manager.num_cache_hits
-        assert 0 < d.num_accepted_tokens < d.num_draft_tokens
-        assert not d.done  # every ended sequence forgotten
     finally:
         llm.exit()
+    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.block_manager.num_cache_hits
+    return plain, spec, llm
+
+
+def test_draft_model_greedy_equals_the_target(tiny, draft):
+    """A one-layer draft of the two-layer target, under preemption (a 48-block cache), chunked
+    prefill (a 40-token budget), prefix caching and ``n`` = 2: the plain run's tokens; some
+    proposals kept, some not. The draft's cache is the target's blocks: the run leaks none."""
+    plain, spec, llm = _stressed(tiny, _draft_config(draft), 6, 8, 60, 24,
+                                 num_kvcache_blocks=48, max_num_batched_tokens=40)
+    d = llm.core.drafter
+    assert 0 < d.num_accepted_tokens < d.num_draft_tokens
+    assert not d.done  # every ended sequence forgotten
     assert _tokens(spec) == _tokens(plain)
-    assert_matches_oracle(oracle, tiny, prompts, [{"token_ids": t[0]} for t in _tokens(spec)], 24)
 
 
 def test_the_target_as_its_own_draft_is_always_right(tiny):
@@ -718,20 +725,10 @@ def test_eagle3_greedy_equals_the_target_under_preemption_and_chunks(eagle_targe
     tokens."""
     from nanovllm.config import load_hf_config
     head = _eagle3_checkpoint(tmp_path / "head", load_hf_config(eagle_target), seed=1)
-    rng = random.Random(11)
-    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 50))] for _ in range(6)]
-    prompts += [p + [4, 4] for p in prompts[:2]]
-    greedy = SamplingParams(n=2, temperature=0, max_tokens=20, ignore_eos=True)
-    engine = dict(num_kvcache_blocks=30, max_num_batched_tokens=24)
-    plain, _ = _run(eagle_target, prompts, greedy, **engine)
-    llm = LLM(eagle_target, **{**CPU_ENGINE, **engine}, speculative_config=_eagle_config(head))
-    try:
-        spec = llm.generate(prompts, greedy, use_tqdm=False)
-        assert_no_leaks(llm)
-        assert llm.scheduler.num_preemptions > 0 and llm.core.drafter.num_draft_tokens > 0
-        assert not llm.core.drafter.first  # every ended sequence forgotten
-    finally:
-        llm.exit()
+    plain, spec, llm = _stressed(eagle_target, _eagle_config(head), 11, 6, 50, 20,
+                                 num_kvcache_blocks=30, max_num_batched_tokens=24)
+    assert llm.core.drafter.num_draft_tokens > 0
+    assert not llm.core.drafter.first  # every ended sequence forgotten
     assert _tokens(spec) == _tokens(plain)
 
 
