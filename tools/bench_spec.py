@@ -116,11 +116,13 @@ def oracle(args) -> list[dict]:
         workloads, plain = {}, {}
         greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         llm = engine(model, async_scheduling=None)
+        high = min(10000, llm.config.hf_config.vocab_size)  # random token ids in [low, high)
+        low = min(1000, high // 4)
         for batch in args.batch:
             rng = Random(batch)
-            prompts = [[rng.randrange(1000, 10000) for _ in range(args.prompt_len)]
+            prompts = [[rng.randrange(low, high) for _ in range(args.prompt_len)]
                        for _ in range(batch)]
-            warm = [[rng.randrange(1000, 10000) for _ in range(args.prompt_len)] for _ in prompts]
+            warm = [[rng.randrange(low, high) for _ in range(args.prompt_len)] for _ in prompts]
             llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
             seconds, outputs = timed(llm, prompts, greedy)
             refs = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
