@@ -50,27 +50,33 @@ def block_tables(seqs: list[Sequence]) -> np.ndarray:
     return table
 
 
-def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
-    """Each sequence's scheduled tokens; the LM head projects its last position, or all of them
-    when its chunk gives prompt logprobs."""
-    starts = [seq.num_cached_tokens for seq in seqs]
-    counts = [seq.num_scheduled_tokens for seq in seqs]
+def prefill_rows(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
+                 shift: int = 0) -> StepInput:
+    """``counts[i]`` positions of sequence i from ``starts[i]``, p reading token p + ``shift``."""
     ends = [s + n for s, n in zip(starts, counts)]
-    cu_q = np.cumsum([0, *counts], dtype=np.int32)
-    cu_k = np.cumsum([0, *ends], dtype=np.int32)
+    cu_q, cu_k = np.cumsum([0, *counts], dtype=np.int32), np.cumsum([0, *ends], dtype=np.int32)
     spans = list(zip(seqs, starts, ends))
-    step = StepInput(
+    return StepInput(
         is_prefill=True,
-        input_ids=np.array([t for seq in seqs for t in seq.scheduled_token_ids], dtype=np.int64),
+        input_ids=np.array([t for seq, s, e in spans for t in seq.token_ids[s + shift:e + shift]],
+                           dtype=np.int64),
         positions=np.concatenate([np.arange(s, e) for _, s, e in spans]).astype(np.int64),
         slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size)
                                      for seq, s, e in spans]),
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(counts), max_seqlen_k=max(ends))
-    if cu_k[-1] > cu_q[-1]:  # some keys are cached
-        step.block_tables = block_tables(seqs)
-    step.logits_indices = np.concatenate([
-        np.arange(cu_q[i], cu_q[i + 1]) if seq.num_prompt_logprob_rows else [cu_q[i + 1] - 1]
-        for i, seq in enumerate(seqs)]).astype(np.int64)
+        block_tables=block_tables(seqs) if cu_k[-1] > cu_q[-1] else None,  # keys are cached
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(counts), max_seqlen_k=max(ends),
+        logits_indices=(cu_q[1:] - 1).astype(np.int64))  # each sequence's last row
+
+
+def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInput:
+    """Scheduled tokens; the LM head projects each last row, or a prompt-logprobs chunk's all."""
+    step = prefill_rows(seqs, [seq.num_cached_tokens for seq in seqs],
+                        [seq.num_scheduled_tokens for seq in seqs], block_size)
+    if any(seq.num_prompt_logprob_rows for seq in seqs):
+        cu_q = step.cu_seqlens_q
+        step.logits_indices = np.concatenate([
+            np.arange(cu_q[i], cu_q[i + 1]) if seq.num_prompt_logprob_rows else [cu_q[i + 1] - 1]
+            for i, seq in enumerate(seqs)]).astype(np.int64)
     return step
 
 

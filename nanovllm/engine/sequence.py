@@ -79,11 +79,6 @@ class Sequence:
             self.first_token_time = time.perf_counter()
 
     @property
-    def scheduled_token_ids(self) -> list[int]:
-        start = self.num_cached_tokens
-        return self.token_ids[start:start + self.num_scheduled_tokens]
-
-    @property
     def num_prompt_logprob_rows(self) -> int:
         """How many of the next forward's positions give a prompt logprob (their next token is a
         prompt token)."""

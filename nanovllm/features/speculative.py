@@ -23,7 +23,7 @@ from torch import nn
 
 from nanovllm.config import load_hf_config
 from nanovllm.demo import PREFIX, builtin_model_path
-from nanovllm.engine.batch import StepInput, block_tables, slots
+from nanovllm.engine.batch import StepInput, block_tables, prefill_rows
 from nanovllm.engine.sampling import SamplingInputs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.verify import Drafter, VerifyEngineCore, decode_rows
@@ -299,24 +299,6 @@ class NgramDrafter(CountingDrafter):
         self.arrays.pop(seq.seq_id, None)
 
 
-def catch_up_input(seqs: list[Sequence], starts: list[int], counts: list[int], block_size: int,
-                   shift: int = 0) -> StepInput:
-    """A prefill-shaped input over positions ``starts[i] ..`` (``counts[i]`` of them) of each
-    sequence, position ``p`` reading token ``p + shift``; the LM head projects each one's last."""
-    ends = [s + c for s, c in zip(starts, counts)]
-    cu_q, cu_k = np.cumsum([0, *counts], dtype=np.int32), np.cumsum([0, *ends], dtype=np.int32)
-    return StepInput(
-        is_prefill=True,
-        input_ids=np.array([t for seq, s, e in zip(seqs, starts, ends)
-                            for t in seq.token_ids[s + shift:e + shift]], dtype=np.int64),
-        positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).astype(np.int64),
-        slot_mapping=np.concatenate([slots(seq.block_table, s, e, block_size)
-                                     for seq, s, e in zip(seqs, starts, ends)]),
-        block_tables=block_tables(seqs) if any(starts) else None, cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k, max_seqlen_q=max(counts), max_seqlen_k=max(ends),
-        logits_indices=(cu_q[1:] - 1).astype(np.int64))
-
-
 class DraftModelDrafter(CountingDrafter):
     """A draft model's continuation: its argmax for a greedy request, else drawn from its
     distribution under the request's temperature, top-k, top-p and min-p (the ``q`` of the
@@ -362,7 +344,7 @@ class DraftModelDrafter(CountingDrafter):
                 chosen = [seqs[j] for j in group]
                 starts = [self._start(s) for s in chosen]
                 counts = [s.num_tokens - start for s, start in zip(chosen, starts)]
-                firsts = self._draw(catch_up_input(chosen, starts, counts, self.block_size),
+                firsts = self._draw(prefill_rows(chosen, starts, counts, self.block_size),
                                     chosen)
                 for j, token in zip(group, firsts):
                     drafts[j].append(token)
@@ -435,7 +417,7 @@ class Eagle3Drafter(CountingDrafter):
                              device=buffer.device)
         if index.max() >= buffer.size(0):  # rows the hooks did not keep: no proposal
             return
-        step = catch_up_input(seqs, positions, counts, self.block_size, shift=1)
+        step = prefill_rows(seqs, positions, counts, self.block_size, shift=1)
         with torch.inference_mode():
             states = self.head.fc(self.aux.rows(index).to(self.head.fc.weight.dtype))
         tokens, probs, prenorm = self._run(step, states, seqs)
