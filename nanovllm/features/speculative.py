@@ -97,22 +97,39 @@ def ngram_propose(tokens: np.ndarray, low: int, high: int, k: int) -> list[int]:
     return []
 
 
+def proposal_rows(drafts: list[list[int]], device) -> tuple[torch.Tensor, ...]:
+    """A verify step's rows (each sequence's proposals, then its own token's row): the rows per
+    sequence (on the host), each row's sequence, each row's proposal (-1 on an own token's row)."""
+    counts = torch.tensor([1 + len(d) for d in drafts])
+    seq_of = torch.repeat_interleave(torch.arange(len(drafts)), counts).to(device)
+    return counts, seq_of, torch.tensor([t for d in drafts for t in (*d, -1)], device=device)
+
+
+def kept_run(accepted: torch.Tensor, proposed: torch.Tensor, seq_of: torch.Tensor,
+             num_seqs: int, own, bad: torch.Tensor) -> torch.Tensor:
+    """[R]: each sequence's proposals up to its first row not ``accepted``, there its own token
+    (``own(first_stop)``, -1 where the logits are not finite), -2 past it."""
+    rows = torch.arange(len(proposed), device=proposed.device)
+    first_stop = torch.full((num_seqs,), len(rows), device=rows.device).scatter_reduce(
+        0, seq_of, torch.where(accepted, len(rows), rows), "amin")
+    at = first_stop[seq_of] == rows
+    tokens = torch.where(rows < first_stop[seq_of], proposed, -2)
+    tokens[at] = own(first_stop)
+    return tokens.masked_fill(at & bad, -1)
+
+
+def not_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Rows with a NaN or +inf logit (the sampler's rule: no token)."""
+    return (top := logits.amax(-1)).isnan() | top.isposinf()
+
+
 def greedy_verify(logits: torch.Tensor, drafts: list[list[int]]) -> torch.Tensor:
     """``rejection_sample`` of a batch without sampled rows, in a few kernels: the proposals that
     the argmax agrees with, then the argmax."""
-    device = logits.device
-    counts = torch.tensor([1 + len(d) for d in drafts])
-    num_rows, num_seqs = int(counts.sum()), len(drafts)
-    seq_of = torch.repeat_interleave(torch.arange(num_seqs), counts).to(device)
-    proposed = torch.tensor([t for d in drafts for t in (*d, -1)], device=device)
-    bad = (top := logits.amax(-1)).isnan() | top.isposinf()
-    best = logits.argmax(-1)
-    rows = torch.arange(num_rows, device=device)
-    stops = torch.where((best == proposed) & ~bad, num_rows, rows)
-    first_stop = torch.full((num_seqs,), num_rows, device=device).scatter_reduce(
-        0, seq_of, stops, "amin")[seq_of]
-    tokens = torch.where(rows < first_stop, proposed, torch.where(rows == first_stop, best, -2))
-    return tokens.masked_fill((rows == first_stop) & bad, -1)
+    _, seq_of, proposed = proposal_rows(drafts, logits.device)
+    bad, best = not_finite(logits), logits.argmax(-1)
+    return kept_run((best == proposed) & ~bad, proposed, seq_of, len(drafts),
+                    lambda first_stop: best[first_stop], bad)
 
 
 def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_k=None, top_p=None,
@@ -134,12 +151,10 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: Sa
     the distribution each proposal was drawn from (a sequence's rows, then a row for its own
     token); None: one-hot proposals."""
     device, b = logits.device, sampling.batch
-    counts = torch.tensor([1 + len(d) for d in drafts])
-    num_rows, num_seqs = int(counts.sum()), len(drafts)
-    seq_of = torch.repeat_interleave(torch.arange(num_seqs), counts).to(device)
-    proposed = torch.tensor([t for d in drafts for t in (*d, -1)], device=device)
+    counts, seq_of, proposed = proposal_rows(drafts, device)
+    num_rows, num_seqs = len(proposed), len(drafts)
     logits = logits.float()
-    bad = (top := logits.amax(-1)).isnan() | top.isposinf()
+    bad = not_finite(logits)
     temperatures = b.temperatures[seq_of]
     probs = sampling_probs(logits, temperatures, *(None if x is None else x[seq_of]
                                                    for x in (b.top_k, b.top_p, b.min_p)))
@@ -157,22 +172,20 @@ def rejection_sample(logits: torch.Tensor, drafts: list[list[int]], sampling: Sa
     accepted = torch.where(temperatures > 0, uniform * q_draft < p_draft,
                            logits.argmax(-1) == draft)
     accepted &= (proposed >= 0) & ~bad
-    rows = torch.arange(num_rows, device=device)
-    first_stop = torch.full((num_seqs,), num_rows, device=device).scatter_reduce(
-        0, seq_of, torch.where(accepted, num_rows, rows), "amin")  # the row of the own token
-    at = first_stop[seq_of] == rows
-    residual = probs[first_stop]  # after a rejected proposal (p - q)+ normalised; else p
-    rejected = proposed[first_stop] >= 0
-    if draft_probs is None:
-        residual[rejected, draft[first_stop][rejected]] = 0
-    else:
-        residual[rejected] = (residual[rejected] - draft_probs[first_stop][rejected]).clamp_min(0)
-    residual /= residual.sum(-1, keepdim=True).clamp_min(1e-30)
-    sampled = (residual / noise.clamp_min(1e-20)).argmax(-1)
-    own = torch.where(b.temperatures > 0, sampled, logits[first_stop].argmax(-1))
-    tokens = torch.where(rows < first_stop[seq_of], proposed, -2)
-    tokens[at] = own
-    return tokens.masked_fill(at & bad, -1)
+
+    def own(first_stop):  # after a rejected proposal from (p - q)+ normalised, else from p
+        residual = probs[first_stop]
+        rejected = proposed[first_stop] >= 0
+        if draft_probs is None:
+            residual[rejected, draft[first_stop][rejected]] = 0
+        else:
+            residual[rejected] = (residual[rejected]
+                                  - draft_probs[first_stop][rejected]).clamp_min(0)
+        residual /= residual.sum(-1, keepdim=True).clamp_min(1e-30)
+        sampled = (residual / noise.clamp_min(1e-20)).argmax(-1)
+        return torch.where(b.temperatures > 0, sampled, logits[first_stop].argmax(-1))
+
+    return kept_run(accepted, proposed, seq_of, num_seqs, own, bad)
 
 
 def draw_tokens(logits: torch.Tensor, seqs: list[Sequence], runner
@@ -205,8 +218,7 @@ def constrained_logits(logits: torch.Tensor, seqs: list[Sequence], drafts: list[
     if b.presence_penalty is None and b.banned_ids is None:
         return logits
     device, vocab = logits.device, logits.size(1)
-    counts = torch.tensor([1 + len(d) for d in drafts])
-    seq_of = torch.repeat_interleave(torch.arange(len(drafts)), counts).to(device)
+    _, seq_of, _ = proposal_rows(drafts, device)
     logits = logits.float()
     if b.presence_penalty is not None:
         before = [d[:j] for d in drafts for j in range(len(d) + 1)]
@@ -413,10 +425,10 @@ class Eagle3Drafter(CountingDrafter):
         if not seqs:
             return
         buffer = self.aux.buffer
+        if max(r + c for r, c in zip(rows, counts)) > buffer.size(0):  # rows the hooks did not
+            return  # keep: no proposal
         index = torch.tensor([r + j for r, c in zip(rows, counts) for j in range(c)],
                              device=buffer.device)
-        if index.max() >= buffer.size(0):  # rows the hooks did not keep: no proposal
-            return
         step = prefill_rows(seqs, positions, counts, self.block_size, shift=1)
         with torch.inference_mode():
             states = self.head.fc(self.aux.rows(index).to(self.head.fc.weight.dtype))
