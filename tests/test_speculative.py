@@ -14,6 +14,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.verify import VerifyEngineCore
 from nanovllm.features.speculative import (
+    CountingDrafter,
     NgramDrafter,
     ngram_propose,
     parse_speculative_config,
@@ -60,8 +61,6 @@ def test_config_defaults_and_refusals():
 
 
 def test_engine_refuses_what_verify_steps_cannot_honour(tiny):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(tiny, speculative_config=NGRAM, async_scheduling=True, **CPU_ENGINE)
     with pytest.raises(ValueError, match="logits_processors"):
         LLM(tiny, speculative_config=NGRAM, logits_processors=["builtins.object"], **CPU_ENGINE)
     llm = LLM(tiny, speculative_config=NGRAM, **CPU_ENGINE)
@@ -197,15 +196,14 @@ def test_rejection_sampling_greedy_and_seeded_rows():
 
 # -- the engine ---------------------------------------------------------------------------------
 
-class OracleDrafter(NgramDrafter):
+class OracleDrafter(CountingDrafter):
     """Proposes each sequence's true continuation (from a plain run), the proposal at one position
     in every other step replaced by a wrong token: runs of every length are kept. After each verify
     step, checks that no sequence holds a block past its tokens (its newest token's may come with
 the next step)."""
 
     def __init__(self, core, references: dict[tuple, list[int]], k: int = 4):
-        super().__init__({"num_speculative_tokens": k, "prompt_lookup_min": 1,
-                          "prompt_lookup_max": 1})
+        super().__init__(k)
         self.core, self.references, self.calls = core, references, 0
 
     def propose(self, seqs, limits):
@@ -243,7 +241,8 @@ def _run(path, prompts, params, drafter=None, **engine):
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert_no_leaks(llm)
         counters = dict(preemptions=llm.scheduler.num_preemptions,
-                        hits=llm.scheduler.block_manager.num_cache_hits)
+                        hits=llm.scheduler.block_manager.num_cache_hits,
+                        overlapped=getattr(llm.core, "overlapped", None))
         if drafter:
             d = llm.core.drafter
             counters.update(drafts=d.num_draft_tokens, accepted=d.num_accepted_tokens,
@@ -292,6 +291,45 @@ def test_verify_steps_under_preemption_chunked_prefill_and_prefix_caching(tiny):
     assert counters["preemptions"] > 0 and counters["hits"] > 0
     assert 0 < counters["accepted"] < counters["drafts"]
     assert all(counters["per_pos"])  # every position was accepted at some step
+
+
+class SometimesDrafter(OracleDrafter):
+    """The oracle's proposals, pending after one read-back in three: under async scheduling the
+    engine goes from overlapped decodes to verify steps and back."""
+
+    def pending(self, seqs):
+        self.looks = getattr(self, "looks", 0) + 1
+        return self.looks % 3 == 0
+
+
+def _counting_overlap(core):
+    core.overlapped = 0
+    step = core.overlap_step
+
+    def overlap_step():
+        core.overlapped += 1
+        return step()
+    core.overlap_step = overlap_step
+
+
+@pytest.mark.parametrize("drafter", ["sometimes", "ngram"])
+def test_async_scheduling_overlaps_the_steps_without_proposals(tiny, drafter):
+    """With async scheduling, decodes overlap while the drafter has nothing pending and verify steps
+    run once it has (preemption, chunked prefill, prefix-cache hits): the plain run's tokens."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(20, 60))] for _ in range(6)]
+    prompts += [p + [7, 8] for p in prompts[:2]] + _repetitive_prompts(3, seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine = dict(num_kvcache_blocks=40, max_num_batched_tokens=40, async_scheduling=True)
+    plain, refs = _references(tiny, prompts, greedy, **engine)
+
+    def install(core):
+        _counting_overlap(core)
+        return SometimesDrafter(core, refs) if drafter == "sometimes" else core.drafter
+    spec, counters = _run(tiny, prompts, greedy, install, **engine)
+    assert _tokens(spec) == _tokens(plain)
+    assert counters["preemptions"] > 0 and counters["hits"] > 0
+    assert counters["overlapped"] > 10 and 0 < counters["accepted"] <= counters["drafts"]
 
 
 def test_verify_steps_with_n_completions(tiny):

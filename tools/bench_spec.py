@@ -8,7 +8,8 @@ Two modes, one JSON line a point, then a table:
   in the package) proposes ``k`` tokens a step of which the first ``m - 1`` are that continuation
   and the rest wrong, so that every verify step keeps ``m`` tokens (the target's own included);
   ``--accept 1.5`` alternates 1 and 2. Also the n-gram proposer on the same prompts (random tokens:
-  its proposals are rejected, the cost of proposing and verifying for nothing), "rejected" (4
+  few matches, its proposals rejected; with async scheduling the decodes with no proposal pending
+  overlap: the cost of looking and verifying for nothing), "rejected" (4
   wrong proposals every step: a verify step's cost at zero acceptance) and "none" (the verify
   engine without proposals: the synchronous loop's cost against the plain engine's async one).
 - ``--heldout`` (acceptance on real weights): the demo model continues each held-out file of its
@@ -33,21 +34,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.features.speculative import NgramDrafter  # noqa: E402
+from nanovllm.features.speculative import CountingDrafter, NgramDrafter  # noqa: E402
 from nanovllm.models.presets import PRESETS  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
 
 
-class OracleDrafter(NgramDrafter):
+class OracleDrafter(CountingDrafter):
     """Proposes ``k`` tokens: the first ``m - 1`` from the request's plain continuation, the rest
     off by one (rejected); ``m`` cycles through ``accepted`` (e.g. [1, 2] for a mean of 1.5)."""
 
     def __init__(self, references: dict[tuple, list[int]], k: int, accepted: list[int],
                  vocab_size: int):
-        super().__init__({"num_speculative_tokens": k, "prompt_lookup_min": 1,
-                          "prompt_lookup_max": 1})
+        super().__init__(k)
         self.references, self.cycle, self.vocab_size = references, accepted, vocab_size
         self.calls = 0
 
@@ -158,7 +158,8 @@ def oracle(args) -> list[dict]:
                                  accept=tokens_per_step(before, after, total, batch) or 1.0,
                                  tok_per_s=round(total / seconds, 1),
                                  speedup=round(total / seconds / plain[batch], 3),
-                                 same_as_plain=f"{same}/{batch}", async_scheduling=False))
+                                 same_as_plain=f"{same}/{batch}",
+                                 async_scheduling=llm.config.async_scheduling))
                 print(json.dumps(rows[-1]), flush=True)
         llm.exit()
     return rows

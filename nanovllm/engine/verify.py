@@ -9,7 +9,11 @@ A verify step's forward is a decode over more rows: sequence i's last token and 
 proposals at positions ``n_i - 1 .. n_i - 1 + k_i`` are rows of their own, each attending to the
 keys up to its position through the sequence's block table (every row's K/V is stored before any
 row attends), so that it runs through the decode kernels and CUDA graphs as they are. A step whose
-sequences have no proposal is a plain decode."""
+sequences have no proposal is a plain decode.
+
+With async scheduling, decode steps overlap (step N+1 launched before step N is read back) while the
+drafter has no proposal pending (``Drafter.pending``); once it has, the step in flight is read back
+and the steps are synchronous (a proposal follows the last token, known) until it has none again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ from nanovllm.engine.batch import StepInput, block_tables
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.core import EngineCore
 from nanovllm.engine.outputs import ModelRunnerOutput
+from nanovllm.engine.overlap import OverlapEngineCore
 from nanovllm.engine.sampling import SamplingInputs
 from nanovllm.engine.scheduler import SchedulerOutput
 from nanovllm.engine.sequence import Sequence
@@ -43,6 +48,11 @@ class Drafter:
         int64: at each kept position its token (the accepted proposals, then the model's own token),
         -1 where the logits are not finite (nothing follows), -2 past the kept run."""
         raise NotImplementedError
+
+    def pending(self, seqs: list[Sequence]) -> bool:
+        """Whether a proposal may follow the tokens known now of any of ``seqs`` (checked after
+        each read-back; while none may, decode steps overlap under async scheduling)."""
+        return True
 
     def observe(self, seqs: list[Sequence], drafts: list[list[int]],
                 num_accepted: list[int]) -> None:
@@ -89,12 +99,14 @@ class VerifyOutput:
     drafts: list[list[int]]
 
 
-class VerifyEngineCore(EngineCore):
-    """The engine core with verify steps (synchronous: a proposal needs the last token known)."""
+class VerifyEngineCore(OverlapEngineCore):
+    """The engine core with verify steps: synchronous while the drafter has a proposal pending (it
+    follows the last token, known), overlapped (async scheduling) while it has none."""
 
     def __init__(self, config, resources, shutdown, hooks, drafter: Drafter):
         super().__init__(config, resources, shutdown, hooks)
         self.drafter = drafter
+        self.proposing = True  # the drafter's ``pending`` after the last read-back
         self.num_decoded = 0  # the last step's kept tokens
         self.proposed = self.accepted = 0  # proposals, over the engine's life (progress bar)
 
@@ -110,9 +122,18 @@ class VerifyEngineCore(EngineCore):
         count = super().step()
         return -self.num_decoded if count < 0 else count
 
+    def one_step(self) -> int:
+        if self.config.async_scheduling and not self.proposing:
+            count = self.overlap_step()
+            if self.inflight is not None and isinstance(self.inflight[1], VerifyOutput):
+                self.read_back()  # launched with every token known: the next step needs its own
+            return count
+        self.read_back()  # an overlapped step's
+        return self.normal_step()
+
     def launch(self, batch: SchedulerOutput):
         self.num_decoded = len(batch.seqs)
-        if batch.is_prefill:
+        if batch.is_prefill or self.inflight is not None:  # proposals follow known tokens only
             return super().launch(batch)
         runner, blocks = self.resources.runner, self.scheduler.block_manager
         limits = [self._reserve(seq) for seq in batch.seqs]
@@ -160,6 +181,7 @@ class VerifyEngineCore(EngineCore):
         batch, output = self.inflight
         if not isinstance(output, VerifyOutput):
             super().read_back(after_accept)
+            self.proposing = self.drafter.pending([s for s in batch.seqs if not s.is_finished])
             step = batch.step_input
             if self.drafter.wants_computed and step.is_prefill:
                 cu_q = step.cu_seqlens_q.tolist()
@@ -186,6 +208,7 @@ class VerifyEngineCore(EngineCore):
             if not seq.is_finished:
                 give_back_blocks(self.scheduler.block_manager, seq, seq.num_tokens)
         self.drafter.observe(batch.seqs, verified.drafts, accepted)
+        self.proposing = self.drafter.pending([s for s in batch.seqs if not s.is_finished])
         if self.drafter.wants_computed:
             self._computed(batch.seqs, starts, [seq.num_tokens - 2 - a for seq, a in
                                                 zip(batch.seqs, accepted)],

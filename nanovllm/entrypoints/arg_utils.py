@@ -220,15 +220,10 @@ _FRONTEND_TYPES = {"hf_overrides": ["dict"], "profiler_config": ["dict"],
 
 def speculative_options(frontend: dict, kwargs: dict) -> None:
     """``speculative_config`` checked, its feature installed first (it replaces the engine's core),
-    and what it needs of the engine: no async scheduling (a proposal needs the step before it read
-    back), no logits processors."""
+    and what it needs of the engine: no logits processors."""
     from nanovllm.features.speculative import parse_speculative_config
     options = {"speculative_config": parse_speculative_config(frontend["speculative_config"])}
     kwargs["features"] = (("speculative", options), *kwargs["features"])
     if frontend["logits_processors"]:
         raise ValueError("logits_processors are not supported with speculative_config (the "
                          "verify step samples each proposed position without them)")
-    if kwargs.get("async_scheduling"):
-        raise ValueError("async_scheduling=True is not supported with speculative_config: a "
-                         "proposal needs the step before it read back")
-    kwargs["async_scheduling"] = False

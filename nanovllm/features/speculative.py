@@ -307,6 +307,9 @@ class NgramDrafter(CountingDrafter):
         return [ngram_propose(self.tokens(seq), self.low, self.high, limit) if limit else []
                 for seq, limit in zip(seqs, limits)]
 
+    def pending(self, seqs: list[Sequence]) -> bool:
+        return any(ngram_propose(self.tokens(seq), self.low, self.high, 1) for seq in seqs)
+
     def forget(self, seq: Sequence) -> None:
         self.arrays.pop(seq.seq_id, None)
 
@@ -501,9 +504,6 @@ class SpeculativeDecoding(Feature):
     def __init__(self, config, options: dict):
         super().__init__(config, options)
         self.speculative_config = spec = parse_speculative_config(options["speculative_config"])
-        if config.async_scheduling:
-            raise ValueError("speculative_config needs async_scheduling=False (a proposal needs "
-                             "the step before it read back)")
         if spec["method"] != "ngram" and config.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec['method']!r} needs "
                              "tensor_parallel_size=1 (the draft runs unsharded on rank 0, its "
