@@ -129,7 +129,7 @@ class VerifyEngineCore(OverlapEngineCore):
                 self.read_back()  # launched with every token known: the next step needs its own
             return count
         self.read_back()  # an overlapped step's
-        return self.normal_step()
+        return 0 if self.scheduler.is_finished() else self.normal_step()
 
     def launch(self, batch: SchedulerOutput):
         self.num_decoded = len(batch.seqs)
