@@ -332,6 +332,27 @@ def test_async_scheduling_overlaps_the_steps_without_proposals(tiny, drafter):
     assert counters["overlapped"] > 10 and 0 < counters["accepted"] <= counters["drafts"]
 
 
+def test_a_pending_proposal_after_the_last_step_was_launched(tiny):
+    """The drafter has a proposal pending only once the last step is in flight: its read-back ends
+    the sequence, and the engine stops there (it once asked the scheduler for a next step)."""
+    class LateDrafter(OracleDrafter):
+        def propose(self, seqs, limits):
+            return [[] for _ in seqs]
+
+        def pending(self, seqs):  # the count includes the token of the step in flight
+            return any(s.num_completion_tokens == s.sampling_params.max_tokens for s in seqs)
+
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain, refs = _references(tiny, prompts, greedy, async_scheduling=True)
+
+    def install(core):
+        _counting_overlap(core)
+        return LateDrafter(core, refs)
+    spec, counters = _run(tiny, prompts, greedy, install, async_scheduling=True)
+    assert _tokens(spec) == _tokens(plain) and counters["overlapped"] >= 6
+
+
 def test_verify_steps_with_n_completions(tiny):
     """``n`` = 3 greedy completions of each prompt: every one is the target's."""
     prompts = _repetitive_prompts(3, seed=1)
