@@ -22,8 +22,11 @@ Two modes, one JSON line a point, then a table:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 from random import Random
@@ -165,8 +168,13 @@ def oracle(args) -> list[dict]:
                                     OracleDrafter(refs, k, accept_cycle(mean), vocab))
                 llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
                 before = counters(llm)
-                seconds, outputs = timed(llm, prompts, greedy)
+                profile = cProfile.Profile() if args.profile else None
+                with profile or contextlib.nullcontext():
+                    seconds, outputs = timed(llm, prompts, greedy)
                 after = counters(llm)
+                if profile:  # where the host's time goes (a synchronous step waits for it)
+                    print(f"-- {model} batch {batch} {proposer} k={k}", file=sys.stderr)
+                    pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
                 same = sum(o.outputs[0].token_ids == refs[tuple(p)]
                            for p, o in zip(prompts, outputs))
                 total = batch * args.output_len
@@ -250,6 +258,8 @@ def main():
                         help="--heldout: sample at this temperature (seed 0) instead of greedy")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="--oracle: each verify run's host profile (cProfile) on stderr")
     parser.add_argument("--out", help="also write the JSON lines here")
     args = parser.parse_args()
     if args.oracle:

@@ -64,7 +64,8 @@
 #             CASCADE_PARTS="1 2 4 8 16" bash tools/gpu/gpu_run.sh cascade_tests scenarios_ab cascade_bench
 #   spec      tests/test_speculative.py on CUDA, then tools/bench_spec.py --oracle (SPEC_MODELS, default qwen3-0.6b
 #             qwen3-8b; SPEC_BATCHES, default 1 4 16 64; accept 2 3 4, and n-gram), bench.py --scenario batch1-ngram
-#             and batch1; spec_tests: the tests alone. Issue 47's bar "bench.py unchanged": BASELINE=... SCENARIOS=
+#             and batch1 (SPEC_PROFILE=1: each verify run's host profile in bench_spec.jsonl.err); spec_tests:
+#             the tests alone. Issue 47's bar "bench.py unchanged": BASELINE=... SCENARIOS=
 #             "default batch1" bash tools/gpu/gpu_run.sh spec scenarios_ab
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
@@ -303,7 +304,7 @@ for phase in "$@"; do
     spec|spec_tests)  # speculative decoding: its tests on CUDA, then (spec) speed against acceptance, n-gram
       step test_speculative.log "$PYTHON" -m pytest tests/test_speculative.py -q -rfE
       [[ $phase == spec ]] || continue
-      step bench_spec.jsonl "$PYTHON" tools/bench_spec.py --oracle --model ${SPEC_MODELS:-qwen3-0.6b qwen3-8b} --batch ${SPEC_BATCHES:-1 4 16 64} --accept 2 3 4
+      step bench_spec.jsonl "$PYTHON" tools/bench_spec.py --oracle --model ${SPEC_MODELS:-qwen3-0.6b qwen3-8b} --batch ${SPEC_BATCHES:-1 4 16 64} --accept 2 3 4 ${SPEC_PROFILE:+--profile}
       step bench_spec_bench.jsonl "$PYTHON" bench.py --json --scenario batch1-ngram
       step bench_spec_bench.jsonl "$PYTHON" bench.py --json --scenario batch1 ;;
     cascade_bench) step bench_cascade.log "$PYTHON" tools/bench_cascade.py ${CASCADE_QUICK:+--quick} ${CASCADE_MODELS:+--models $CASCADE_MODELS} ${CASCADE_PARTS:+--parts $CASCADE_PARTS} --out "$OUT" ;;
