@@ -61,6 +61,9 @@ def test_config_defaults_and_refusals():
 
 
 def test_engine_refuses_what_verify_steps_cannot_honour(tiny):
+    with pytest.raises(ValueError, match="async_scheduling"):  # before any rank starts
+        LLM(tiny, speculative_config=NGRAM, async_scheduling=True, tensor_parallel_size=2,
+            **CPU_ENGINE)
     with pytest.raises(ValueError, match="logits_processors"):
         LLM(tiny, speculative_config=NGRAM, logits_processors=["builtins.object"], **CPU_ENGINE)
     llm = LLM(tiny, speculative_config=NGRAM, **CPU_ENGINE)

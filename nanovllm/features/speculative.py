@@ -504,6 +504,10 @@ class SpeculativeDecoding(Feature):
     def __init__(self, config, options: dict):
         super().__init__(config, options)
         self.speculative_config = spec = parse_speculative_config(options["speculative_config"])
+        if config.async_scheduling and config.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling=True with speculative_config needs "
+                             "tensor_parallel_size=1 (a verify step does not broadcast its tokens "
+                             "to the other ranks)")
         if spec["method"] != "ngram" and config.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec['method']!r} needs "
                              "tensor_parallel_size=1 (the draft runs unsharded on rank 0, its "
