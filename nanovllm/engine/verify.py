@@ -84,10 +84,11 @@ def decode_rows(tables: np.ndarray, positions: np.ndarray, input_ids: np.ndarray
 def prepare_verify(seqs: list[Sequence], drafts: list[list[int]], block_size: int) -> StepInput:
     """The verify forward's input, decode-shaped: a row per query (sequence i's last token, then
     its proposals), each with its sequence's block table and the keys up to its own position."""
-    counts = [1 + len(draft) for draft in drafts]
-    positions = np.concatenate([np.arange(seq.num_tokens - 1, seq.num_tokens - 1 + count)
-                                for seq, count in zip(seqs, counts)]).astype(np.int64)
-    tables = block_tables(seqs)[np.repeat(np.arange(len(seqs)), counts)]
+    counts = np.array([1 + len(draft) for draft in drafts])
+    seq_of, firsts = np.repeat(np.arange(len(seqs)), counts), np.cumsum(counts) - counts
+    positions = (np.array([seq.num_tokens - 1 for seq in seqs])[seq_of] + np.arange(counts.sum())
+                 - firsts[seq_of])
+    tables = block_tables(seqs)[seq_of]
     input_ids = [t for seq, d in zip(seqs, drafts) for t in (seq.token_ids[-1], *d)]
     return decode_rows(tables, positions, np.array(input_ids, dtype=np.int64), block_size)
 

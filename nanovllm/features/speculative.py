@@ -124,12 +124,18 @@ def not_finite(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_verify(logits: torch.Tensor, drafts: list[list[int]]) -> torch.Tensor:
-    """``rejection_sample`` of a batch without sampled rows, in a few kernels: the proposals that
-    the argmax agrees with, then the argmax."""
-    _, seq_of, proposed = proposal_rows(drafts, logits.device)
-    bad, best = not_finite(logits), logits.argmax(-1)
-    return kept_run((best == proposed) & ~bad, proposed, seq_of, len(drafts),
-                    lambda first_stop: best[first_stop], bad)
+    """``rejection_sample`` of a batch without sampled rows: the proposals that the argmax agrees
+    with, then the argmax. The run is found on the host from one read of the argmax (a verify
+    step is read back next anyway): a few kernels where the device-side rule takes a score."""
+    best = torch.where(not_finite(logits), -1, logits.argmax(-1)).tolist()  # -1: never a proposal
+    tokens, row = [], 0
+    for draft in drafts:
+        run = 0
+        while run < len(draft) and best[row + run] == draft[run]:
+            run += 1
+        tokens += [*draft[:run], best[row + run]] + [-2] * (len(draft) - run)
+        row += 1 + len(draft)
+    return torch.tensor(tokens).to(logits.device)
 
 
 def sampling_probs(logits: torch.Tensor, temperatures: torch.Tensor, top_k=None, top_p=None,
