@@ -95,10 +95,12 @@ def accept_cycle(mean: float) -> list[int]:
 
 
 def engine(model: str, speculative_config=None, **kw) -> LLM:
+    """No prefix caching: each case runs the same prompts, which would otherwise skip their prefill
+    after the first."""
     dummy = model in PRESETS
     return LLM(model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
                speculative_config=speculative_config, max_model_len=kw.pop("max_model_len", 2048),
-               **kw)
+               enable_prefix_caching=False, **kw)
 
 
 def timed(llm: LLM, prompts, params) -> tuple[float, list]:
