@@ -220,9 +220,9 @@ _FRONTEND_TYPES = {"hf_overrides": ["dict"], "profiler_config": ["dict"],
 
 def speculative_options(frontend: dict, kwargs: dict) -> None:
     """``speculative_config`` checked, its feature installed first (it replaces the engine's core),
-    and what it needs of the engine: no logits processors; with tensor-parallel ranks, no async
-    scheduling (the ranks take each overlapped step's tokens from rank 0's sampler, which a verify
-    step does not run)."""
+    and what it needs of the engine: no logits processors; with tensor-parallel ranks, async
+    scheduling off unless asked for (the ranks take each overlapped step's tokens from rank 0's
+    sampler, which a verify step does not run)."""
     from nanovllm.features.speculative import parse_speculative_config
     options = {"speculative_config": parse_speculative_config(frontend["speculative_config"])}
     kwargs["features"] = (("speculative", options), *kwargs["features"])
@@ -230,9 +230,5 @@ def speculative_options(frontend: dict, kwargs: dict) -> None:
         raise ValueError("logits_processors are not supported with speculative_config (the "
                          "verify step samples each proposed position without them)")
     tp = kwargs.get("tensor_parallel_size")
-    if isinstance(tp, int) and tp > 1:
-        if kwargs.get("async_scheduling"):
-            raise ValueError("async_scheduling=True with speculative_config needs "
-                             f"tensor_parallel_size=1, not {tp} (a verify step does not broadcast "
-                             "its tokens to the other ranks)")
-        kwargs["async_scheduling"] = False
+    if isinstance(tp, int) and tp > 1 and kwargs.get("async_scheduling") is None:
+        kwargs["async_scheduling"] = False  # True is refused by the feature
