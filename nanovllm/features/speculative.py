@@ -261,6 +261,22 @@ def verify_proposals(seqs, logits, drafts, sampling, generator, probs: dict | No
     return rejection_sample(logits, drafts, sampling, generator, torch.stack(rows))
 
 
+def extend_proposals(seqs: list[Sequence], drafts: list[list[int]], active: list[int],
+                     limits: list[int], offset: int, block_size: int, run) -> None:
+    """Each proposal past the first, one forward a position: for j = 1, 2, .. the sequences of
+    ``active`` whose limit is over j run position ``num_tokens + offset + j`` reading their last
+    proposal; ``run(step, rows)`` gives each of those rows its next token."""
+    for j in range(1, max(limits, default=0)):
+        active = [i for i in active if limits[i] > j]
+        if not active:
+            return
+        positions = np.array([seqs[i].num_tokens + offset + j for i in active], dtype=np.int64)
+        step = decode_rows(block_tables([seqs[i] for i in active]), positions,
+                           np.array([drafts[i][-1] for i in active], dtype=np.int64), block_size)
+        for i, token in zip(active, run(step, active)):
+            drafts[i].append(token)
+
+
 class CountingDrafter(Drafter):
     """The rejection sampler and vLLM's ``spec_decode`` counters, for every proposer."""
 
@@ -373,16 +389,8 @@ class DraftModelDrafter(CountingDrafter):
             if i is not None:
                 group.append(i)
                 tokens += count
-        for j in range(1, max(limits, default=0)):  # one position per proposal
-            active = [i for i in rows if limits[i] > j]
-            if not active:
-                break
-            positions = np.array([seqs[i].num_tokens - 1 + j for i in active], dtype=np.int64)
-            step = decode_rows(block_tables([seqs[i] for i in active]), positions,
-                               np.array([drafts[i][-1] for i in active], dtype=np.int64),
-                               self.block_size)
-            for i, token in zip(active, self._draw(step, [seqs[i] for i in active])):
-                drafts[i].append(token)
+        extend_proposals(seqs, drafts, rows, limits, -1, self.block_size,
+                         lambda step, active: self._draw(step, [seqs[i] for i in active]))
         for i in rows:
             seq = seqs[i]
             done = seq.num_tokens - 1 + len(drafts[i])  # the last proposal's K/V is not computed
@@ -456,22 +464,16 @@ class Eagle3Drafter(CountingDrafter):
                 if first[3] is not None:
                     self.probs[seq.seq_id] = [first[3]]
                 active.append(i)
-        for j in range(1, max(limits, default=0)):  # position n - 2 + j reads proposal j
-            active = [i for i in active if limits[i] > j]
-            if not active:
-                break
-            chosen = [seqs[i] for i in active]
-            positions = np.array([seq.num_tokens - 2 + j for seq in chosen], dtype=np.int64)
-            step = decode_rows(block_tables(chosen), positions,
-                               np.array([drafts[i][-1] for i in active], dtype=np.int64),
-                               self.block_size)
+
+        def run(step: StepInput, active: list[int]) -> list[int]:  # the head's own states
             tokens, probs, prenorm = self._run(step, torch.stack([states[i] for i in active]),
-                                               chosen)
-            for i, token, q, state in zip(active, tokens, probs, prenorm):
-                drafts[i].append(token)
+                                               [seqs[i] for i in active])
+            for i, q, state in zip(active, probs, prenorm):
                 states[i] = state
                 if q is not None:
                     self.probs.setdefault(seqs[i].seq_id, []).append(q)
+            return tokens
+        extend_proposals(seqs, drafts, active, limits, -2, self.block_size, run)
         return drafts
 
     def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
