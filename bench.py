@@ -250,15 +250,15 @@ def run_nanovllm(args, prompts, params) -> float:
     else:  # the same shapes, other tokens
         llm.generate(*scenario_workload(SCENARIOS[args.scenario], 1, args.scale)[:2],
                      use_tqdm=False)
-    drafter = getattr(llm.features.get("speculative"), "drafter", None)
-    before = drafter and (drafter.num_draft_tokens, drafter.num_accepted_tokens)
+    core = llm.core if "speculative" in llm.features else None  # the verify core's counters
+    before = core and (core.num_draft_tokens, core.num_accepted_tokens)
     with gpu_busy_time(args) as busy:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-    if drafter:  # of the timed run: proposed tokens, the share accepted
-        args.spec_draft_tokens = proposed = drafter.num_draft_tokens - before[0]
-        accepted = drafter.num_accepted_tokens - before[1]
+    if core:  # of the timed run: proposed tokens, the share accepted
+        args.spec_draft_tokens = proposed = core.num_draft_tokens - before[0]
+        accepted = core.num_accepted_tokens - before[1]
         args.spec_acceptance = round(accepted / max(1, proposed), 3)
     if busy:
         args.gpu_busy_fraction = round(busy[0] / elapsed, 3)

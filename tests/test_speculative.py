@@ -14,8 +14,8 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.verify import VerifyEngineCore
 from nanovllm.features.speculative import (
-    CountingDrafter,
     NgramDrafter,
+    Proposer,
     ngram_propose,
     parse_speculative_config,
     rejection_sample,
@@ -199,7 +199,7 @@ def test_rejection_sampling_greedy_and_seeded_rows():
 
 # -- the engine ---------------------------------------------------------------------------------
 
-class OracleDrafter(CountingDrafter):
+class OracleDrafter(Proposer):
     """Proposes each sequence's true continuation (from a plain run), the proposal at one position
     in every other step replaced by a wrong token: runs of every length are kept. After each verify
     step, checks that no sequence holds a block past its tokens (its newest token's may come with
@@ -247,7 +247,7 @@ def _run(path, prompts, params, drafter=None, **engine):
                         hits=llm.scheduler.block_manager.num_cache_hits,
                         overlapped=getattr(llm.core, "overlapped", None))
         if drafter:
-            d = llm.core.drafter
+            d = llm.core
             counters.update(drafts=d.num_draft_tokens, accepted=d.num_accepted_tokens,
                             per_pos=list(d.accepted_per_pos))
         return outputs, counters
@@ -511,9 +511,9 @@ def test_draft_model_greedy_equals_the_target(tiny, draft):
     proposals kept, some not. The draft's cache is the target's blocks: the run leaks none."""
     plain, spec, llm = _stressed(tiny, _draft_config(draft), 6, 8, 60, 24,
                                  num_kvcache_blocks=48, max_num_batched_tokens=40)
-    d = llm.core.drafter
+    d = llm.core
     assert 0 < d.num_accepted_tokens < d.num_draft_tokens
-    assert not d.done  # every ended sequence forgotten
+    assert not llm.core.drafter.done  # every ended sequence forgotten
     assert _tokens(spec) == _tokens(plain)
 
 
@@ -528,7 +528,7 @@ def test_the_target_as_its_own_draft_is_always_right(tiny):
     llm = LLM(tiny, **CPU_ENGINE, speculative_config=_draft_config(tiny, 4))
     try:
         spec = llm.generate(prompts, greedy, use_tqdm=False)
-        d = llm.core.drafter
+        d = llm.core
         assert d.num_draft_tokens > 20 and d.num_accepted_tokens == d.num_draft_tokens
         seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
         before = d.num_draft_tokens, d.num_accepted_tokens
@@ -574,7 +574,7 @@ def test_verify_steps_on_cuda_graphs(tiny, draft, oracle):
             runs.append(_tokens(llm.generate(prompts, greedy, use_tqdm=False)))
             assert_no_leaks(llm)
             if config:
-                d = llm.core.drafter
+                d = llm.core
                 assert d.num_draft_tokens > 0
                 if config["num_speculative_tokens"] == 3 and config.get("model") == tiny:
                     assert d.num_accepted_tokens == d.num_draft_tokens
@@ -616,7 +616,7 @@ def test_a_failing_sampling_input_ends_its_sequence_alone(tiny, monkeypatch):
         outs = llm.generate(_repetitive_prompts(3, seed=10), SamplingParams(
             temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         assert_no_leaks(llm)
-        assert llm.core.drafter.num_accepted_tokens > 0
+        assert llm.core.num_accepted_tokens > 0
     finally:
         llm.exit()
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "length", "length"]
@@ -789,7 +789,7 @@ def test_eagle3_greedy_equals_the_target_under_preemption_and_chunks(eagle_targe
     head = _eagle3_checkpoint(tmp_path / "head", load_hf_config(eagle_target), seed=1)
     plain, spec, llm = _stressed(eagle_target, _eagle_config(head), 11, 6, 50, 20,
                                  num_kvcache_blocks=30, max_num_batched_tokens=24)
-    assert llm.core.drafter.num_draft_tokens > 0
+    assert llm.core.num_draft_tokens > 0
     assert not llm.core.drafter.first  # every ended sequence forgotten
     assert _tokens(spec) == _tokens(plain)
 
@@ -816,7 +816,7 @@ def test_eagle3_sampled_with_a_seed_is_the_same_whatever_else_is_batched(eagle_t
     try:
         alone = llm.generate(prompts[:1], seeded, use_tqdm=False)
         together = llm.generate(prompts, [seeded] + [others] * 2, use_tqdm=False)
-        assert llm.core.drafter.num_draft_tokens > 0
+        assert llm.core.num_draft_tokens > 0
         assert_no_leaks(llm)
     finally:
         llm.exit()

@@ -37,14 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
-from nanovllm.features.speculative import CountingDrafter, NgramDrafter  # noqa: E402
+from nanovllm.features.speculative import NgramDrafter, Proposer  # noqa: E402
 from nanovllm.models.presets import PRESETS  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
 
 
-class OracleDrafter(CountingDrafter):
+class OracleDrafter(Proposer):
     """Proposes ``k`` tokens: the first ``m - 1`` from the request's plain continuation, the rest
     off by one (rejected); ``m`` cycles through ``accepted`` (e.g. [1, 2] for a mean of 1.5).
 
@@ -114,7 +114,7 @@ def timed(llm: LLM, prompts, params) -> tuple[float, list]:
 
 
 def counters(llm: LLM) -> dict:
-    d = llm.core.drafter
+    d = llm.core  # the verify core's counters
     return dict(drafts=d.num_drafts, draft_tokens=d.num_draft_tokens,
                 accepted=d.num_accepted_tokens)
 

@@ -109,7 +109,10 @@ class VerifyEngineCore(OverlapEngineCore):
         self.drafter = drafter
         self.proposing = True  # the drafter's ``pending`` after the last read-back
         self.num_decoded = 0  # the last step's kept tokens
-        self.proposed = self.accepted = 0  # proposals, over the engine's life (progress bar)
+        # over the engine's life (vLLM's spec_decode counters; the progress bar): sequence-steps
+        # with proposals, proposals, those kept, and how often the proposal at each position was
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * drafter.num_lookahead_slots
 
     @classmethod
     def replacing(cls, core: EngineCore, drafter: Drafter) -> VerifyEngineCore:
@@ -209,14 +212,24 @@ class VerifyEngineCore(OverlapEngineCore):
             if not seq.is_finished:
                 give_back_blocks(self.scheduler.block_manager, seq, seq.num_tokens)
         self.drafter.observe(batch.seqs, verified.drafts, accepted)
+        self._count(verified.drafts, accepted)
         self.proposing = self.drafter.pending([s for s in batch.seqs if not s.is_finished])
         if self.drafter.wants_computed:
             self._computed(batch.seqs, starts, [seq.num_tokens - 2 - a for seq, a in
                                                 zip(batch.seqs, accepted)],
                            [1 + a for a in accepted])
-        self.proposed += sum(map(len, verified.drafts))
-        self.accepted += sum(accepted)
-        self.progress["accepted"] = f"{self.accepted / max(1, self.proposed):.0%}"
+
+    def _count(self, drafts: list[list[int]], accepted: list[int]) -> None:
+        for draft, kept in zip(drafts, accepted):
+            if draft:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += kept
+                self.accepted_per_pos += [0] * (kept - len(self.accepted_per_pos))
+                for pos in range(kept):
+                    self.accepted_per_pos[pos] += 1
+        share = self.num_accepted_tokens / max(1, self.num_draft_tokens)
+        self.progress["accepted"] = f"{share:.0%}"
 
     def _computed(self, seqs, rows, positions, counts) -> None:
         """``Drafter.computed`` of the sequences still running, before the next step."""

@@ -279,8 +279,9 @@ class VllmEngineMixin:
         with self.core.lock:
             metrics = self.features["metrics"].stats.snapshot(self.core.scheduler,
                                                               self.config.model)
-            if (speculative := self.features.get("speculative")) is not None:
-                metrics += speculative.drafter.metrics(dict(metrics[0].labels))
+            if "speculative" in self.features:
+                from nanovllm.features.speculative import spec_decode_metrics
+                metrics += spec_decode_metrics(self.core, dict(metrics[0].labels))
             return metrics
 
     def _add_request_by_id(self, request_id: str, prompt, params: SamplingParams | None = None,

@@ -277,36 +277,27 @@ def extend_proposals(seqs: list[Sequence], drafts: list[list[int]], active: list
             drafts[i].append(token)
 
 
-class CountingDrafter(Drafter):
-    """The rejection sampler and vLLM's ``spec_decode`` counters, for every proposer."""
+class Proposer(Drafter):
+    """Every proposer's verify: the penalties row by row, then the rejection sampler."""
 
     def __init__(self, num_speculative_tokens: int):
         self.num_lookahead_slots = num_speculative_tokens
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
-        self.accepted_per_pos = [0] * num_speculative_tokens
 
     def verify(self, seqs, logits, drafts, sampling, generator) -> torch.Tensor:
         return verify_proposals(seqs, logits, drafts, sampling, generator)
 
-    def observe(self, seqs, drafts, num_accepted) -> None:
-        for draft, accepted in zip(drafts, num_accepted):
-            if draft:
-                self.num_drafts += 1
-                self.num_draft_tokens += len(draft)
-                self.num_accepted_tokens += accepted
-                for pos in range(accepted):
-                    self.accepted_per_pos[pos] += 1
 
-    def metrics(self, labels: dict) -> list:
-        """vLLM's ``vllm:spec_decode_*`` metrics (the types of ``nanovllm.v1.metrics.reader``)."""
-        from nanovllm.features.metrics import Counter, Vector
-        counters = [Counter(f"vllm:spec_decode_{name}", dict(labels), getattr(self, name))
-                    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
-        return counters + [Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
-                                  list(self.accepted_per_pos))]
+def spec_decode_metrics(core: VerifyEngineCore, labels: dict) -> list:
+    """vLLM's ``vllm:spec_decode_*`` metrics of the verify core's counters (the types of
+    ``nanovllm.v1.metrics.reader``)."""
+    from nanovllm.features.metrics import Counter, Vector
+    counters = [Counter(f"vllm:spec_decode_{name}", dict(labels), getattr(core, name))
+                for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")]
+    return counters + [Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels),
+                              list(core.accepted_per_pos))]
 
 
-class NgramDrafter(CountingDrafter):
+class NgramDrafter(Proposer):
     """n-gram lookup in the sequence's own tokens (prompt and output)."""
 
     def __init__(self, config: dict):
@@ -336,7 +327,7 @@ class NgramDrafter(CountingDrafter):
         self.arrays.pop(seq.seq_id, None)
 
 
-class DraftModelDrafter(CountingDrafter):
+class DraftModelDrafter(Proposer):
     """A draft model's continuation: its argmax for a greedy request, else drawn from its
     distribution under the request's temperature, top-k, top-p and min-p (the ``q`` of the
     rejection rule; a seeded request draws from its own generator). Its K/V lives in the target's
@@ -402,7 +393,6 @@ class DraftModelDrafter(CountingDrafter):
         return verify_proposals(seqs, logits, drafts, sampling, generator, self.probs)
 
     def observe(self, seqs, drafts, num_accepted) -> None:
-        super().observe(seqs, drafts, num_accepted)
         for seq, draft, accepted in zip(seqs, drafts, num_accepted):
             if draft and seq.seq_id in self.done:  # positions of rejected proposals are stale
                 done, blocks = self.done[seq.seq_id]
@@ -414,7 +404,7 @@ class DraftModelDrafter(CountingDrafter):
         self.proposed_at.pop(seq.seq_id, None)
 
 
-class Eagle3Drafter(CountingDrafter):
+class Eagle3Drafter(Proposer):
     """EAGLE-3 heads (``features/eagle3.py``): after each target forward the head runs over the
     positions just computed (the target's states entering three of its layers, copied by hooks),
     which gives each sequence's first proposal; the others come from the head's own states at the
