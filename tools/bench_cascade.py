@@ -38,10 +38,17 @@ PAGE = 64
 OWN = 128  # each row's tokens past the prefix
 
 
+# bench.py's scenarios at a mid-decode step (batch, group, shared, own tokens): `prefix` (256
+# requests of a 2,048-token prefix), `rl` (64 prompts x n = 8: 448 shared, the last prompt block
+# each completion's own)
+SCENARIO_POINTS = {"prefix": (256, 256, 2048, 128), "rl": (512, 8, 448, 320)}
+
+
 def batch_of_groups(batch: int, group: int, shared: int, kv_heads: int, head_dim: int,
-                    dtype=torch.bfloat16):
-    """Caches and tables for ``batch`` rows in groups of ``group`` sharing ``shared`` tokens."""
-    shared_pages, own_pages = shared // PAGE, -(-(OWN + 1) // PAGE)
+                    own: int = OWN, dtype=torch.bfloat16):
+    """Caches and tables for ``batch`` rows in groups of ``group`` sharing ``shared`` tokens, each
+    with ``own`` more."""
+    shared_pages, own_pages = shared // PAGE, -(-(own + 1) // PAGE)
     groups = -(-batch // group)
     total = groups * shared_pages + batch * own_pages
     k_cache = torch.randn(total, PAGE, kv_heads, head_dim, device="cuda", dtype=dtype)
@@ -54,7 +61,7 @@ def batch_of_groups(batch: int, group: int, shared: int, kv_heads: int, head_dim
         for _ in range(min(group, batch - g * group)):
             tables.append(prefix + order[used:used + own_pages])
             used += own_pages
-    lens = [shared + OWN + 1] * batch
+    lens = [shared + own + 1] * batch
     bt = torch.tensor(tables, dtype=torch.int32, device="cuda")
     groups = shared_prefix_groups(tables, lens, PAGE)
     prefixes = as_shared_prefixes(groups, batch, PAGE, "cuda")
@@ -76,32 +83,36 @@ def main():
     args = parser.parse_args()
     batches = (1, 8, 64, 256) if args.quick else (1, 4, 16, 64, 256, 512)
     shareds = (64, 256, 2048) if args.quick else (64, 256, 1024, 2048, 8192)
+    points = [(batch, group, shared, OWN, None)
+              for batch, shared in itertools.product(batches, shareds)
+              for group in sorted({g for g in (2, 8, 64, batch) if g <= batch and g > 1})]
+    points += [(*point, name) for name, point in SCENARIO_POINTS.items()]
     rows = []
     for model in args.models:
         heads, kv_heads, d = SHAPES[model]
-        for batch, shared in itertools.product(batches, shareds):
-            for group in sorted({g for g in (2, 8, 64, batch) if g <= batch and g > 1}):
-                k_cache, v_cache, bt, ctx, prefixes, captured = batch_of_groups(
-                    batch, group, shared, kv_heads, d)
-                q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
-                plain_fn = partial(ta.decode_attention, q, k_cache, v_cache, ctx, bt, d ** -0.5)
-                cascade_fn = partial(plain_fn, prefixes=prefixes)
-                plain = bench_graph_each([plain_fn] * 4)
-                cascade = bench_graph_each([cascade_fn] * 4)
-                graph = (bench_graph_each([partial(plain_fn, prefixes=captured)] * 4)
-                         if captured is not None else float("nan"))
-                parts_us = {p: bench_graph_each([partial(cascade_fn, prefix_parts=p)] * 4) * 1e6
-                            for p in args.parts}
-                ref, got = plain_fn().float(), cascade_fn().float()
-                row = dict(model=model, batch=batch, group=group, shared=shared, own=OWN,
-                           saved_tokens=(batch - -(-batch // group)) * shared,
-                           plain_us=plain * 1e6, cascade_us=cascade * 1e6,
-                           speedup=plain / cascade, engine_us=graph * 1e6,
-                           engine_speedup=plain / graph, parts_us=parts_us,
-                           best_parts=min(parts_us, key=parts_us.get) if parts_us else None,
-                           rel_err=float((got - ref).norm() / ref.norm()))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for batch, group, shared, own, scenario in points:
+            k_cache, v_cache, bt, ctx, prefixes, captured = batch_of_groups(
+                batch, group, shared, kv_heads, d, own)
+            q = torch.randn(batch, heads, d, device="cuda", dtype=torch.bfloat16)
+            plain_fn = partial(ta.decode_attention, q, k_cache, v_cache, ctx, bt, d ** -0.5)
+            cascade_fn = partial(plain_fn, prefixes=prefixes)
+            plain = bench_graph_each([plain_fn] * 4)
+            cascade = bench_graph_each([cascade_fn] * 4)
+            graph = (bench_graph_each([partial(plain_fn, prefixes=captured)] * 4)
+                     if captured is not None else float("nan"))
+            parts_us = {p: bench_graph_each([partial(cascade_fn, prefix_parts=p)] * 4) * 1e6
+                        for p in args.parts}
+            ref, got = plain_fn().float(), cascade_fn().float()
+            row = dict(model=model, scenario=scenario, batch=batch, group=group,
+                       shared=shared, own=own,
+                       saved_tokens=(batch - -(-batch // group)) * shared,
+                       plain_us=plain * 1e6, cascade_us=cascade * 1e6,
+                       speedup=plain / cascade, engine_us=graph * 1e6,
+                       engine_speedup=plain / graph, parts_us=parts_us,
+                       best_parts=min(parts_us, key=parts_us.get) if parts_us else None,
+                       rel_err=float((got - ref).norm() / ref.norm()))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     print(json.dumps(meta))
@@ -114,7 +125,8 @@ def main():
     for r in rows:
         best = (f"{r['best_parts']} ({r['parts_us'][r['best_parts']]:.1f})"
                 if r["best_parts"] else "")
-        print(f"| {r['model']} | {r['batch']} | {r['group']} | {r['shared']} | "
+        name = f"{r['model']} {r['scenario']}" if r["scenario"] else r["model"]
+        print(f"| {name} | {r['batch']} | {r['group']} | {r['shared']} | "
               f"{r['plain_us']:.1f} | {r['cascade_us']:.1f} | {r['speedup']:.2f} | "
               f"{r['engine_us']:.1f} | {r['engine_speedup']:.2f} | {best} |")
 
