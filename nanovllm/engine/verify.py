@@ -110,7 +110,7 @@ class VerifyEngineCore(OverlapEngineCore):
         self.proposing = True  # the drafter's ``pending`` after the last read-back
         self.num_decoded = 0  # the last step's kept tokens
         # over the engine's life (vLLM's spec_decode counters; the progress bar): sequence-steps
-        # with proposals, proposals, those kept, and how often the proposal at each position was
+        # with proposals, proposals, those kept, and per position how often its proposal was kept
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * drafter.num_lookahead_slots
 
