@@ -145,7 +145,7 @@ def oracle(args) -> list[dict]:
             prompts = [[rng.randrange(low, high) for _ in range(args.prompt_len)]
                        for _ in range(batch)]
             warm = [[rng.randrange(low, high) for _ in range(args.prompt_len)] for _ in prompts]
-            llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+            llm.generate(warm, greedy, use_tqdm=False)  # the timed run's shapes, other tokens
             seconds, outputs = timed(llm, prompts, greedy)
             refs = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
             workloads[batch] = (prompts, warm, refs)
@@ -168,7 +168,7 @@ def oracle(args) -> list[dict]:
             for proposer, mean, k in cases:
                 llm.core.drafter = (NgramDrafter(NGRAM) if proposer == "ngram" else
                                     OracleDrafter(refs, k, accept_cycle(mean), vocab))
-                llm.generate(warm, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+                llm.generate(warm, greedy, use_tqdm=False)  # its proposals all rejected (no refs)
                 before = counters(llm)
                 profile = cProfile.Profile() if args.profile else None
                 with profile or contextlib.nullcontext():
