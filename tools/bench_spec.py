@@ -206,7 +206,7 @@ def heldout(args) -> list[dict]:
                 for k in (args.k or [2, 4, 8]) if args.draft]
     for config in configs:
         k = config["num_speculative_tokens"] if config else 0
-        llm = LLM(model, speculative_config=config, async_scheduling=False)
+        llm = LLM(model, speculative_config=config, async_scheduling=args.async_scheduling)
         prompts = [llm.tokenizer.encode(open(os.path.join(folder, name)).read())[:args.prompt_len]
                    for name in sorted(os.listdir(folder))]
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
@@ -219,6 +219,7 @@ def heldout(args) -> list[dict]:
                 tokens += [o.outputs[0].token_ids for o in outputs]
             total = sum(map(len, tokens))
             row = dict(model="nanovllm:demo", batch=batch, files=len(prompts),
+                       async_scheduling=llm.config.async_scheduling,
                        temperature=args.temperature,
                        proposer=(config.get("method", "draft") if k else "none"), k=k,
                        tok_per_s=round(total / seconds, 1),
@@ -260,6 +261,8 @@ def main():
                         help="--heldout: sample at this temperature (seed 0) instead of greedy")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--output-len", type=int, default=None)
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="--heldout: with async scheduling (the plain run's too; default off)")
     parser.add_argument("--profile", action="store_true",
                         help="--oracle: each verify run's host profile (cProfile) on stderr")
     parser.add_argument("--out", help="also write the JSON lines here")
