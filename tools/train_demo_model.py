@@ -9,7 +9,7 @@ and validation loss curve and keeps the weights of the best validation loss.
     python tools/train_demo_model.py --out /tmp/demo --steps 20 --batch-size 4  # a smoke run on CPU
     # the demo model's draft (speculative decoding): two layers, the demo model's tokenizer
     python tools/train_demo_model.py --out nanovllm/demo/draft --layers 2 \
-        --tokenizer nanovllm/demo/model --steps 1000 --batch-size 32
+        --tokenizer nanovllm/demo/model --steps 1500 --batch-size 32
 """
 from __future__ import annotations
 

@@ -185,7 +185,7 @@ class VerifyEngineCore(OverlapEngineCore):
         batch, output = self.inflight
         if not isinstance(output, VerifyOutput):
             super().read_back(after_accept)
-            self.proposing = self.drafter.pending([s for s in batch.seqs if not s.is_finished])
+            self._look_ahead(batch.seqs)
             step = batch.step_input
             if self.drafter.wants_computed and step.is_prefill:
                 cu_q = step.cu_seqlens_q.tolist()
@@ -213,11 +213,16 @@ class VerifyEngineCore(OverlapEngineCore):
                 give_back_blocks(self.scheduler.block_manager, seq, seq.num_tokens)
         self.drafter.observe(batch.seqs, verified.drafts, accepted)
         self._count(verified.drafts, accepted)
-        self.proposing = self.drafter.pending([s for s in batch.seqs if not s.is_finished])
+        self._look_ahead(batch.seqs)
         if self.drafter.wants_computed:
             self._computed(batch.seqs, starts, [seq.num_tokens - 2 - a for seq, a in
                                                 zip(batch.seqs, accepted)],
                            [1 + a for a in accepted])
+
+    def _look_ahead(self, seqs: list[Sequence]) -> None:
+        """Whether the next decode proposes: asked only where decodes may overlap."""
+        if self.config.async_scheduling:
+            self.proposing = self.drafter.pending([seq for seq in seqs if not seq.is_finished])
 
     def _count(self, drafts: list[list[int]], accepted: list[int]) -> None:
         for draft, kept in zip(drafts, accepted):

@@ -108,24 +108,20 @@ def aux_layers(config, num_target_layers: int) -> list[int]:
     return ids
 
 
-def build_eagle3(config, runner, model: nn.Module, path: str) -> tuple[Eagle3Head, list[int]]:
-    """The head on the runner's device, loaded; refused by name where it cannot serve the target."""
+def eagle3_config(path: str):
+    """The head's config (a ``LlamaConfig``); refused by name if it is not an EAGLE-3 head."""
     with open(os.path.join(path, "config.json")) as f:
         fields = json.load(f)
     if not set(fields.get("architectures") or []) & set(ARCHITECTURES):
         raise ValueError(f"speculative_config model {path!r} is not an EAGLE-3 head "
                          f"(architectures {fields.get('architectures')}; one of {ARCHITECTURES})")
     from transformers import LlamaConfig
-    hf = LlamaConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+    return LlamaConfig(**{k: v for k, v in fields.items() if k != "architectures"})
+
+
+def build_eagle3(config, model: nn.Module, path: str, hf) -> tuple[Eagle3Head, list[int]]:
+    """The head of config ``hf`` (``eagle3_config``) on the runner's device, loaded."""
     target = config.hf_config
-    if hf.vocab_size != target.vocab_size:
-        raise ValueError(f"speculative_config model {path!r} has vocab_size {hf.vocab_size}, the "
-                         f"target {target.vocab_size}: a draft needs the target's vocabulary")
-    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    if (kv_heads, head_dim_of(hf)) != (runner.num_kv_heads, runner.head_dim):
-        raise ValueError(f"speculative_config model {path!r} has {kv_heads} KV heads of "
-                         f"{head_dim_of(hf)}, the target {runner.num_kv_heads} of "
-                         f"{runner.head_dim}: the draft's cache shares the target's layout")
     names = set()
     for file in checkpoint_files(path):
         with safe_open(file, "pt", "cpu") as f:

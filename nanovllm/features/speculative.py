@@ -473,20 +473,26 @@ class Eagle3Drafter(Proposer):
         self.first.pop(seq.seq_id, None)
 
 
-def build_draft(config, runner, path: str) -> nn.Module:
-    """The draft model on the runner's device, its weights loaded (random with dummy weights);
-    refused by name when it cannot share the target's tokens and KV-cache layout."""
-    hf = load_hf_config(path)
+def check_shares_target(path: str, hf, head_dim: int, config, runner) -> None:
+    """Refuses by name a draft or head (config ``hf``) without the target's vocabulary or KV-cache
+    layout (its layers' cache lives in the target's blocks)."""
     target = config.hf_config
     if hf.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config model {path!r} has vocab_size {hf.vocab_size}, the "
                          f"target {target.vocab_size}: a draft needs the target's vocabulary")
-    cls = get_model_class(hf)
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    if (kv_heads, cls.head_dim(hf)) != (runner.num_kv_heads, runner.head_dim):
+    if (kv_heads, head_dim) != (runner.num_kv_heads, runner.head_dim):
         raise ValueError(f"speculative_config model {path!r} has {kv_heads} KV heads of "
-                         f"{cls.head_dim(hf)}, the target {runner.num_kv_heads} of "
-                         f"{runner.head_dim}: the draft's cache shares the target's layout")
+                         f"{head_dim}, the target {runner.num_kv_heads} of {runner.head_dim}: "
+                         "the draft's cache shares the target's layout")
+
+
+def build_draft(config, runner, path: str) -> nn.Module:
+    """The draft model on the runner's device, its weights loaded (random with dummy weights);
+    refused by name when it cannot share the target's tokens and KV-cache layout."""
+    hf = load_hf_config(path)
+    cls = get_model_class(hf)
+    check_shares_target(path, hf, cls.head_dim(hf), config, runner)
     cls.check_config(hf, config.max_model_len)
     draft = cls(hf, max_model_len=config.max_model_len)
     if config.load_format == "dummy":
@@ -519,8 +525,11 @@ class SpeculativeDecoding(Feature):
     def _attach_draft(self, runner, model: nn.Module) -> None:
         spec, config = self.speculative_config, self.config
         if spec["method"] == "eagle3":
-            from nanovllm.features.eagle3 import AuxStates, build_eagle3
-            draft, layers = build_eagle3(config, runner, model, spec["model"])
+            from nanovllm.features.eagle3 import AuxStates, build_eagle3, eagle3_config
+            from nanovllm.models.llama import head_dim_of
+            hf = eagle3_config(spec["model"])
+            check_shares_target(spec["model"], hf, head_dim_of(hf), config, runner)
+            draft, layers = build_eagle3(config, model, spec["model"], hf)
             rows = max(config.max_num_batched_tokens,
                        config.max_num_seqs * (1 + spec["num_speculative_tokens"]))
             aux = AuxStates(model, layers, rows, config.hf_config.hidden_size)
