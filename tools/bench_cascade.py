@@ -72,6 +72,19 @@ def batch_of_groups(batch: int, group: int, shared: int, kv_heads: int, head_dim
             captured)
 
 
+def kernel_times(fn, reps: int = 20) -> dict:
+    """The cascade's kernels one by one (torch.profiler, eager launches): µs a call each."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.self_device_time_total / reps, 2) for e in prof.key_averages()
+            if e.self_device_time_total > 0}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -103,6 +116,7 @@ def main():
             parts_us = {p: bench_graph_each([partial(cascade_fn, prefix_parts=p)] * 4) * 1e6
                         for p in args.parts}
             ref, got = plain_fn().float(), cascade_fn().float()
+            kernels = kernel_times(cascade_fn) if scenario else None
             row = dict(model=model, scenario=scenario, batch=batch, group=group,
                        shared=shared, own=own,
                        saved_tokens=(batch - -(-batch // group)) * shared,
@@ -110,7 +124,7 @@ def main():
                        speedup=plain / cascade, engine_us=graph * 1e6,
                        engine_speedup=plain / graph, parts_us=parts_us,
                        best_parts=min(parts_us, key=parts_us.get) if parts_us else None,
-                       rel_err=float((got - ref).norm() / ref.norm()))
+                       rel_err=float((got - ref).norm() / ref.norm()), kernels_us=kernels)
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,

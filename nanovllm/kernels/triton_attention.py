@@ -334,18 +334,24 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, 
 
 
 @triton.jit
-def _merge_kernel(part_o_ptr, part_lse_ptr, o_ptr, stride_ob, stride_oh, NUM_HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(part_o_ptr, part_lse_ptr, start_ptr, o_ptr, stride_ob, stride_oh,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  PREFIX_PARTS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The row's NUM_SPLITS parts by their log2-sum-exp; the last PREFIX_PARTS (a shared prefix's)
+    only where the row has one (start[seq] > 0: else unwritten)."""
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     row = (seq * NUM_HEADS + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    num_parts = NUM_SPLITS
+    if PREFIX_PARTS > 0:
+        num_parts = tl.where(tl.load(start_ptr + seq) > 0, NUM_SPLITS, NUM_SPLITS - PREFIX_PARTS)
+    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < num_parts, other=float("-inf"))
     m = tl.max(lse, 0)
     w = tl.where(lse > float("-inf"), tl.math.exp2(lse - m), 0.0)
     # a part with no keys (lse -inf) may be unwritten: not read
     parts = tl.load(part_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=((offs_s < NUM_SPLITS) & (lse > float("-inf")))[:, None], other=0.0)
+                    mask=((offs_s < num_parts) & (lse > float("-inf")))[:, None], other=0.0)
     out = tl.sum(w[:, None] * parts, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(o_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
@@ -480,8 +486,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty(batch, num_heads, parts, dtype=torch.float32, device=q.device)
-        if cascade:  # rows outside every group: empty prefix parts
-            part_lse[:, :, splits:] = float("-inf")
     else:
         part_o = part_lse = out  # not written
     qk_scale = scale * k_scale * LOG2E
@@ -506,8 +510,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_stages=pcfg["num_stages"])
     if parts > 1:
         _merge_kernel[(batch, num_heads)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim, NUM_SPLITS=parts, BLOCK_S=triton.next_power_of_2(parts))
+            part_o, part_lse, prefixes.seq_shared_len if cascade else context_lens, out,
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            NUM_SPLITS=parts, PREFIX_PARTS=parts - splits, BLOCK_S=triton.next_power_of_2(parts))
     return out
 
 
