@@ -292,10 +292,24 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, 
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
                    WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr,
                    PREFIX_PARTS: tl.constexpr):
-    """PREFIX_PARTS > 0 (the cascade): keys from start[seq] on (a shared prefix before it is
-    attended apart), partials always, NUM_SPLITS + PREFIX_PARTS of them a row (the prefix's
-    last)."""
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr,
+                    v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+                    qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
+                    GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, NUM_SPLITS, PRECISION,
+                    WINDOW, FP8, Q_FP16, PREFIX_PARTS)
+
+
+@triton.jit
+def _decode_program(seq, kv_head, split, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr,
+                    start_ptr, o_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
+                    stride_qh, stride_bt, stride_ob, stride_oh, GROUP: tl.constexpr,
+                    BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    PRECISION: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr,
+                    Q_FP16: tl.constexpr, PREFIX_PARTS: tl.constexpr):
+    """Row ``seq``'s keys of ``kv_head``, the ``split``-th of NUM_SPLITS ranges. PREFIX_PARTS > 0
+    (the cascade): keys from start[seq] on (a shared prefix before it is attended apart),
+    partials always, NUM_SPLITS + PREFIX_PARTS of them a row (the prefix's last)."""
     ctx = tl.load(ctx_ptr + seq)
     first = 0  # the first visible key
     if WINDOW > 0:
@@ -364,49 +378,95 @@ def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr,
                           PREFIX_PARTS: tl.constexpr, GROUPS_P2: tl.constexpr,
                           PRECISION: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
-    """Tile ``program_id(0)`` of the groups' tiles (each group's (row, query head) pairs of a KV
-    head in tiles of BLOCK_M, the groups' tiles one after another; past the last: nothing) against
-    its group's shared keys (the group's first row's first shared[g] tokens), the p-th of
-    PREFIX_PARTS ranges of them, KV head ``program_id(1) // PREFIX_PARTS``: each pair's partial
-    output and log2-sum-exp into part NUM_PARTS - PREFIX_PARTS + p (an empty range: -inf)."""
-    tile, kv_head = tl.program_id(0), tl.program_id(1) // PREFIX_PARTS
-    part = tl.program_id(1) % PREFIX_PARTS
+    _shared_prefix_program(
+        tl.program_id(0), tl.program_id(1) // PREFIX_PARTS, tl.program_id(1) % PREFIX_PARTS,
+        q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr, num_rows_ptr, shared_ptr,
+        part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb, stride_qh, stride_bt, num_groups,
+        GROUP, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, NUM_PARTS, PREFIX_PARTS, GROUPS_P2,
+        PRECISION, FP8, Q_FP16)
+
+
+@triton.jit
+def _cascade_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, first_row_ptr,
+                    num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale,
+                    stride_qb, stride_qh, stride_bt, num_groups, prefix_programs,
+                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
+                    PREFIX_PARTS: tl.constexpr, GROUPS_P2: tl.constexpr,
+                    PRECISION: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
+    """The cascade's two kinds of programs in one launch (so that the shared prefixes' tiles, on
+    the tensor cores, run beside the rows' own keys, bound by memory): the first
+    ``prefix_programs`` are ``_shared_prefix_kernel``'s (tile, KV head, part), the rest
+    ``_decode_kernel``'s (row, KV head, split)."""
+    pid = tl.program_id(0)
+    if pid < prefix_programs:
+        _shared_prefix_program(
+            pid // (NUM_KV_HEADS * PREFIX_PARTS), pid // PREFIX_PARTS % NUM_KV_HEADS,
+            pid % PREFIX_PARTS, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr,
+            num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
+            stride_qh, stride_bt, num_groups, GROUP, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_M,
+            PREFIX_BLOCK_N, NUM_SPLITS + PREFIX_PARTS, PREFIX_PARTS, GROUPS_P2, PRECISION, FP8,
+            Q_FP16)
+    else:
+        pid -= prefix_programs
+        _decode_program(
+            pid // (NUM_KV_HEADS * NUM_SPLITS), pid // NUM_SPLITS % NUM_KV_HEADS,
+            pid % NUM_SPLITS, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr,
+            part_o_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb, stride_qh,
+            stride_bt, 0, 0, GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, NUM_SPLITS,
+            PRECISION, 0, FP8, Q_FP16, PREFIX_PARTS)
+
+
+@triton.jit
+def _shared_prefix_program(tile, kv_head, part, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr,
+                           first_row_ptr, num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr,
+                           qk_scale, v_scale, stride_qb, stride_qh, stride_bt, num_groups,
+                           GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr,
+                           PREFIX_PARTS: tl.constexpr, GROUPS_P2: tl.constexpr,
+                           PRECISION: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
+    """Tile ``tile`` of the groups' tiles (each group's (row, query head) pairs of a KV head in
+    tiles of BLOCK_M, the groups' tiles one after another; past the last: nothing) against its
+    group's shared keys (the group's first row's first shared[g] tokens), the ``part``-th of
+    PREFIX_PARTS ranges of them: each pair's partial output and log2-sum-exp into part
+    NUM_PARTS - PREFIX_PARTS + part (an empty range: -inf)."""
     offs_g = tl.arange(0, GROUPS_P2)
     group_tiles = tl.cdiv(tl.load(num_rows_ptr + offs_g, mask=offs_g < num_groups, other=0)
                           * GROUP, BLOCK_M)
     tiles_end = tl.cumsum(group_tiles, 0)
     g = tl.sum((tiles_end <= tile).to(tl.int32), 0)  # the group whose tiles hold this one
-    if g >= num_groups:
-        return
-    m_tile = tile - tl.sum(tl.where(offs_g == g, tiles_end - group_tiles, 0), 0)
-    first_row = tl.load(first_row_ptr + g)
-    pairs = tl.load(num_rows_ptr + g) * GROUP
-    shared = tl.load(shared_ptr + g)
-    per_part = tl.cdiv(tl.cdiv(shared, PREFIX_PARTS), BLOCK_N) * BLOCK_N
-    start = part * per_part
-    end = tl.minimum(start + per_part, shared)
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    valid = offs_m < pairs
-    seq = first_row + offs_m // GROUP
-    head = kv_head * GROUP + offs_m % GROUP
-    q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh
-                + offs_d[None, :], mask=valid[:, None], other=0.0)
-    if Q_FP16:
-        q = q.to(tl.float16)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for n in range(start, end, BLOCK_N):  # masked from ``end`` on
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, first_row, None, end, kv_head,
-                                     qk_scale, v_scale, None, None, k_cache_ptr, v_cache_ptr,
-                                     bt_ptr, None, None, stride_bt, NUM_KV_HEADS, HEAD_DIM, PAGE,
-                                     True, BLOCK_N, 1, PRECISION, 0, FP8)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    row = (seq * (NUM_KV_HEADS * GROUP) + head) * NUM_PARTS + NUM_PARTS - PREFIX_PARTS + part
-    tl.store(part_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
-             mask=valid[:, None])
-    tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=valid)
+    if g < num_groups:  # else past the last tile
+        m_tile = tile - tl.sum(tl.where(offs_g == g, tiles_end - group_tiles, 0), 0)
+        first_row = tl.load(first_row_ptr + g)
+        pairs = tl.load(num_rows_ptr + g) * GROUP
+        shared = tl.load(shared_ptr + g)
+        per_part = tl.cdiv(tl.cdiv(shared, PREFIX_PARTS), BLOCK_N) * BLOCK_N
+        start = part * per_part
+        end = tl.minimum(start + per_part, shared)
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        valid = offs_m < pairs
+        seq = first_row + offs_m // GROUP
+        head = kv_head * GROUP + offs_m % GROUP
+        q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if Q_FP16:
+            q = q.to(tl.float16)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for n in range(start, end, BLOCK_N):  # masked from ``end`` on
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, first_row, None, end,
+                                         kv_head, qk_scale, v_scale, None, None, k_cache_ptr,
+                                         v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
+                                         HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        row = (seq * (NUM_KV_HEADS * GROUP) + head) * NUM_PARTS + NUM_PARTS - PREFIX_PARTS + part
+        tl.store(part_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=valid[:, None])
+        tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=valid)
 
 
 _PROPERTIES: dict[int, object] = {}
@@ -453,13 +513,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
                      num_splits: int | None = None, config: dict | None = None,
                      out: torch.Tensor | None = None, prefixes=None,
-                     prefix_parts: int | None = None) -> torch.Tensor:
+                     prefix_parts: int | None = None, fused: bool = False) -> torch.Tensor:
     """``reference.decode_attention``; ``num_splits`` defaults to ``num_decode_splits``'s,
     ``config``: the tiles. ``prefixes`` (``cascade_reference.SharedPrefixes``): the cascade, each
     group's shared blocks read once for all its rows (``_shared_prefix_kernel``), the rest of each
     context as before from the row's ``seq_shared_len`` on, the parts merged by log-sum-exp;
     ``prefix_parts``: the ranges each group's shared keys are split into (default
-    ``num_prefix_parts``'s)."""
+    ``num_prefix_parts``'s); ``fused``: the cascade's two kinds of programs in one launch
+    (``_cascade_kernel``)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
@@ -489,25 +550,40 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_o = part_lse = out  # not written
     qk_scale = scale * k_scale * LOG2E
-    _decode_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens,
-        prefixes.seq_shared_len if cascade else context_lens, out, part_o, part_lse, qk_scale,
-        v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
-        Q_FP16=fp8 and q.dtype != torch.float32, PREFIX_PARTS=parts - splits,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cascade and num_groups:
-        _shared_prefix_kernel[(tiles, num_kv_heads * prefix_parts)](
-            q, k_cache, v_cache, block_tables, prefixes.first_row, prefixes.num_rows,
-            prefixes.shared_len, part_o, part_lse, qk_scale, v_scale, q.stride(0), q.stride(1),
-            block_tables.stride(0), num_groups, GROUP=group, NUM_KV_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim, PAGE=page, BLOCK_M=pcfg["BLOCK_M"], BLOCK_N=pcfg["BLOCK_N"],
-            NUM_PARTS=parts, PREFIX_PARTS=prefix_parts,
-            GROUPS_P2=triton.next_power_of_2(num_groups), PRECISION=dot_precision(q.dtype),
-            FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32, num_warps=pcfg["num_warps"],
-            num_stages=pcfg["num_stages"])
+    if cascade and fused:
+        _cascade_kernel[(tiles * num_kv_heads * prefix_parts + batch * num_kv_heads * splits,)](
+            q, k_cache, v_cache, block_tables, context_lens, prefixes.seq_shared_len,
+            prefixes.first_row, prefixes.num_rows, prefixes.shared_len, part_o, part_lse,
+            qk_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_groups,
+            tiles * num_kv_heads * prefix_parts, GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim, PAGE=page, BLOCK_N=min(cfg["BLOCK_N"], pcfg["BLOCK_N"]),
+            NUM_SPLITS=splits, BLOCK_M=pcfg["BLOCK_M"], PREFIX_BLOCK_N=pcfg["BLOCK_N"],
+            PREFIX_PARTS=prefix_parts,
+            GROUPS_P2=triton.next_power_of_2(max(num_groups, 1)),
+            PRECISION=dot_precision(q.dtype), FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
+            num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+    else:
+        _decode_kernel[(batch, num_kv_heads, splits)](
+            q, k_cache, v_cache, block_tables, context_lens,
+            prefixes.seq_shared_len if cascade else context_lens, out, part_o, part_lse,
+            qk_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
+            out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"],
+            NUM_SPLITS=splits,
+            PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
+            Q_FP16=fp8 and q.dtype != torch.float32, PREFIX_PARTS=parts - splits,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if cascade and num_groups:
+            _shared_prefix_kernel[(tiles, num_kv_heads * prefix_parts)](
+                q, k_cache, v_cache, block_tables, prefixes.first_row, prefixes.num_rows,
+                prefixes.shared_len, part_o, part_lse, qk_scale, v_scale, q.stride(0),
+                q.stride(1), block_tables.stride(0), num_groups, GROUP=group,
+                NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=pcfg["BLOCK_M"],
+                BLOCK_N=pcfg["BLOCK_N"], NUM_PARTS=parts, PREFIX_PARTS=prefix_parts,
+                GROUPS_P2=triton.next_power_of_2(num_groups), PRECISION=dot_precision(q.dtype),
+                FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32, num_warps=pcfg["num_warps"],
+                num_stages=pcfg["num_stages"])
     if parts > 1:
         _merge_kernel[(batch, num_heads)](
             part_o, part_lse, prefixes.seq_shared_len if cascade else context_lens, out,
