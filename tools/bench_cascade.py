@@ -36,6 +36,7 @@ from nanovllm.kernels.cascade_reference import (  # noqa: E402
 SHAPES = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}  # heads, KV heads, head dim
 PAGE = 64
 OWN = 128  # each row's tokens past the prefix
+SMALL_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 # bench.py's scenarios at a mid-decode step (batch, group, shared, own tokens): `prefix` (256
@@ -112,6 +113,8 @@ def main():
             plain = bench_graph_each([plain_fn] * 4)
             cascade = bench_graph_each([cascade_fn] * 4)
             fused = bench_graph_each([partial(cascade_fn, fused=True)] * 4)
+            # the rows' own keys (short) with smaller tiles and fewer stages: more programs an SM
+            small = bench_graph_each([partial(cascade_fn, config=SMALL_TILES)] * 4)
             graph = (bench_graph_each([partial(plain_fn, prefixes=captured)] * 4)
                      if captured is not None else float("nan"))
             parts_us = {p: bench_graph_each([partial(cascade_fn, prefix_parts=p)] * 4) * 1e6
@@ -124,7 +127,8 @@ def main():
                        saved_tokens=(batch - -(-batch // group)) * shared,
                        plain_us=plain * 1e6, cascade_us=cascade * 1e6,
                        speedup=plain / cascade, fused_us=fused * 1e6,
-                       fused_speedup=plain / fused, engine_us=graph * 1e6,
+                       fused_speedup=plain / fused, small_tiles_us=small * 1e6,
+                       engine_us=graph * 1e6,
                        engine_speedup=plain / graph, parts_us=parts_us,
                        best_parts=min(parts_us, key=parts_us.get) if parts_us else None,
                        rel_err=float((got - ref).norm() / ref.norm()),
