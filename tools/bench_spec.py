@@ -176,7 +176,9 @@ def oracle(args) -> list[dict]:
                 after = counters(llm)
                 if profile:  # where the host's time goes (a synchronous step waits for it)
                     print(f"-- {model} batch {batch} {proposer} k={k}", file=sys.stderr)
-                    pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+                    stats = pstats.Stats(profile, stream=sys.stderr)
+                    stats.sort_stats(os.environ.get("SPEC_PROFILE_SORT", "tottime")).print_stats(
+                        int(os.environ.get("SPEC_PROFILE_LINES", 25)))
                 same = sum(o.outputs[0].token_ids == refs[tuple(p)]
                            for p, o in zip(prompts, outputs))
                 total = batch * args.output_len
@@ -264,7 +266,9 @@ def main():
     parser.add_argument("--async-scheduling", action="store_true",
                         help="--heldout: with async scheduling (the plain run's too; default off)")
     parser.add_argument("--profile", action="store_true",
-                        help="--oracle: each verify run's host profile (cProfile) on stderr")
+                        help="--oracle: each verify run's host profile (cProfile) on stderr, "
+                             "sorted by SPEC_PROFILE_SORT (default tottime), SPEC_PROFILE_LINES "
+                             "lines (default 25)")
     parser.add_argument("--out", help="also write the JSON lines here")
     args = parser.parse_args()
     if args.oracle:
