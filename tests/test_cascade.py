@@ -163,19 +163,16 @@ def test_reference_cascade_equals_plain_decode(name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("splits, parts, fused", [(1, None, False), (3, None, False),
-                                                  (1, 1, False), (2, 5, False), (1, None, True),
-                                                  (2, 5, True)])
+@pytest.mark.parametrize("splits, parts", [(1, None), (3, None), (1, 1), (2, 5)])
 @pytest.mark.parametrize("name", list(CASES))
-def test_triton_cascade_matches_reference(name, splits, parts, fused, dtype):
-    """``parts``: the shared keys' ranges (None: the default; 5 leaves some ranges empty);
-    ``fused``: both kinds of programs in one launch."""
+def test_triton_cascade_matches_reference(name, splits, parts, dtype):
+    """``parts``: the shared keys' ranges (None: the default; 5 leaves some ranges empty)."""
     q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs(name, dtype, 2)
     ref = reference.decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, bt,
                                      d ** -0.5)
     out = torch.full_like(q, float("nan"))
     triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5, num_splits=splits,
-                                      out=out, prefixes=prefixes, prefix_parts=parts, fused=fused)
+                                      out=out, prefixes=prefixes, prefix_parts=parts)
     assert not out.isnan().any()
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < TOL[dtype], err
@@ -192,10 +189,9 @@ def test_a_fixed_capacity_of_groups_gives_the_same_result():
     assert padded.first_row.numel() == len(tables) // 2 and padded.max_rows == len(tables)
     want = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
                                              prefixes=prefixes)
-    for fused in (False, True):
-        got = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
-                                                prefixes=padded, fused=fused)
-        torch.testing.assert_close(got, want)
+    got = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
+                                            prefixes=padded)
+    torch.testing.assert_close(got, want)
     ref = cascade_decode_attention(q.double(), k_cache.double(), v_cache.double(), ctx, bt,
                                    d ** -0.5, prefixes=padded)
     torch.testing.assert_close(ref, reference.decode_attention(

@@ -36,7 +36,6 @@ from nanovllm.kernels.cascade_reference import (  # noqa: E402
 SHAPES = {"0.6b": (16, 8, 128), "8b": (32, 8, 128)}  # heads, KV heads, head dim
 PAGE = 64
 OWN = 128  # each row's tokens past the prefix
-SMALL_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=2)
 
 
 # bench.py's scenarios at a mid-decode step (batch, group, shared, own tokens): `prefix` (256
@@ -112,27 +111,21 @@ def main():
             cascade_fn = partial(plain_fn, prefixes=prefixes)
             plain = bench_graph_each([plain_fn] * 4)
             cascade = bench_graph_each([cascade_fn] * 4)
-            fused = bench_graph_each([partial(cascade_fn, fused=True)] * 4)
-            # the rows' own keys (short) with smaller tiles and fewer stages: more programs an SM
-            small = bench_graph_each([partial(cascade_fn, config=SMALL_TILES)] * 4)
             graph = (bench_graph_each([partial(plain_fn, prefixes=captured)] * 4)
                      if captured is not None else float("nan"))
             parts_us = {p: bench_graph_each([partial(cascade_fn, prefix_parts=p)] * 4) * 1e6
                         for p in args.parts}
             ref, got = plain_fn().float(), cascade_fn().float()
             kernels = kernel_times(cascade_fn) if scenario else None
-            got_fused = cascade_fn(fused=True).float()
             row = dict(model=model, scenario=scenario, batch=batch, group=group,
                        shared=shared, own=own,
                        saved_tokens=(batch - -(-batch // group)) * shared,
                        plain_us=plain * 1e6, cascade_us=cascade * 1e6,
-                       speedup=plain / cascade, fused_us=fused * 1e6,
-                       fused_speedup=plain / fused, small_tiles_us=small * 1e6,
+                       speedup=plain / cascade,
                        engine_us=graph * 1e6,
                        engine_speedup=plain / graph, parts_us=parts_us,
                        best_parts=min(parts_us, key=parts_us.get) if parts_us else None,
                        rel_err=float((got - ref).norm() / ref.norm()),
-                       fused_rel_err=float((got_fused - ref).norm() / ref.norm()),
                        kernels_us=kernels)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -142,16 +135,15 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cascade.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f)
-    print("| model | batch | group | shared | plain µs | cascade µs | speed-up | fused µs | "
-          "speed-up | engine's µs | speed-up | best prefix_parts (µs) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | batch | group | shared | plain µs | cascade µs | speed-up | engine's µs | "
+          "speed-up | best prefix_parts (µs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         best = (f"{r['best_parts']} ({r['parts_us'][r['best_parts']]:.1f})"
                 if r["best_parts"] else "")
         name = f"{r['model']} {r['scenario']}" if r["scenario"] else r["model"]
         print(f"| {name} | {r['batch']} | {r['group']} | {r['shared']} | "
               f"{r['plain_us']:.1f} | {r['cascade_us']:.1f} | {r['speedup']:.2f} | "
-              f"{r['fused_us']:.1f} | {r['fused_speedup']:.2f} | "
               f"{r['engine_us']:.1f} | {r['engine_speedup']:.2f} | {best} |")
 
 

@@ -62,33 +62,35 @@ def _registers(ptx: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def decode(kv: str, block_n: int = 128, num_warps: int = 4, cascade: bool = False):
+def decode(kv: str, block_n: int = 128, num_warps: int = 4):
     """The decode kernel at Qwen3-0.6B's shapes (2 query heads a KV head, head_dim 128,
-    pages of 256); ``cascade``: its suffix part (keys from each row's shared length on)."""
+    pages of 256)."""
     from nanovllm.kernels import triton_attention as ta
     fp8 = kv == "fp8e4nv"
     sig = {"q_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "bt_ptr": "*i32",
-           "ctx_ptr": "*i32", "start_ptr": "*i32", "o_ptr": "*bf16", "part_o_ptr": "*fp32",
-           "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "stride_qb": "i32",
-           "stride_qh": "i32", "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
+           "ctx_ptr": "*i32", "o_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+           "qk_scale": "fp32", "v_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32",
+           "stride_bt": "i32", "stride_ob": "i32", "stride_oh": "i32"}
     const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=block_n,
-                 NUM_SPLITS=1, PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8,
-                 PREFIX_PARTS=4 if cascade else 0)
+                 NUM_SPLITS=1, PRECISION="tf32", WINDOW=0, FP8=fp8, Q_FP16=fp8)
     return _compile(ta._decode_kernel, sig, const, num_warps, 3)
 
 
-def shared_prefix(kv: str, block_m: int = 64):
-    """The cascade's shared-prefix kernel at the same shapes: ``block_m`` (sequence, query head)
-    pairs of a group against its shared blocks."""
+def cascade(kv: str, block_m: int = 64):
+    """The cascade's kernel at the same shapes: its shared-prefix programs (``block_m``
+    (sequence, query head) pairs of a group against its shared blocks) and its suffix
+    programs (each row's keys past its shared prefix)."""
     from nanovllm.kernels import triton_attention as ta
     fp8 = kv == "fp8e4nv"
     sig = {"q_ptr": "*bf16", "k_cache_ptr": f"*{kv}", "v_cache_ptr": f"*{kv}", "bt_ptr": "*i32",
-           "first_row_ptr": "*i32", "num_rows_ptr": "*i32", "shared_ptr": "*i32",
-           "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
-           "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32", "num_groups": "i32"}
-    const = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_M=block_m, BLOCK_N=64,
-                 NUM_PARTS=5, PREFIX_PARTS=4, GROUPS_P2=64, PRECISION="tf32", FP8=fp8, Q_FP16=fp8)
-    return _compile(ta._shared_prefix_kernel, sig, const, 4, 3)
+           "ctx_ptr": "*i32", "start_ptr": "*i32", "first_row_ptr": "*i32",
+           "num_rows_ptr": "*i32", "shared_ptr": "*i32", "part_o_ptr": "*fp32",
+           "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32", "stride_qb": "i32",
+           "stride_qh": "i32", "stride_bt": "i32", "num_groups": "i32", "prefix_programs": "i32"}
+    const = dict(GROUP=2, BLOCK_G=16, NUM_KV_HEADS=8, HEAD_DIM=128, PAGE=256, BLOCK_N=64,
+                 NUM_SPLITS=1, BLOCK_M=block_m, PREFIX_BLOCK_N=64, PREFIX_PARTS=4, GROUPS_P2=64,
+                 PRECISION="tf32", FP8=fp8, Q_FP16=fp8)
+    return _compile(ta._cascade_kernel, sig, const, 4, 3)
 
 
 def prefill(kv: str):
@@ -164,10 +166,9 @@ KERNELS = {"fp8 GEMM block-wise": lambda: fp8_gemm(True),
            "fp8 skinny down, split over K": lambda: fp8_skinny(True, False),
            "decode bf16": lambda: decode("bf16"), "decode fp8": lambda: decode("fp8e4nv"),
            "decode fp8, 64-key tiles": lambda: decode("fp8e4nv", 64),
-           "decode bf16, cascade suffix": lambda: decode("bf16", cascade=True),
-           "shared prefix bf16, 64 pairs": lambda: shared_prefix("bf16"),
-           "shared prefix bf16, 16 pairs": lambda: shared_prefix("bf16", 16),
-           "shared prefix fp8, 64 pairs": lambda: shared_prefix("fp8e4nv"),
+           "cascade bf16, 64 pairs": lambda: cascade("bf16"),
+           "cascade bf16, 16 pairs": lambda: cascade("bf16", 16),
+           "cascade fp8, 64 pairs": lambda: cascade("fp8e4nv"),
            "prefill paged bf16": lambda: prefill("bf16"),
            "prefill paged fp8": lambda: prefill("fp8e4nv"),
            "MoE gate/up bf16, 16 rows": lambda: moe(False, 16),

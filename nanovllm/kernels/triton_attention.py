@@ -285,18 +285,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 # ---- decode: a KV head's query heads share one tl.dot (each K/V tile read once);
 # splits merge by log-sum-exp
 @triton.jit
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, o_ptr, part_o_ptr,
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, o_ptr, part_o_ptr,
                    part_lse_ptr, qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob,
                    stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                   WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr,
-                   PREFIX_PARTS: tl.constexpr):
+                   WINDOW: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
     _decode_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, k_cache_ptr,
-                    v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+                    v_cache_ptr, bt_ptr, ctx_ptr, ctx_ptr, o_ptr, part_o_ptr, part_lse_ptr,
                     qk_scale, v_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
                     GROUP, BLOCK_G, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_N, NUM_SPLITS, PRECISION,
-                    WINDOW, FP8, Q_FP16, PREFIX_PARTS)
+                    WINDOW, FP8, Q_FP16, 0)
 
 
 @triton.jit
@@ -371,22 +370,6 @@ def _merge_kernel(part_o_ptr, part_lse_ptr, start_ptr, o_ptr, stride_ob, stride_
 
 
 @triton.jit
-def _shared_prefix_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr, num_rows_ptr,
-                          shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
-                          stride_qh, stride_bt, num_groups, GROUP: tl.constexpr,
-                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr,
-                          PREFIX_PARTS: tl.constexpr, GROUPS_P2: tl.constexpr,
-                          PRECISION: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
-    _shared_prefix_program(
-        tl.program_id(0), tl.program_id(1) // PREFIX_PARTS, tl.program_id(1) % PREFIX_PARTS,
-        q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr, num_rows_ptr, shared_ptr,
-        part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb, stride_qh, stride_bt, num_groups,
-        GROUP, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_M, BLOCK_N, NUM_PARTS, PREFIX_PARTS, GROUPS_P2,
-        PRECISION, FP8, Q_FP16)
-
-
-@triton.jit
 def _cascade_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr, first_row_ptr,
                     num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale,
                     stride_qb, stride_qh, stride_bt, num_groups, prefix_programs,
@@ -395,10 +378,11 @@ def _cascade_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr,
                     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
                     PREFIX_PARTS: tl.constexpr, GROUPS_P2: tl.constexpr,
                     PRECISION: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
-    """The cascade's two kinds of programs in one launch (so that the shared prefixes' tiles, on
-    the tensor cores, run beside the rows' own keys, bound by memory): the first
-    ``prefix_programs`` are ``_shared_prefix_kernel``'s (tile, KV head, part), the rest
-    ``_decode_kernel``'s (row, KV head, split)."""
+    """Cascade decode attention's two kinds of programs in one launch (the shared prefixes' tiles,
+    on the tensor cores, run beside the rows' own keys, bound by memory; measured faster than two
+    launches at every point tried): the first ``prefix_programs`` are ``_shared_prefix_program``'s
+    (tile, KV head, part), the rest ``_decode_program``'s (row, KV head, split) over each row's
+    keys past its shared prefix."""
     pid = tl.program_id(0)
     if pid < prefix_programs:
         _shared_prefix_program(
@@ -513,14 +497,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
                      num_splits: int | None = None, config: dict | None = None,
                      out: torch.Tensor | None = None, prefixes=None,
-                     prefix_parts: int | None = None, fused: bool = False) -> torch.Tensor:
+                     prefix_parts: int | None = None) -> torch.Tensor:
     """``reference.decode_attention``; ``num_splits`` defaults to ``num_decode_splits``'s,
     ``config``: the tiles. ``prefixes`` (``cascade_reference.SharedPrefixes``): the cascade, each
-    group's shared blocks read once for all its rows (``_shared_prefix_kernel``), the rest of each
+    group's shared blocks read once for all its rows (``_shared_prefix_program``), the rest of each
     context as before from the row's ``seq_shared_len`` on, the parts merged by log-sum-exp;
     ``prefix_parts``: the ranges each group's shared keys are split into (default
-    ``num_prefix_parts``'s); ``fused``: the cascade's two kinds of programs in one launch
-    (``_cascade_kernel``)."""
+    ``num_prefix_parts``'s). Both parts run in one launch (``_cascade_kernel``)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, page = k_cache.size(2), k_cache.size(1)
     group = num_heads // num_kv_heads
@@ -550,40 +533,28 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_o = part_lse = out  # not written
     qk_scale = scale * k_scale * LOG2E
-    if cascade and fused:
-        _cascade_kernel[(tiles * num_kv_heads * prefix_parts + batch * num_kv_heads * splits,)](
+    if cascade:
+        prefix_programs = tiles * num_kv_heads * prefix_parts
+        _cascade_kernel[(prefix_programs + batch * num_kv_heads * splits,)](
             q, k_cache, v_cache, block_tables, context_lens, prefixes.seq_shared_len,
             prefixes.first_row, prefixes.num_rows, prefixes.shared_len, part_o, part_lse,
             qk_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), num_groups,
-            tiles * num_kv_heads * prefix_parts, GROUP=group,
-            BLOCK_G=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim, PAGE=page, BLOCK_N=min(cfg["BLOCK_N"], pcfg["BLOCK_N"]),
-            NUM_SPLITS=splits, BLOCK_M=pcfg["BLOCK_M"], PREFIX_BLOCK_N=pcfg["BLOCK_N"],
-            PREFIX_PARTS=prefix_parts,
+            prefix_programs, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
+            BLOCK_N=min(cfg["BLOCK_N"], pcfg["BLOCK_N"]), NUM_SPLITS=splits,
+            BLOCK_M=pcfg["BLOCK_M"], PREFIX_BLOCK_N=pcfg["BLOCK_N"], PREFIX_PARTS=prefix_parts,
             GROUPS_P2=triton.next_power_of_2(max(num_groups, 1)),
             PRECISION=dot_precision(q.dtype), FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32,
             num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
     else:
         _decode_kernel[(batch, num_kv_heads, splits)](
-            q, k_cache, v_cache, block_tables, context_lens,
-            prefixes.seq_shared_len if cascade else context_lens, out, part_o, part_lse,
-            qk_scale, v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
+            q, k_cache, v_cache, block_tables, context_lens, out, part_o, part_lse, qk_scale,
+            v_scale, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
             out.stride(1), GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg["BLOCK_N"],
-            NUM_SPLITS=splits,
-            PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
-            Q_FP16=fp8 and q.dtype != torch.float32, PREFIX_PARTS=parts - splits,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        if cascade and num_groups:
-            _shared_prefix_kernel[(tiles, num_kv_heads * prefix_parts)](
-                q, k_cache, v_cache, block_tables, prefixes.first_row, prefixes.num_rows,
-                prefixes.shared_len, part_o, part_lse, qk_scale, v_scale, q.stride(0),
-                q.stride(1), block_tables.stride(0), num_groups, GROUP=group,
-                NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=pcfg["BLOCK_M"],
-                BLOCK_N=pcfg["BLOCK_N"], NUM_PARTS=parts, PREFIX_PARTS=prefix_parts,
-                GROUPS_P2=triton.next_power_of_2(num_groups), PRECISION=dot_precision(q.dtype),
-                FP8=fp8, Q_FP16=fp8 and q.dtype != torch.float32, num_warps=pcfg["num_warps"],
-                num_stages=pcfg["num_stages"])
+            NUM_SPLITS=splits, PRECISION=dot_precision(q.dtype), WINDOW=window, FP8=fp8,
+            Q_FP16=fp8 and q.dtype != torch.float32, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
     if parts > 1:
         _merge_kernel[(batch, num_heads)](
             part_o, part_lse, prefixes.seq_shared_len if cascade else context_lens, out,
