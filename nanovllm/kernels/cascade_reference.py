@@ -23,7 +23,7 @@ class SharedPrefixes(NamedTuple):
     """Groups of a decode batch: group g is rows [first_row[g], first_row[g] + num_rows[g]), which
     share their first shared_len[g] tokens (whole blocks); ``seq_shared_len`` [B]: each row's shared
     tokens (0 outside every group). int32 tensors on the batch's device; ``max_rows``: the most rows
-    a group has (the kernels' grid)."""
+    a group has (the kernels' grid). A group has 2 rows or more (0: an empty slot)."""
     first_row: torch.Tensor
     num_rows: torch.Tensor
     shared_len: torch.Tensor
@@ -102,6 +102,8 @@ def prefix_groups(groups: list[tuple[int, int, int]], batch: int, block_size: in
     """``shared_prefix_groups``'s list as host arrays. ``capacity``: that many groups, the missing
     ones empty (no rows), and ``max_rows`` the batch, so that the kernels' grids depend on the batch
     size alone (a CUDA graph replays them for other groups)."""
+    if any(rows < 2 for _, rows, _ in groups):
+        raise ValueError(f"a group of fewer than 2 rows: {groups}")
     seq_shared = np.zeros(batch, dtype=np.int32)
     for first, rows, blocks in groups:
         seq_shared[first:first + rows] = blocks * block_size

@@ -519,10 +519,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if cascade and window:
         raise ValueError(f"cascade decode attention takes no sliding window (window={window})")
     if cascade:  # the groups' tiles of (row, head) pairs (at most one partial tile a group), each
-        # against its group's keys in prefix_parts ranges
+        # against its group's keys in prefix_parts ranges; a group has 2 rows or more (a graph's
+        # empty slots none), so at most batch // 2 groups hold a partial tile
         num_groups = prefixes.first_row.numel()
         pcfg = _shared_prefix_config(prefixes.max_rows * group, q.dtype)
-        tiles = min(batch, num_groups * prefixes.max_rows) * group // pcfg["BLOCK_M"] + num_groups
+        tiles = (min(batch, num_groups * prefixes.max_rows) * group // pcfg["BLOCK_M"]
+                 + min(num_groups, batch // 2))
         prefix_parts = prefix_parts or num_prefix_parts(
             triton.cdiv(batch * group, pcfg["BLOCK_M"]) * num_kv_heads, q.device)
     parts = splits + (prefix_parts if cascade else 0)
