@@ -102,8 +102,6 @@ def prefix_groups(groups: list[tuple[int, int, int]], batch: int, block_size: in
     """``shared_prefix_groups``'s list as host arrays. ``capacity``: that many groups, the missing
     ones empty (no rows), and ``max_rows`` the batch, so that the kernels' grids depend on the batch
     size alone (a CUDA graph replays them for other groups)."""
-    if any(rows < 2 for _, rows, _ in groups):
-        raise ValueError(f"a group of fewer than 2 rows: {groups}")
     seq_shared = np.zeros(batch, dtype=np.int32)
     for first, rows, blocks in groups:
         seq_shared[first:first + rows] = blocks * block_size
@@ -119,7 +117,11 @@ def prefix_groups(groups: list[tuple[int, int, int]], batch: int, block_size: in
 
 def as_shared_prefixes(groups: list[tuple[int, int, int]], batch: int, block_size: int,
                        device, capacity: int | None = None) -> SharedPrefixes:
-    """``prefix_groups``'s arrays as the tensors the kernels read, on ``device``."""
+    """``prefix_groups``'s arrays as the tensors the kernels read, on ``device``. Groups come from
+    ``shared_prefix_groups`` (2 rows or more, which the kernels' grid counts on); others are
+    refused."""
+    if any(rows < 2 for _, rows, _ in groups):
+        raise ValueError(f"a group of fewer than 2 rows: {groups}")
     return prefix_groups(groups, batch, block_size, capacity).on_device(
         lambda a: torch.as_tensor(a, device=device))
 
