@@ -7,6 +7,7 @@ point, then a table of the cascade's speed-up, its grid sized to the groups and 
 CUDA graphs size it (MAX_GROUPS groups, the whole batch's rows; "nan" past MAX_GROUPS groups).
 
     python tools/bench_cascade.py [--out DIR] [--quick] [--models 0.6b 8b] [--parts 1 2 4 8 16]
+        [--batches 1 64 ...] [--no-scenarios]
 """
 from __future__ import annotations
 
@@ -93,10 +94,13 @@ def main():
     parser.add_argument("--parts", nargs="*", type=int, default=[],
                         help="also time the cascade with each of these prefix_parts (the shared "
                              "keys' ranges), to choose the rule's")
+    parser.add_argument("--batches", nargs="+", type=int, help="these batches only")
+    parser.add_argument("--no-scenarios", action="store_true", help="leave the scenario points out")
     args = parser.parse_args()
-    batches = (1, 8, 64, 256) if args.quick else (1, 4, 16, 64, 256, 512)
+    batches = args.batches or ((1, 8, 64, 256) if args.quick else (1, 4, 16, 64, 256, 512))
     shareds = (64, 256, 2048) if args.quick else (64, 256, 1024, 2048, 8192)
-    points = [(*point, name) for name, point in SCENARIO_POINTS.items()]
+    points = ([] if args.no_scenarios else
+              [(*point, name) for name, point in SCENARIO_POINTS.items()])
     points += [(batch, group, shared, OWN, None)
                for batch, shared in itertools.product(batches, shareds)
                for group in sorted({g for g in (2, 8, 64, batch) if g <= batch and g > 1})]
