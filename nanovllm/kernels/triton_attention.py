@@ -382,16 +382,22 @@ def _cascade_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr,
     on the tensor cores, run beside the rows' own keys, bound by memory; measured faster than two
     launches at every point tried): the first ``prefix_programs`` are ``_shared_prefix_program``'s
     (tile, KV head, part), the rest ``_decode_program``'s (row, KV head, split) over each row's
-    keys past its shared prefix."""
+    keys past its shared prefix. The groups' (tile, KV head, part) triples are counted here, from
+    num_rows, and dealt out over the ``prefix_programs`` in turn: a CUDA graph's grid, sized for any
+    groups of its batch, launches no program per empty tile."""
     pid = tl.program_id(0)
     if pid < prefix_programs:
-        _shared_prefix_program(
-            pid // (NUM_KV_HEADS * PREFIX_PARTS), pid // PREFIX_PARTS % NUM_KV_HEADS,
-            pid % PREFIX_PARTS, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr,
-            num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
-            stride_qh, stride_bt, num_groups, GROUP, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_M,
-            PREFIX_BLOCK_N, NUM_SPLITS + PREFIX_PARTS, PREFIX_PARTS, GROUPS_P2, PRECISION, FP8,
-            Q_FP16)
+        offs_g = tl.arange(0, GROUPS_P2)
+        rows = tl.load(num_rows_ptr + offs_g, mask=offs_g < num_groups, other=0)
+        triples = tl.sum(tl.cdiv(rows * GROUP, BLOCK_M), 0) * NUM_KV_HEADS * PREFIX_PARTS
+        for t in range(pid, triples, prefix_programs):
+            _shared_prefix_program(
+                t // (NUM_KV_HEADS * PREFIX_PARTS), t // PREFIX_PARTS % NUM_KV_HEADS,
+                t % PREFIX_PARTS, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr,
+                num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
+                stride_qh, stride_bt, num_groups, GROUP, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_M,
+                PREFIX_BLOCK_N, NUM_SPLITS + PREFIX_PARTS, PREFIX_PARTS, GROUPS_P2, PRECISION,
+                FP8, Q_FP16)
     else:
         pid -= prefix_programs
         _decode_program(
@@ -485,6 +491,13 @@ def num_prefix_parts(programs: int, device: torch.device, max_parts: int = 16) -
     return max(1, min(max_parts, triton.cdiv(2 * num_sms(device), programs)))
 
 
+def max_prefix_programs(device: torch.device) -> int:
+    """The most programs the cascade's shared prefixes get (more (tile, KV head, part) triples:
+    some programs take several): 4 a SM, above ``num_prefix_parts``'s ~2 when the groups' tiles
+    are few; 4 in the interpreter (to exercise the loop)."""
+    return 4 * num_sms(device) if device.type == "cuda" else 4
+
+
 def _decode_config(dtype: torch.dtype, batch: int) -> dict:
     # tools/bench_kernels.py --sweep's choice
     if dtype == torch.float32:
@@ -527,6 +540,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  + min(num_groups, batch // 2))
         prefix_parts = prefix_parts or num_prefix_parts(
             triton.cdiv(batch * group, pcfg["BLOCK_M"]) * num_kv_heads, q.device)
+        prefix_programs = min(tiles * num_kv_heads * prefix_parts, max_prefix_programs(q.device))
     parts = splits + (prefix_parts if cascade else 0)
     if parts > 1:
         part_o = torch.empty(batch, num_heads, parts, head_dim, dtype=torch.float32,
@@ -536,7 +550,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_o = part_lse = out  # not written
     qk_scale = scale * k_scale * LOG2E
     if cascade:
-        prefix_programs = tiles * num_kv_heads * prefix_parts
         _cascade_kernel[(prefix_programs + batch * num_kv_heads * splits,)](
             q, k_cache, v_cache, block_tables, context_lens, prefixes.seq_shared_len,
             prefixes.first_row, prefixes.num_rows, prefixes.shared_len, part_o, part_lse,
