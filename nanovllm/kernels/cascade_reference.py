@@ -67,10 +67,10 @@ def shared_prefix_groups(block_tables, context_lens, block_size: int, min_rows: 
 # When the cascade pays (``cascade_groups``): groups of at least MIN_ROWS rows sharing at least
 # MIN_SHARED_TOKENS tokens, at most MAX_GROUPS a step (a CUDA graph's capacity; those that save the
 # most reads kept), and only when they spare the step at least MIN_SAVED_TOKENS token reads a layer
-# (a group of r rows sharing s tokens spares (r - 1) * s). Measured on an H200 (one layer,
-# tools/bench_cascade.py, 2026-12-05; docs/PERFORMANCE.md): groups of 8 rows or more sharing 2,048
-# tokens gain from a batch of 64 on; groups of 2, and shared prefixes of 64-256 tokens, lose at
-# every batch measured; 8 rows sharing 2,048 tokens in a batch of 8 about break even.
+# (a group of r rows sharing s tokens spares (r - 1) * s). Measured (one layer, batches 4-512,
+# tools/bench_cascade.py, H100, 2026-12-05; docs/PERFORMANCE.md): the groups it takes gain 1.3-8.6x
+# sharing 2,048 tokens or more, 0.9-2.1x sharing 1,024; groups of 2 gain 1.14x at most, and shared
+# prefixes of 64-256 tokens 1.05x at most, at every batch measured.
 MIN_ROWS, MIN_SHARED_TOKENS, MAX_GROUPS, MIN_SAVED_TOKENS = 8, 1024, 64, 16384
 
 
