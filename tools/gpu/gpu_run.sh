@@ -60,15 +60,13 @@
 #   cascade   tests/test_cascade.py on CUDA, then tools/bench_cascade.py (plain against cascade decode attention,
 #             CASCADE_QUICK=1: fewer points, CASCADE_MODELS: 0.6b and/or 8b, CASCADE_PARTS: prefix_parts to time
 #             each point with too, e.g. "1 2 4 8 16"); cascade_tests / cascade_bench: either
-#             alone. Issue 46 next: the one-launch kernel's GPU tests and scenarios (not yet run in the engine),
-#             the rest of the sweep (batch 1, 64, 256, 512; 8B; batches 4 and 16 ran on an H100 on 2026-12-05):
-#             bash tools/gpu/gpu_run.sh cascade (then BASELINE=<git archive 3af4930> SCENARIOS="prefix rl"
-#             ... scenarios_ab)
+#             alone. Its scenarios against the code before it: BASELINE=<git archive 3af4930>
+#             SCENARIOS="prefix rl default batch1 batch16 long" ... scenarios_ab
 #   spec      tests/test_speculative.py on CUDA, then tools/bench_spec.py --oracle (SPEC_MODELS, default qwen3-0.6b
 #             qwen3-8b; SPEC_BATCHES, default 1 4 16 64; accept 2 3 4, and n-gram), bench.py --scenario batch1-ngram
 #             and batch1 (SPEC_PROFILE=1: each verify run's host profile in bench_spec.jsonl.err); spec_tests:
-#             the tests alone. Issue 47 next: batches 4 and 64 at the set acceptance and the bars on an H200
-#             (batch 1 and 16 met on an H100, 2026-12-05): SPEC_BATCHES="1 4 16 64" bash tools/gpu/gpu_run.sh spec
+#             the tests alone. Measured on an H100 only (2026-12-05); on an H200:
+#             SPEC_BATCHES="1 4 16 64" bash tools/gpu/gpu_run.sh spec
 #   fp8skinny tools/bench_fp8.py --skinny-sweep: the skinny fp8 kernel's tiles and splits over K, each checked
 #             against the engine's rule's output, beside bf16's skinny kernel (8B projections, 1 and 16 rows)
 #   fp8wbench bench.py on the 8B preset (bf16, block-wise fp8, quantization=fp8), its batch1-8b scenario the same three
