@@ -200,6 +200,23 @@ def test_a_fixed_capacity_of_groups_gives_the_same_result():
         as_shared_prefixes(groups, len(tables), spec[3], DEVICE, capacity=1)
 
 
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_prefix_programs_deal_out_the_groups_tiles(programs, monkeypatch):
+    """However many programs the shared prefixes get (one takes every (tile, KV head, part); 64
+    leave most without one), the groups padded as a graph holds them give the same output."""
+    q, k_cache, v_cache, bt, ctx, prefixes, d = _inputs("two-groups-and-loners", torch.float32, 6)
+    want = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
+                                             prefixes=prefixes)
+    spec = CASES["two-groups-and-loners"]
+    tables = [[b for b in row if b >= 0] for row in bt.tolist()]
+    padded = as_shared_prefixes(shared_prefix_groups(tables, ctx.tolist(), spec[3]), len(tables),
+                                spec[3], DEVICE, capacity=len(tables) // 2)
+    monkeypatch.setattr(triton_attention, "max_prefix_programs", lambda device: programs)
+    got = triton_attention.decode_attention(q, k_cache, v_cache, ctx, bt, d ** -0.5,
+                                            prefixes=padded, prefix_parts=2)
+    torch.testing.assert_close(got, want)
+
+
 def test_triton_cascade_reads_the_shared_blocks_once_from_the_group():
     """The prefix part reads the group's first row's table: corrupting another row's copy of the
     shared block ids leaves the result unchanged; corrupting the first row's changes it."""
