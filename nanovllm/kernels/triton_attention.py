@@ -388,16 +388,18 @@ def _cascade_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr,
     pid = tl.program_id(0)
     if pid < prefix_programs:
         offs_g = tl.arange(0, GROUPS_P2)
-        rows = tl.load(num_rows_ptr + offs_g, mask=offs_g < num_groups, other=0)
-        triples = tl.sum(tl.cdiv(rows * GROUP, BLOCK_M), 0) * NUM_KV_HEADS * PREFIX_PARTS
+        group_tiles = tl.cdiv(tl.load(num_rows_ptr + offs_g, mask=offs_g < num_groups, other=0)
+                              * GROUP, BLOCK_M)
+        tiles_end = tl.cumsum(group_tiles, 0)
+        triples = tl.sum(group_tiles, 0) * NUM_KV_HEADS * PREFIX_PARTS
         for t in range(pid, triples, prefix_programs):
             _shared_prefix_program(
                 t // (NUM_KV_HEADS * PREFIX_PARTS), t // PREFIX_PARTS % NUM_KV_HEADS,
-                t % PREFIX_PARTS, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, first_row_ptr,
-                num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb,
-                stride_qh, stride_bt, num_groups, GROUP, NUM_KV_HEADS, HEAD_DIM, PAGE, BLOCK_M,
-                PREFIX_BLOCK_N, NUM_SPLITS + PREFIX_PARTS, PREFIX_PARTS, GROUPS_P2, PRECISION,
-                FP8, Q_FP16)
+                t % PREFIX_PARTS, tiles_end, group_tiles, q_ptr, k_cache_ptr, v_cache_ptr,
+                bt_ptr, first_row_ptr, num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr,
+                qk_scale, v_scale, stride_qb, stride_qh, stride_bt, GROUP, NUM_KV_HEADS,
+                HEAD_DIM, PAGE, BLOCK_M, PREFIX_BLOCK_N, NUM_SPLITS + PREFIX_PARTS, PREFIX_PARTS,
+                GROUPS_P2, PRECISION, FP8, Q_FP16)
     else:
         pid -= prefix_programs
         _decode_program(
@@ -409,54 +411,50 @@ def _cascade_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, ctx_ptr, start_ptr,
 
 
 @triton.jit
-def _shared_prefix_program(tile, kv_head, part, q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr,
-                           first_row_ptr, num_rows_ptr, shared_ptr, part_o_ptr, part_lse_ptr,
-                           qk_scale, v_scale, stride_qb, stride_qh, stride_bt, num_groups,
-                           GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+def _shared_prefix_program(tile, kv_head, part, tiles_end, group_tiles, q_ptr, k_cache_ptr,
+                           v_cache_ptr, bt_ptr, first_row_ptr, num_rows_ptr, shared_ptr,
+                           part_o_ptr, part_lse_ptr, qk_scale, v_scale, stride_qb, stride_qh,
+                           stride_bt, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                            HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, NUM_PARTS: tl.constexpr,
                            PREFIX_PARTS: tl.constexpr, GROUPS_P2: tl.constexpr,
                            PRECISION: tl.constexpr, FP8: tl.constexpr, Q_FP16: tl.constexpr):
-    """Tile ``tile`` of the groups' tiles (each group's (row, query head) pairs of a KV head in
-    tiles of BLOCK_M, the groups' tiles one after another; past the last: nothing) against its
-    group's shared keys (the group's first row's first shared[g] tokens), the ``part``-th of
-    PREFIX_PARTS ranges of them: each pair's partial output and log2-sum-exp into part
-    NUM_PARTS - PREFIX_PARTS + part (an empty range: -inf)."""
+    """Tile ``tile`` (below the last) of the groups' tiles (each group's (row, query head) pairs of
+    a KV head in tiles of BLOCK_M, ``group_tiles`` a group, ending at ``tiles_end``: the groups'
+    tiles one after another) against its group's shared keys (the group's first row's first
+    shared[g] tokens), the ``part``-th of PREFIX_PARTS ranges of them: each pair's partial output
+    and log2-sum-exp into part NUM_PARTS - PREFIX_PARTS + part (an empty range: -inf)."""
     offs_g = tl.arange(0, GROUPS_P2)
-    group_tiles = tl.cdiv(tl.load(num_rows_ptr + offs_g, mask=offs_g < num_groups, other=0)
-                          * GROUP, BLOCK_M)
-    tiles_end = tl.cumsum(group_tiles, 0)
     g = tl.sum((tiles_end <= tile).to(tl.int32), 0)  # the group whose tiles hold this one
-    if g < num_groups:  # else past the last tile
-        m_tile = tile - tl.sum(tl.where(offs_g == g, tiles_end - group_tiles, 0), 0)
-        first_row = tl.load(first_row_ptr + g)
-        pairs = tl.load(num_rows_ptr + g) * GROUP
-        shared = tl.load(shared_ptr + g)
-        per_part = tl.cdiv(tl.cdiv(shared, PREFIX_PARTS), BLOCK_N) * BLOCK_N
-        start = part * per_part
-        end = tl.minimum(start + per_part, shared)
-        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        valid = offs_m < pairs
-        seq = first_row + offs_m // GROUP
-        head = kv_head * GROUP + offs_m % GROUP
-        q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh
-                    + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if Q_FP16:
-            q = q.to(tl.float16)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for n in range(start, end, BLOCK_N):  # masked from ``end`` on
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, first_row, None, end,
-                                         kv_head, qk_scale, v_scale, None, None, k_cache_ptr,
-                                         v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
-                                         HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        row = (seq * (NUM_KV_HEADS * GROUP) + head) * NUM_PARTS + NUM_PARTS - PREFIX_PARTS + part
-        tl.store(part_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=valid[:, None])
-        tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=valid)
+    m_tile = tile - tl.sum(tl.where(offs_g == g, tiles_end - group_tiles, 0), 0)
+    first_row = tl.load(first_row_ptr + g)
+    pairs = tl.load(num_rows_ptr + g) * GROUP
+    shared = tl.load(shared_ptr + g)
+    per_part = tl.cdiv(tl.cdiv(shared, PREFIX_PARTS), BLOCK_N) * BLOCK_N
+    start = part * per_part
+    end = tl.minimum(start + per_part, shared)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    valid = offs_m < pairs
+    seq = first_row + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    q = tl.load(q_ptr + seq.to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh
+                + offs_d[None, :], mask=valid[:, None], other=0.0)
+    if Q_FP16:
+        q = q.to(tl.float16)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n in range(start, end, BLOCK_N):  # masked from ``end`` on
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, None, n, first_row, None, end,
+                                     kv_head, qk_scale, v_scale, None, None, k_cache_ptr,
+                                     v_cache_ptr, bt_ptr, None, None, stride_bt, NUM_KV_HEADS,
+                                     HEAD_DIM, PAGE, True, BLOCK_N, 1, PRECISION, 0, FP8)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    row = (seq * (NUM_KV_HEADS * GROUP) + head) * NUM_PARTS + NUM_PARTS - PREFIX_PARTS + part
+    tl.store(part_o_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], out,
+             mask=valid[:, None])
+    tl.store(part_lse_ptr + row, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), mask=valid)
 
 
 _PROPERTIES: dict[int, object] = {}
